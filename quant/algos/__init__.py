@@ -1,0 +1,1 @@
+"""Pure quantization math, batched over experts: grids, RTN, GPTQ, AWQ. No modules, hooks, devices or I/O."""

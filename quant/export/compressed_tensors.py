@@ -1,0 +1,102 @@
+"""compressed-tensors checkpoint (``pack-quantized``), written with the library's own packing and config types.
+
+One config group per (bits, group size, symmetry). Targets are anchored ``re:`` regexes over the on-disk module
+names the runtimes see (per-expert names such as ``model.layers.3.mlp.experts.17.up_proj``; Mixtral's
+``block_sparse_moe.experts.17.w3``). Kept Linear weights (router, lm_head, any ``keep`` module) are listed
+in ``ignore``. Per quantized module the checkpoint holds ``weight_packed`` (int32), ``weight_scale``
+(model dtype, ``[out, in / group]``), ``weight_shape`` and, for asymmetric schemes, ``weight_zero_point``
+(packed along the output dimension), exactly what ``PackedQuantizationCompressor`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from quant.export.targets import name_regexes
+from quant.export.writer import ShardWriter, atomic_directory, copy_side_files, write_manifest
+from quant.models import ModelSource
+from quant.models.layers import read_tensors
+from quant.plan import BitPlan
+from quant.qstore import layer_file, read_layer
+
+log = logging.getLogger(__name__)
+
+
+def _group_key(bits: int, group: int, sym: bool) -> str:
+    return f"w{bits}_g{group}_{'sym' if sym else 'asym'}"
+
+
+def quantization_config(source: ModelSource, plan: BitPlan) -> dict:
+    """compressed-tensors ``quantization_config`` for config.json."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    modules = source.modules
+    universe = [m.disk_prefix for m in modules.values()]
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for name, p in plan.quantized().items():
+        groups[(p.bits, p.group_size, p.symmetric)].append(modules[name].disk_prefix)
+    config_groups = {}
+    for (bits, group, sym), prefixes in sorted(groups.items()):
+        args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy="group", group_size=group)
+        config_groups[_group_key(bits, group, sym)] = QuantizationScheme(
+            targets=["re:" + r for r in name_regexes(prefixes, universe)], weights=args, format="pack-quantized"
+        )
+    kept = [modules[n].disk_prefix for n, p in plan.modules.items() if p.keep and n != "embed"]
+    ignore = ["re:" + r for r in name_regexes(kept, universe)] if kept else []
+    cfg = QuantizationConfig(config_groups=config_groups, format="pack-quantized",
+                             quantization_status="compressed", ignore=ignore)
+    return cfg.model_dump(exclude_none=True)
+
+
+def compress_module(qw) -> dict[str, torch.Tensor]:
+    """One stored module (2-D codes) -> its checkpoint tensors, packed by compressed-tensors."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    out = {
+        "weight_packed": pack_to_int32(qw.q, qw.spec.bits),
+        "weight_scale": qw.scale,
+        "weight_shape": torch.tensor(qw.q.shape),
+    }
+    if qw.zero is not None:
+        out["weight_zero_point"] = pack_to_int32(qw.zero, qw.spec.bits, packed_dim=0)
+    return out
+
+
+def _layer_of_key(key: str) -> int | None:
+    parts = key.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else None
+
+
+def write_compressed_tensors(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
+                             extra_manifest: dict | None = None) -> Path:
+    """Write the checkpoint to ``out`` atomically; returns ``out``."""
+    by_prefix = {m.disk_prefix: n for n, m in source.modules.items()}
+    quantized = plan.quantized()
+    keys = sorted(source.weight_map, key=lambda k: (_layer_of_key(k) is None, _layer_of_key(k) or 0, k))
+    with atomic_directory(out) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        cache: dict = {"layer": object(), "modules": {}}
+        for key in keys:
+            prefix = key.removesuffix(".weight")
+            name = by_prefix.get(prefix) if key.endswith(".weight") else None
+            if name is None or name not in quantized:
+                writer.add(key, read_tensors(source, [key])[key])
+                continue
+            layer = _layer_of_key(key)
+            if cache["layer"] != layer:
+                cache = {"layer": layer, "modules": read_layer(layer_file(qdir, layer))}
+            for suffix, tensor in compress_module(cache["modules"][name]).items():
+                writer.add(f"{prefix}.{suffix}", tensor)
+        writer.close()
+        config = json.loads((source.path / "config.json").read_text())
+        config["quantization_config"] = quantization_config(source, plan)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        copy_side_files(source.path, tmp)
+        write_manifest(tmp, {"format": "compressed-tensors", **(extra_manifest or {})})
+    log.info("wrote compressed-tensors checkpoint %s", out)
+    return out

@@ -1,0 +1,193 @@
+"""GPTQ-format checkpoint (what AutoGPTQ/GPTQModel write and vLLM's GPTQ loaders read), mixed bits as ``dynamic``.
+
+Per quantized module (out = N, in = K, group g): ``qweight [K*b/32, N]`` int32 packed along K, least significant
+bits first, unsigned codes ``q + 2^(b-1)``; ``qzeros [K/g, N*b/32]`` int32 packed along N; ``scales [K/g, N]``
+fp16; ``g_idx [K]`` int32 (``k // g``: act-order runs use static groups, so the layout stays ordered).
+Symmetric checkpoints use the classic v1 zero encoding (stored zero − 1, e.g. ``0x77777777`` at 4 bits);
+asymmetric ones are written as ``checkpoint_format: gptq_v2`` (zeros stored as is: v1 cannot store zero 0).
+
+``dynamic`` rules (GPTQModel syntax; vLLM and GPTQModel both use start-anchored ``re.match`` and take the
+first matching rule) override the base scheme, the plan's most common one:
+- ``-:`` rules first: blocks kept in bf16 (e.g. ``-:model\\.layers\\.3\\.self_attn\\.``).
+- per-expert rules (``+:model\\.layers\\.3\\.mlp\\.experts\\.(1|6)\\.``) only where a layer mixes experts:
+  GPTQModel honours them; vLLM matches rules against the fused layer prefix only, so per-expert plans are
+  GPTQModel-only (the runtime check says so).
+- per-layer rules with no trailing ``\\.`` or ``$`` after ``experts``, so the same rule matches vLLM's fused
+  prefix ``model.layers.3.mlp.experts`` and GPTQModel's ``model.layers.3.mlp.experts.12.gate_proj``;
+  attention by block (``model\\.layers\\.3\\.self_attn\\.``), never by single projection, since vLLM sees the
+  fused ``qkv_proj``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+from quant.errors import PlanError
+from quant.export.compressed_tensors import _layer_of_key
+from quant.export.writer import ShardWriter, atomic_directory, copy_side_files, write_manifest
+from quant.models import ModelSource
+from quant.models.layers import read_tensors
+from quant.plan import BitPlan
+from quant.qstore import layer_file, read_layer
+
+GPTQ_BITS = (2, 4, 8)
+
+
+def pack_rows(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned codes ``u [R, C]`` (values < 2^bits) along dim 0: ``[R*bits/32, C]`` int32, LSB first."""
+    per = 32 // bits
+    assert u.shape[0] % per == 0, f"{u.shape[0]} rows not divisible by {per}"
+    u = u.to(torch.int64).reshape(u.shape[0] // per, per, u.shape[1])
+    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
+    packed = (u << shifts).sum(dim=1)
+    return (packed - ((packed >= 2**31).to(torch.int64) << 32)).to(torch.int32)
+
+
+def unpack_rows(p: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``pack_rows``: ``[R*bits/32, C]`` int32 -> ``[R, C]`` int64 unsigned codes."""
+    per = 32 // bits
+    x = p.to(torch.int64) & 0xFFFFFFFF
+    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
+    return ((x.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(p.shape[0] * per, p.shape[1])
+
+
+def gptq_tensors(qw, v2: bool) -> dict[str, torch.Tensor]:
+    """One stored module (codes ``[N, K]``) -> qweight, qzeros, scales, g_idx."""
+    bits, g = qw.spec.bits, qw.spec.group_size
+    offset = 1 << (bits - 1)
+    N, K = qw.q.shape
+    u = (qw.q.to(torch.int64) + offset).T.contiguous()  # [K, N]
+    zero = torch.full((N, K // g), offset, dtype=torch.int64) if qw.zero is None else qw.zero.to(torch.int64) + offset
+    stored_zero = zero if v2 else zero - 1
+    scales = qw.scale.to(torch.float16)
+    if not torch.equal(scales.to(qw.scale.dtype), qw.scale):
+        raise PlanError("a scale does not survive the fp16 conversion GPTQ checkpoints need (out of fp16 range)")
+    return {
+        "qweight": pack_rows(u, bits),
+        "qzeros": pack_rows(stored_zero, bits).T.contiguous(),  # [N, G] packed along N -> [G, N*b/32]
+        "scales": scales.T.contiguous(),
+        "g_idx": (torch.arange(K, dtype=torch.int32) // g),
+    }
+
+
+def _scheme(plan: BitPlan, name: str) -> tuple | None:
+    p = plan.modules[name]
+    return None if p.keep else (p.bits, p.group_size, p.symmetric)
+
+
+def _block_of(name: str, family) -> tuple[int, str, int | None] | None:
+    """(layer, block regex, expert) of a canonical module that dynamic rules address, else None."""
+    parts = name.split(".")
+    if parts[0] != "layers":
+        return None
+    layer, kind = int(parts[1]), parts[2]
+    if kind == "experts":
+        return layer, rf"(mlp|{re.escape(family.disk_moe)})\.experts" if family.disk_moe != "mlp" else r"mlp\.experts", int(parts[3])
+    if kind == "attn":
+        return layer, r"self_attn\.", None
+    if kind == "shared":
+        return layer, rf"mlp\.{re.escape(family.shared_attr or 'shared_experts')}\.", None
+    if kind == "mlp":
+        return layer, r"mlp\.(gate_proj|up_proj|down_proj|gate_up_proj)", None
+    return None
+
+
+def _override(s: tuple) -> dict:
+    return {"bits": s[0], "group_size": s[1], "sym": s[2], "desc_act": False}
+
+
+def dynamic_rules(plan: BitPlan, source: ModelSource) -> tuple[tuple, dict]:
+    """(base scheme, ordered dynamic rules) reproducing the plan; see the module docstring."""
+    quantized = [s for n in source.modules if (s := _scheme(plan, n)) is not None]
+    if not quantized:
+        raise PlanError("the plan quantizes nothing; there is no GPTQ checkpoint to write")
+    base = Counter(quantized).most_common(1)[0][0]
+    blocks: dict[tuple, dict] = defaultdict(dict)  # (layer, block) -> expert-or-None -> scheme
+    for name in source.modules:
+        where = _block_of(name, source.family)
+        if where is not None:
+            blocks[(where[0], where[1])].setdefault(where[2], set()).add(_scheme(plan, name))
+    skip, per_expert, per_block = defaultdict(list), defaultdict(list), defaultdict(list)
+    for (layer, block), members in sorted(blocks.items()):
+        schemes = set().union(*members.values())
+        if len(schemes) == 1:
+            (s,) = schemes
+            if s is None:
+                skip[block].append(layer)
+            elif s != base:
+                per_block[(block, s)].append(layer)
+            continue
+        if None in schemes:
+            raise PlanError(f"layer {layer}: a GPTQ block cannot mix kept and quantized modules ({block})")
+        by_scheme = defaultdict(list)
+        for expert, ss in members.items():
+            if len(ss) > 1:
+                raise PlanError(f"layer {layer} expert {expert}: GPTQ rules need one scheme per expert")
+            by_scheme[next(iter(ss))].append(expert)
+        for s, experts in by_scheme.items():
+            if s != base:
+                per_expert[(layer, block, s)] = experts
+    rules: dict[str, object] = {}
+    for block, layers in skip.items():
+        rules[f"-:model\\.layers\\.{_alt(layers)}\\.{block}"] = {}
+    for (layer, block, s), experts in per_expert.items():
+        rules[f"+:model\\.layers\\.{layer}\\.{block}\\.{_alt(experts)}\\."] = _override(s)
+    for (block, s), layers in per_block.items():
+        rules[f"+:model\\.layers\\.{_alt(layers)}\\.{block}"] = _override(s)
+    return base, rules
+
+
+def _alt(numbers: list[int]) -> str:
+    numbers = sorted(set(numbers))
+    return str(numbers[0]) if len(numbers) == 1 else "(" + "|".join(map(str, numbers)) + ")"
+
+
+def quantize_config(plan: BitPlan, source: ModelSource) -> dict:
+    from importlib.metadata import version
+
+    base, rules = dynamic_rules(plan, source)
+    sym_all = all(p.symmetric for p in plan.quantized().values())
+    return {
+        "bits": base[0], "group_size": base[1], "desc_act": False, "sym": base[2], "lm_head": False,
+        "quant_method": "gptq", "checkpoint_format": "gptq" if sym_all else "gptq_v2", "pack_dtype": "int32",
+        "dynamic": rules, "meta": {"quantizer": [f"moe-quant:{version('moe-quant')}"]},
+    }
+
+
+def write_gptq(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
+               extra_manifest: dict | None = None) -> Path:
+    """Write the GPTQ-format checkpoint to ``out`` atomically; returns ``out``."""
+    bad = sorted({p.bits for p in plan.quantized().values()} - set(GPTQ_BITS))
+    if bad:
+        raise PlanError(f"the GPTQ writer packs {GPTQ_BITS} bits, not {bad}; export compressed-tensors instead")
+    qcfg = quantize_config(plan, source)
+    v2 = qcfg["checkpoint_format"] == "gptq_v2"
+    by_prefix = {m.disk_prefix: n for n, m in source.modules.items()}
+    quantized = plan.quantized()
+    with atomic_directory(out) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        cache: dict = {"layer": object(), "modules": {}}
+        for key in sorted(source.weight_map, key=lambda k: (_layer_of_key(k) is None, _layer_of_key(k) or 0, k)):
+            prefix = key.removesuffix(".weight")
+            name = by_prefix.get(prefix) if key.endswith(".weight") else None
+            if name is None or name not in quantized:
+                writer.add(key, read_tensors(source, [key])[key])
+                continue
+            layer = _layer_of_key(key)
+            if cache["layer"] != layer:
+                cache = {"layer": layer, "modules": read_layer(layer_file(qdir, layer))}
+            for suffix, tensor in gptq_tensors(cache["modules"][name], v2).items():
+                writer.add(f"{prefix}.{suffix}", tensor)
+        writer.close()
+        config = json.loads((source.path / "config.json").read_text())
+        config["quantization_config"] = qcfg
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "quantize_config.json").write_text(json.dumps(qcfg, indent=2))
+        copy_side_files(source.path, tmp)
+        write_manifest(tmp, {"format": "gptq", **(extra_manifest or {})})
+    return out

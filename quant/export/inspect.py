@@ -1,0 +1,107 @@
+"""Read a checkpoint back into per-module schemes (``quant inspect``), from its config and tensor names alone.
+
+compressed-tensors: each quantized module (a ``weight_packed`` tensor) gets the scheme of the config group
+whose ``re:`` target matches its name (first group wins, as vLLM resolves it). GPTQ: each module with a
+``qweight`` gets the base scheme overridden by the first matching ``dynamic`` rule. Modules stored as plain
+``.weight`` 2-D tensors are reported as kept.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from safetensors import safe_open
+
+from quant.errors import CheckpointError
+
+
+def _tensor_names(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    index = ckpt / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    out = {}
+    for f in files:
+        if not (ckpt / f).is_file():
+            raise CheckpointError(f"{ckpt} lacks {f}")
+        with safe_open(str(ckpt / f), "pt") as h:
+            out.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+    return out
+
+
+def _matches(target: str, name: str) -> bool:
+    return re.match(target[3:], name) is not None if target.startswith("re:") else target == name
+
+
+def _compressed_tensors(cfg: dict, names: dict) -> dict[str, dict]:
+    out = {}
+    for key in names:
+        if not key.endswith(".weight_packed"):
+            continue
+        module = key.removesuffix(".weight_packed")
+        for group in cfg["config_groups"].values():
+            if any(_matches(t, module) for t in group["targets"]):
+                w = group["weights"]
+                out[module] = {"bits": w["num_bits"], "group_size": w["group_size"], "symmetric": w["symmetric"]}
+                break
+        else:
+            raise CheckpointError(f"{module} has packed weights but no config group targets it")
+    return out
+
+
+def _gptq(cfg: dict, names: dict) -> dict[str, dict]:
+    out = {}
+    for key in names:
+        if not key.endswith(".qweight"):
+            continue
+        module = key.removesuffix(".qweight")
+        scheme = {"bits": cfg["bits"], "group_size": cfg["group_size"], "symmetric": cfg["sym"]}
+        for rule, override in (cfg.get("dynamic") or {}).items():
+            sign, pattern = (rule[0], rule[2:]) if rule[:2] in ("+:", "-:") else ("+", rule)
+            if re.match(pattern, module):
+                if sign == "-":
+                    raise CheckpointError(f"{module} is quantized but a '-:' dynamic rule skips it")
+                scheme = {"bits": override.get("bits", scheme["bits"]),
+                          "group_size": override.get("group_size", scheme["group_size"]),
+                          "symmetric": override.get("sym", scheme["symmetric"])}
+                break
+        out[module] = scheme
+    return out
+
+
+def read_checkpoint_bits(ckpt: Path) -> dict[str, dict]:
+    """On-disk module name -> {bits, group_size, symmetric} or {keep: True} for 2-D float weights."""
+    ckpt = Path(ckpt)
+    if not (ckpt / "config.json").is_file():
+        raise CheckpointError(f"{ckpt} is not a checkpoint folder (no config.json)")
+    qcfg = json.loads((ckpt / "config.json").read_text()).get("quantization_config")
+    if not qcfg:
+        raise CheckpointError(f"{ckpt} has no quantization_config; it is not a quantized checkpoint")
+    names = _tensor_names(ckpt)
+    method = qcfg.get("quant_method")
+    if method == "compressed-tensors":
+        out = _compressed_tensors(qcfg, names)
+    elif method == "gptq":
+        out = _gptq(qcfg, names)
+    else:
+        raise CheckpointError(f"{ckpt}: quant_method '{method}' is not one quant writes (compressed-tensors, gptq)")
+    for key, shape in names.items():
+        if key.endswith(".weight") and len(shape) == 2 and "embed_tokens" not in key:
+            out[key.removesuffix(".weight")] = {"keep": True}
+    return dict(sorted(out.items(), key=lambda kv: _natural(kv[0])))
+
+
+def _natural(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def format_table(bits: dict[str, dict]) -> str:
+    rows = ["module\tbits\tgroup\tsym"]
+    for name, s in bits.items():
+        rows.append(f"{name}\tkeep\t-\t-" if s.get("keep") else f"{name}\t{s['bits']}\t{s['group_size']}\t{s['symmetric']}")
+    counts: dict[str, int] = {}
+    for s in bits.values():
+        k = "keep" if s.get("keep") else f"W{s['bits']}"
+        counts[k] = counts.get(k, 0) + 1
+    rows.append("# modules by scheme: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    return "\n".join(rows)

@@ -1,0 +1,115 @@
+"""Checkpoint writing shared by every format: sharded safetensors, index, copied side files, SHA-256 manifest,
+atomic directory replacement.
+
+A checkpoint directory is built under a temporary name beside its destination and renamed into place only
+when complete, so a directory with the final name is always a finished checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+MANIFEST = "quant_manifest.json"
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+              "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "LICENSE", "LICENSE.txt")
+
+
+class ShardWriter:
+    """Collects tensors and writes ``model-XXXXX-of-YYYYY.safetensors`` shards of at most ``max_bytes``."""
+
+    def __init__(self, out: Path, max_bytes: int):
+        self.out, self.max_bytes = out, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        n = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + n > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous().cpu()
+        self.pending_bytes += n
+        self.total_bytes += n
+
+    def _flush(self) -> None:
+        i = len(self.shards)
+        save_file(self.pending, str(self.out / f".shard-{i:05d}.safetensors"), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        """Flush, give shards their final names and write the index (single file: model.safetensors)."""
+        if self.pending or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        if n == 1:
+            os.replace(self.out / ".shard-00000.safetensors", self.out / "model.safetensors")
+            return
+        weight_map = {}
+        for i, names in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.out / f".shard-{i:05d}.safetensors", self.out / final)
+            weight_map.update({k: final for k in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path, extra: dict | None = None) -> None:
+    """SHA-256 of every file in the checkpoint (except the manifest itself)."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    data = dict(extra or {})
+    data["files"] = {str(p.relative_to(directory)): sha256_file(p) for p in files}
+    (directory / MANIFEST).write_text(json.dumps(data, indent=1))
+
+
+def verify_manifest(directory: Path) -> list[str]:
+    """Files whose hash differs from the manifest, or that are missing / unlisted."""
+    data = json.loads((directory / MANIFEST).read_text())
+    listed = data["files"]
+    present = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST}
+    bad = [f for f in listed if f not in present or sha256_file(directory / f) != listed[f]]
+    return bad + sorted(present - set(listed))
+
+
+@contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Yield a temporary directory; on success it replaces ``final`` (old content removed), else it is deleted."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

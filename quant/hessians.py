@@ -1,0 +1,79 @@
+"""Second-moment statistics for GPTQ, accumulated with hooks while calibration batches run through a layer.
+
+``H = mean over tokens of x xᵀ`` (fp32) per input: one per nn.Linear, and per expert for the fused experts —
+``gate_up [E, D, D]`` (gate and up share an input, so one Hessian serves both) and ``down [E, I, I]``.
+Expert statistics are batched: routed tokens are grouped into padded ``[E, C, ·]`` blocks and reduced with
+``bmm``. Options: gate-weighted (each routed token weighted by its routing weight, MoEQuant's AGQ) and
+all-experts (every token through every expert; routed outputs are unaffected because only the statistics
+see the extra tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quant.models.layers import ExpertsView
+from quant.routing import expert_intermediate, group_tokens, token_chunks
+
+
+class LinearStats:
+    """Running ``Σ x xᵀ`` and token count of one nn.Linear's input."""
+
+    def __init__(self, module: nn.Linear):
+        n = module.in_features
+        self.sum = torch.zeros(n, n, dtype=torch.float32, device=module.weight.device)
+        self.n = 0
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, _m, args) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        self.sum.addmm_(x.T, x)
+        self.n += x.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        return self.sum / max(self.n, 1)
+
+
+class ExpertStats:
+    """Per-expert Hessians of the fused experts' two inputs, from the experts module's pre-hook."""
+
+    def __init__(self, view: ExpertsView, gate_weighted: bool, all_experts: bool, need_down: bool = True):
+        E, D, I = view.n_experts, view.gate_up.shape[2], view.intermediate
+        dev = view.gate_up.device
+        self.view, self.gate_weighted, self.all_experts, self.need_down = view, gate_weighted, all_experts, need_down
+        self.sum_gu = torch.zeros(E, D, D, dtype=torch.float32, device=dev)
+        self.sum_down = torch.zeros(E, I, I, dtype=torch.float32, device=dev) if need_down else None
+        self.weight_sum = torch.zeros(E, dtype=torch.float64, device=dev)
+        self.counts = torch.zeros(E, dtype=torch.long, device=dev)
+        self.handle = view.module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, _m, args) -> None:
+        x, idx, w = args[0], args[1], args[2]
+        E = self.view.n_experts
+        self.counts += torch.bincount(idx.reshape(-1), minlength=E)
+        if self.all_experts:
+            idx = torch.arange(E, device=idx.device).expand(x.shape[0], E)
+            w = torch.ones(idx.shape, dtype=x.dtype, device=x.device)
+        step = token_chunks(x.shape[0], idx.shape[1], E, max(self.view.gate_up.shape[1:]))
+        for t0 in range(0, x.shape[0], step):
+            self._accumulate(x[t0 : t0 + step], idx[t0 : t0 + step], w[t0 : t0 + step])
+
+    def _accumulate(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
+        g = group_tokens(idx, w, self.view.n_experts)
+        xg = g.gather(x)
+        row_w = g.weight.float() if self.gate_weighted else g.mask.float()
+        self.weight_sum += row_w.sum(dim=1).double()
+        sqrt_w = row_w.sqrt().unsqueeze(-1)
+        xs = xg.float() * sqrt_w
+        self.sum_gu.baddbmm_(xs.transpose(1, 2), xs)
+        if self.need_down:
+            a = expert_intermediate(xg, self.view.gate_up, self.view.act).float() * sqrt_w
+            self.sum_down.baddbmm_(a.transpose(1, 2), a)
+
+    def hessians(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        denom = self.weight_sum.clamp_min(1e-12).float().view(-1, 1, 1)
+        return self.sum_gu / denom, None if self.sum_down is None else self.sum_down / denom
+
+    def remove(self) -> None:
+        self.handle.remove()

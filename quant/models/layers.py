@@ -1,0 +1,180 @@
+"""transformers modules for one model, materialized one decoder layer at a time.
+
+The skeleton is the real transformers model built on the meta device, so forward semantics are exactly the
+library's. A layer is materialized by loading its tensors from safetensors (per-expert on disk, fused
+``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]`` in memory) and released back to meta afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from quant.errors import ModelError
+from quant.models.source import ModelSource
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_KEEP_FP32 = ("e_score_correction_bias",)
+
+
+@dataclass
+class ExpertsView:
+    """The fused experts of one MoE layer: ``gate_up [E, 2I, D]`` (gate rows first), ``down [E, D, I]``."""
+
+    module: nn.Module
+    gate_up: nn.Parameter
+    down: nn.Parameter
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def intermediate(self) -> int:
+        return self.gate_up.shape[1] // 2
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module.act_fn(x)
+
+
+def build_skeleton(source: ModelSource, dtype: torch.dtype) -> nn.Module:
+    """The full transformers model on the meta device (no memory), attention through SDPA."""
+    from transformers import AutoModelForCausalLM
+
+    config = source.config
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, trust_remote_code=False)
+    return model.eval()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return model.model.layers
+
+
+def read_tensors(source: ModelSource, keys: list[str], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Read named tensors from the model's safetensors shards (one open per shard)."""
+    by_file: dict[str, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(source.weight_map[key], []).append(key)
+    out = {}
+    for file, file_keys in by_file.items():
+        with safe_open(source.path / file, "pt", device=str(device)) as f:
+            for key in file_keys:
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def _layer_state(source: ModelSource, idx: int, device) -> dict[str, torch.Tensor]:
+    """On-disk tensors of layer ``idx`` renamed to the in-memory decoder layer's state-dict keys."""
+    prefix = f"model.layers.{idx}."
+    fam = source.family
+    keys = [k for k in source.weight_map if k.startswith(prefix)]
+    raw = read_tensors(source, keys, device)
+    inv = {v: k for k, v in fam.expert_proj.items()}
+    expert_re = re.compile(re.escape(fam.disk_moe) + r"\.experts\.(\d+)\.(\w+)\.weight$")
+    experts: dict[str, dict[int, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
+    state = {}
+    for key, tensor in raw.items():
+        local = key[len(prefix):]
+        m = expert_re.match(local)
+        if m and m.group(2) in inv:
+            experts[inv[m.group(2)]][int(m.group(1))] = tensor
+            continue
+        if local.startswith(fam.disk_moe + "."):
+            local = "mlp." + local[len(fam.disk_moe) + 1:]
+        state[local] = tensor
+    if experts["gate"]:
+        n = len(experts["gate"])
+        if any(sorted(experts[p]) != list(range(n)) for p in experts):
+            raise ModelError(f"{source.path}: layer {idx} has an incomplete set of expert tensors")
+        state["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([experts["gate"][e], experts["up"][e]], dim=0) for e in range(n)]
+        )
+        state["mlp.experts.down_proj"] = torch.stack([experts["down"][e] for e in range(n)])
+    return state
+
+
+def load_layer(source: ModelSource, model: nn.Module, idx: int, device, dtype: torch.dtype) -> nn.Module:
+    """Materialize decoder layer ``idx`` of the meta skeleton on ``device`` with its checkpoint weights."""
+    layer = decoder_layers(model)[idx]
+    state = {
+        k: (v if k.endswith(_KEEP_FP32) or not v.is_floating_point() else v.to(dtype))
+        for k, v in _layer_state(source, idx, device).items()
+    }
+    missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ModelError(
+            f"{source.path}: layer {idx} does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    still_meta = [n for n, t in list(layer.named_parameters()) + list(layer.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise ModelError(f"{source.path}: layer {idx} left tensors unloaded: {still_meta[:3]}")
+    return layer
+
+
+def release(module: nn.Module) -> None:
+    """Give a materialized module's memory back (its tensors return to meta)."""
+    module.to("meta")
+
+
+def load_embedding(source: ModelSource, model: nn.Module, device, dtype) -> nn.Module:
+    emb = model.model.embed_tokens
+    emb.load_state_dict({"weight": read_tensors(source, ["model.embed_tokens.weight"], device)[
+        "model.embed_tokens.weight"].to(dtype)}, assign=True)
+    return emb
+
+
+def load_head(source: ModelSource, model: nn.Module, device, dtype) -> tuple[nn.Module, nn.Module]:
+    """Final norm and lm_head (tied to the embedding when the checkpoint has no lm_head)."""
+    norm_key = "model.norm.weight"
+    head_key = "lm_head.weight" if "lm_head.weight" in source.weight_map else "model.embed_tokens.weight"
+    t = read_tensors(source, [norm_key, head_key], device)
+    model.model.norm.load_state_dict({"weight": t[norm_key].to(dtype)}, assign=True)
+    model.lm_head.load_state_dict({"weight": t[head_key].to(dtype)}, assign=True)
+    return model.model.norm, model.lm_head
+
+
+class LayerRunner:
+    """Positional embeddings and the causal mask for running decoder layers directly on [B, S, D] inputs."""
+
+    def __init__(self, model: nn.Module, device, dtype: torch.dtype):
+        self.model = model
+        rotary_cls = type(model.model.rotary_emb)
+        self.rotary = rotary_cls(config=model.config).to(device)
+        self.device, self.dtype = device, dtype
+
+    def __call__(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        cos_sin = self.rotary(hidden, pos)
+        mask = create_causal_mask(
+            config=self.model.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+            position_ids=pos,
+        )
+        out = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin, use_cache=False)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def experts_of(layer: nn.Module) -> ExpertsView | None:
+    """The fused experts of a decoder layer, or None for a dense layer."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    if experts is None or not hasattr(experts, "gate_up_proj"):
+        return None
+    return ExpertsView(experts, experts.gate_up_proj, experts.down_proj)
+
+
+def linears_of(source: ModelSource, layer: nn.Module, idx: int) -> dict[str, nn.Linear]:
+    """Every nn.Linear of a decoder layer by canonical name (attention, dense MLP, shared experts)."""
+    out = {}
+    for name, mod in layer.named_modules():
+        if isinstance(mod, nn.Linear):
+            canonical = source.family.canonical(f"model.layers.{idx}.{name}.weight")
+            if canonical is not None:
+                out[canonical] = mod
+    return out

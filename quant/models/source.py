@@ -1,0 +1,153 @@
+"""A model on disk: config, safetensors index, family, canonical module inventory and fingerprint.
+
+Nothing here loads weights; shapes come from safetensors headers, so a 600 GB model is inspected in seconds.
+Pickle checkpoints (``*.bin``, ``*.pt``) are refused: weights are read from safetensors only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from safetensors import safe_open
+
+from quant.errors import ModelError
+from quant.models.families import FamilySpec, expert_of, family_for, layer_of, module_kind
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """One quantizable 2-D weight. ``disk_prefix`` is its on-disk name without ``.weight``."""
+
+    name: str
+    disk_prefix: str
+    kind: str
+    layer: int | None
+    expert: int | None
+    out_features: int
+    in_features: int
+
+    @property
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    """Map every tensor key to its safetensors file name."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = path / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, "pt") as f:
+            return {k: single.name for k in f.keys()}
+    pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+    if pickles:
+        raise ModelError(
+            f"{path} holds pickle weights ({pickles[0]}); quant reads safetensors only — convert with "
+            "`transformers` (model.save_pretrained(dir, safe_serialization=True)) first"
+        )
+    raise ModelError(f"{path} has no model.safetensors or model.safetensors.index.json")
+
+
+class ModelSource:
+    """A local model folder (builtin models are materialized to one first)."""
+
+    def __init__(self, path: Path, display_name: str | None = None):
+        self.path = Path(path)
+        self.display_name = display_name or str(path)
+        if not self.path.exists():
+            raise ModelError(f"model path does not exist: {self.path}")
+        if not (self.path / "config.json").is_file():
+            raise ModelError(f"{self.path} is not a model folder (no config.json)")
+        self.config_dict = json.loads((self.path / "config.json").read_text())
+        model_type = self.config_dict.get("model_type", "?")
+        family = family_for(model_type)
+        if family is None:
+            from quant.models.families import FAMILIES
+
+            kind = "a dense model" if not _looks_moe(self.config_dict) else "an MoE family quant does not support"
+            raise ModelError(
+                f"{self.path} is {kind} (model_type '{model_type}'); quant quantizes Mixture-of-Experts models: "
+                f"{', '.join(FAMILIES)}"
+            )
+        self.family: FamilySpec = family
+        self.weight_map = _read_index(self.path)
+
+    @cached_property
+    def config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path, trust_remote_code=False)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every tensor, from safetensors headers."""
+        out: dict[str, tuple[int, ...]] = {}
+        for file in sorted(set(self.weight_map.values())):
+            with safe_open(self.path / file, "pt") as f:
+                for key in f.keys():
+                    out[key] = tuple(f.get_slice(key).get_shape())
+        return out
+
+    @cached_property
+    def modules(self) -> dict[str, ModuleInfo]:
+        """Every quantizable 2-D weight by canonical name, in checkpoint order (layers ascending)."""
+        found: dict[str, ModuleInfo] = {}
+        for key, shape in self.shapes().items():
+            if len(shape) != 2 or not key.endswith(".weight"):
+                if len(shape) == 3 and ".experts." in key:
+                    raise ModelError(f"{self.path}: fused on-disk expert tensor {key} is not supported yet")
+                continue
+            name = self.family.canonical(key)
+            if name is None:
+                continue
+            found[name] = ModuleInfo(
+                name, key.removesuffix(".weight"), module_kind(name), layer_of(name), expert_of(name), shape[0], shape[1]
+            )
+        if not any(m.kind == "expert" for m in found.values()):
+            raise ModelError(f"{self.path} has no routed-expert weights; is it a dense model?")
+        return dict(sorted(found.items(), key=lambda kv: _order(kv[1])))
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.config_dict["num_hidden_layers"])
+
+    def moe_layers(self) -> list[int]:
+        return sorted({m.layer for m in self.modules.values() if m.kind == "expert"})
+
+    def n_experts(self, layer: int) -> int:
+        return 1 + max(m.expert for m in self.modules.values() if m.kind == "expert" and m.layer == layer)
+
+    @property
+    def top_k(self) -> int:
+        cfg = self.config_dict
+        return int(cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or 1)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 over config.json, every tensor's name/shape/dtype header and each shard's size and edges.
+
+        Cheap for huge models (reads headers and 1 MiB at both ends of each shard), and changes when weights are
+        replaced by a different checkpoint of the same architecture.
+        """
+        h = hashlib.sha256((self.path / "config.json").read_bytes())
+        for file in sorted(set(self.weight_map.values())):
+            p = self.path / file
+            size = p.stat().st_size
+            h.update(f"{file}:{size}".encode())
+            with open(p, "rb") as f:
+                h.update(f.read(1 << 20))
+                f.seek(max(0, size - (1 << 20)))
+                h.update(f.read(1 << 20))
+        return h.hexdigest()[:16]
+
+
+def _order(m: ModuleInfo) -> tuple:
+    return (-1 if m.name == "embed" else (10**9 if m.layer is None else m.layer), m.expert or -1, m.name)
+
+
+def _looks_moe(cfg: dict) -> bool:
+    return any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"))

@@ -1,0 +1,121 @@
+"""The one place where stage order lives: calibrate -> profile -> plan -> quantize -> export -> eval -> report.
+
+Each stage is a function of typed inputs that writes its artifact into the run directory. The pipeline hashes
+every stage's inputs (recipe sections, model fingerprint, upstream outputs); a stage whose inputs did not
+change and whose outputs are intact is skipped, so rerunning a killed run resumes it. ``force`` redoes a
+stage and everything after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from quant import stages
+from quant.errors import GateFailed, RunDirError
+from quant.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
+from quant.models import ModelSource, resolve_model
+from quant.recipe import Recipe
+from quant.rundir import RunDir, hash_path
+
+log = logging.getLogger(__name__)
+
+STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "report")
+# stage -> (recipe sections it reads, upstream stages whose outputs it reads, its outputs)
+DEPENDS = {
+    "calibrate": (("model", "calibration"), (), ("calibration.safetensors", "calibration.json")),
+    "profile": (("model", "profile"), ("calibrate",), ("profile.json",)),
+    "plan": (("plan", "quantize"), ("profile",), ("plan.json",)),
+    "quantize": (("model", "quantize"), ("calibrate", "plan"), ("quantized",)),
+    "export": (("export",), ("plan", "quantize"), ()),  # outputs: one folder per format
+    "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
+    "report": (("report", "eval"), ("profile", "plan", "quantize", "export", "eval"), ("report.md", "metrics.json")),
+}
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    ran: list[str]
+    skipped: list[str]
+    passed: bool | None
+
+
+class Run:
+    """One recipe applied to one run directory."""
+
+    def __init__(self, recipe: Recipe, run_dir: Path):
+        self.recipe = recipe
+        self.dir = RunDir(run_dir)
+
+    @cached_property
+    def source(self) -> ModelSource:
+        return resolve_model(self.recipe.model.path)
+
+    def identity(self) -> dict:
+        return {"recipe": self.recipe.name, "model": self.recipe.model.path,
+                "fingerprint": self.source.fingerprint}
+
+    def input_hash(self, stage: str, m: dict) -> str:
+        sections, upstream, _ = DEPENDS[stage]
+        blob = {
+            "recipe": self.recipe.section_hash(*sections),
+            "model": self.source.fingerprint,
+            "upstream": {u: m["stages"].get(u, {}).get("outputs") for u in upstream},
+        }
+        if stage == "calibrate":
+            blob["dataset"] = stages.dataset_hash(self.recipe.calibration.dataset)
+        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+    def outputs(self, stage: str) -> list[str]:
+        if stage == "export":
+            from quant.export import checkpoint_dirs
+
+            return list(checkpoint_dirs(self.recipe).values())
+        return list(DEPENDS[stage][2])
+
+    def execute(self, until: str = "report", force: str | None = None) -> RunResult:
+        if until not in STAGES:
+            raise RunDirError(f"unknown stage '{until}'; stages: {', '.join(STAGES)}")
+        if force is not None and force not in STAGES and force != "all":
+            raise RunDirError(f"--force takes a stage name or 'all', got '{force}'; stages: {', '.join(STAGES)}")
+        m = self.dir.claim(self.identity(), force=force is not None)
+        first_forced = 0 if force == "all" else (STAGES.index(force) if force else len(STAGES))
+        ran, skipped = [], []
+        for i, stage in enumerate(STAGES[: STAGES.index(until) + 1]):
+            h = self.input_hash(stage, m)
+            outputs = self.outputs(stage)
+            if i < first_forced and self.dir.is_fresh(m, stage, h, outputs):
+                skipped.append(stage)
+                log.info("stage %s: up to date, skipped", stage)
+                continue
+            self._run_stage(stage, h, outputs, m)
+            ran.append(stage)
+        passed = m["stages"].get("eval", {}).get("passed")
+        m["passed"] = passed
+        self.dir.save_manifest(m)
+        if passed is False and until in ("eval", "report"):
+            failed = m["stages"]["eval"].get("failed_gates", [])
+            raise GateFailed(f"quality gates failed: {'; '.join(failed)} (see {self.dir.path / 'report.md'})")
+        return RunResult(self.dir.path, ran, skipped, passed)
+
+    def _run_stage(self, stage: str, input_hash: str, outputs: list[str], m: dict) -> None:
+        log.info("stage %s: running", stage)
+        device = pick_device(self.recipe.quantize.device)
+        reset_peak_memory(device)
+        self.dir.mark(m, stage, status="running", input_hash=input_hash)
+        t0 = time.perf_counter()
+        info = getattr(stages, f"run_{stage}")(self.recipe, self.source, self.dir.path) or {}
+        self.dir.mark(m, stage, status="done", input_hash=input_hash, wall_s=round(time.perf_counter() - t0, 3),
+                      peak_memory_bytes=peak_memory_bytes(device), device=str(device),
+                      outputs={o: hash_path(self.dir.path / o) for o in outputs}, **info)
+        log.info("stage %s: done in %.1fs", stage, m["stages"][stage]["wall_s"])
+
+
+def run(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None) -> RunResult:
+    return Run(recipe, run_dir).execute(until=until, force=force)

@@ -1,0 +1,207 @@
+"""BitPlan: every quantizable weight -> bits, group size, symmetry, algorithm, or keep. ``plan_bits`` is pure.
+
+Expert decisions come from a policy over per-expert scores (routing profile); rules for attention, shared
+experts, dense MLPs, super experts and edge layers override scores; router, embeddings and lm_head are always
+kept. ``per_layer`` granularity projects expert decisions onto whole MoE layers under the same budget, which is
+what vLLM can serve (one scheme per fused MoE layer).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from quant.algos.grid import effective_group_size
+from quant.errors import PlanError
+from quant.models import ModuleInfo
+from quant.profile import RoutingProfile
+from quant.recipe import PlanSpec
+
+SCHEMA_VERSION = 1
+KEEP_BITS = 16  # what a kept (bf16/fp16) weight costs
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """``bits`` None means keep in the model dtype."""
+
+    bits: int | None
+    group_size: int = 0
+    symmetric: bool = True
+    reason: str = ""
+
+    @property
+    def keep(self) -> bool:
+        return self.bits is None
+
+
+@dataclass
+class BitPlan:
+    modules: dict[str, ModulePlan]
+    algorithm: str
+    granularity: str
+    target_runtime: str
+    policy: str
+    model_fingerprint: str
+    schema_version: int = SCHEMA_VERSION
+    notes: list[str] = field(default_factory=list)
+
+    def quantized(self) -> dict[str, ModulePlan]:
+        return {n: p for n, p in self.modules.items() if not p.keep}
+
+    def save(self, path: Path) -> None:
+        d = asdict(self)
+        d["modules"] = {n: asdict(p) for n, p in self.modules.items()}
+        path.write_text(json.dumps(d, indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> BitPlan:
+        d = json.loads(path.read_text())
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise PlanError(f"{path}: plan schema_version {d.get('schema_version')} != {SCHEMA_VERSION}")
+        d["modules"] = {n: ModulePlan(**p) for n, p in d["modules"].items()}
+        return cls(**d)
+
+
+def expert_scores(profile: RoutingProfile, score: str) -> torch.Tensor:
+    """``[L, E]`` score per expert: routed tokens, routing-weight mass, or their product (MC-MoE style)."""
+    if score == "tokens":
+        return profile.counts.clone()
+    if score == "weight_mass":
+        return profile.weight_mass.clone()
+    share = profile.share()
+    mass = profile.weight_mass / profile.weight_mass.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    return share * mass
+
+
+def _top_mask(scores: torch.Tensor, n: int, largest: bool = True) -> torch.Tensor:
+    """Boolean mask of the n best entries of a 1-D tensor; ties go to the lower index (stable)."""
+    order = torch.sort(scores if largest else -scores, descending=True, stable=True).indices
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    mask[order[:n]] = True
+    return mask
+
+
+def _fraction_mask(scores: torch.Tensor, spec: PlanSpec) -> torch.Tensor:
+    """``[L, E]`` True where the expert gets high bits under top_fraction / inverse / random policies."""
+    L, E = scores.shape
+    if spec.policy == "random":
+        gen = torch.Generator().manual_seed(spec.seed)
+        scores = torch.rand(L, E, generator=gen, dtype=torch.float64)
+    largest = spec.policy != "inverse"
+    if spec.ranking == "per_layer":
+        n = round(spec.top_fraction * E)
+        return torch.stack([_top_mask(scores[i], n, largest) for i in range(L)])
+    norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    return _top_mask(norm.reshape(-1), round(spec.top_fraction * L * E), largest).reshape(L, E)
+
+
+def _budget_mask(scores: torch.Tensor, expert_bits: torch.Tensor, spec: PlanSpec) -> torch.Tensor:
+    """Greedy by score per extra bit: upgrade experts low->high while average expert bits stay <= target.
+
+    ``expert_bits [L, E]`` is the number of weights of each expert (all three projections).
+    """
+    numel = expert_bits.double()
+    total = numel.sum()
+    if spec.budget_avg_bits is not None:
+        allowance = (spec.budget_avg_bits - spec.low_bits) * total
+    else:
+        allowance = spec.budget_gb * 8e9 - spec.low_bits * total
+    cost = (spec.high_bits - spec.low_bits) * numel
+    norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    order = torch.sort((norm / cost).reshape(-1), descending=True, stable=True).indices
+    mask = torch.zeros(numel.numel(), dtype=torch.bool)
+    spent = 0.0
+    for i in order.tolist():  # O(L*E) scalar loop over a score list, not a tensor hot path
+        c = cost.reshape(-1)[i].item()
+        if spent + c <= allowance + 1e-6:
+            mask[i] = True
+            spent += c
+    return mask.reshape(scores.shape)
+
+
+def _per_layer(mask: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Project an expert mask onto whole layers with the same number of upgraded experts (rounded)."""
+    L, E = mask.shape
+    n_layers_high = round(mask.sum().item() / E)
+    norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    layer_score = (norm * mask).sum(dim=1)  # traffic the per-expert plan sent to high bits, per layer
+    chosen = _top_mask(layer_score, n_layers_high)
+    return chosen.unsqueeze(1).expand(L, E).clone()
+
+
+def _expert_numel(modules: dict[str, ModuleInfo], profile: RoutingProfile) -> torch.Tensor:
+    numel = torch.zeros(len(profile.layers), profile.n_experts, dtype=torch.float64)
+    for m in modules.values():
+        if m.kind == "expert":
+            numel[profile.row(m.layer), m.expert] += m.numel
+    return numel
+
+
+def _high_mask(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec) -> torch.Tensor:
+    """``[L, E]`` True where an expert gets ``high_bits``, before protection rules."""
+    if spec.policy == "sensitivity":
+        if profile.sensitivity is None:
+            raise PlanError("plan.policy 'sensitivity' needs a profile with sensitivity scores; re-run `quant profile`")
+        scores = profile.sensitivity.clone()
+    else:
+        scores = expert_scores(profile, spec.score)
+    if spec.policy == "uniform":
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+    elif spec.policy == "budget":
+        mask = _budget_mask(scores, _expert_numel(modules, profile), spec)
+    elif spec.policy == "sensitivity" and spec.budget_avg_bits is not None:
+        mask = _budget_mask(scores, _expert_numel(modules, profile), spec)
+    else:
+        mask = _fraction_mask(scores, spec)
+    if spec.granularity == "per_layer":
+        mask = _per_layer(mask, scores)
+    return mask
+
+
+def _rule_bits(m: ModuleInfo, spec: PlanSpec, n_layers: int) -> tuple[int | str | None, str] | None:
+    """Bits (or 'keep') a protection rule forces on module ``m``, with the rule's name; None if no rule."""
+    p = spec.protect
+    if m.kind in ("router", "embed", "lm_head"):
+        return "keep", m.kind
+    if m.kind == "attn":
+        return p.attention, "protect.attention"
+    if m.kind == "shared":
+        return p.shared_experts, "protect.shared_experts"
+    if m.kind == "dense_mlp":
+        return p.dense_mlp, "protect.dense_mlp"
+    if m.layer is not None and (m.layer < p.first_layers or m.layer >= n_layers - p.last_layers):
+        return p.edge_layer_bits, "protect.edge_layers"
+    return None
+
+
+def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec, algorithm: str,
+              n_layers: int) -> BitPlan:
+    """Decide every module's bits from the profile and the plan spec (pure: no I/O, no model)."""
+    high = _high_mask(profile, modules, spec)
+    supers = set(profile.super_experts(spec.protect.super_expert_ratio)) if spec.protect.super_experts else set()
+    out: dict[str, ModulePlan] = {}
+    for name, m in modules.items():
+        rule = _rule_bits(m, spec, n_layers)
+        if rule is None and (m.layer, m.expert) in supers:
+            rule = (spec.protect.super_experts, "protect.super_experts")
+        if rule is not None:
+            bits, reason = rule
+        elif high[profile.row(m.layer), m.expert]:
+            bits, reason = spec.high_bits, f"{spec.policy}:high"
+        else:
+            bits, reason = spec.low_bits, f"{spec.policy}:low"
+        if bits == "keep":
+            out[name] = ModulePlan(None, reason=reason)
+            continue
+        group = effective_group_size(spec.group_size, m.in_features)
+        if m.in_features % group:
+            raise PlanError(
+                f"{name}: in_features {m.in_features} is not divisible by plan.group_size {spec.group_size}; "
+                f"use a group size dividing {m.in_features} (e.g. 32, 64) or -1 (per channel)"
+            )
+        out[name] = ModulePlan(int(bits), group, spec.symmetric, reason)
+    return BitPlan(out, algorithm, spec.granularity, spec.target_runtime, spec.policy, profile.model_fingerprint)

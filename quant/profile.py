@@ -1,0 +1,181 @@
+"""Routing profile: which experts the router picks, layer by layer, measured on calibration tokens.
+
+Per MoE layer × expert: routed token count, routing-weight mass (the normalized gate weights actually applied),
+top-1 count, max |activation| at the down-projection input and output (the super-expert detector), and the
+counts per calibration domain. Collected with a pre-hook on the fused experts module, which every supported
+family calls as ``experts(hidden [T, D], top_k_index [T, k], top_k_weights [T, k])``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
+from quant.calibration import CalibrationSet
+from quant.layerwise import Layerwise
+from quant.models import ModelSource
+from quant.models.layers import ExpertsView, experts_of
+from quant.routing import expert_intermediate, expert_output, group_tokens, token_chunks
+
+log = logging.getLogger(__name__)
+SCHEMA_VERSION = 1
+_STATS = ("counts", "weight_mass", "top1", "down_in_absmax", "down_out_absmax")
+SENSITIVITY_BITS, SENSITIVITY_GROUP = 4, 128  # the probe: this expert alone at W4 g128 RTN
+
+
+@dataclass
+class RoutingProfile:
+    """Stats are ``[L, E]`` tensors over the MoE layers listed in ``layers`` (model layer indices)."""
+
+    model_fingerprint: str
+    model: str
+    layers: list[int]
+    n_experts: int
+    top_k: int
+    n_tokens: int
+    sample_ids: list[str]
+    counts: torch.Tensor
+    weight_mass: torch.Tensor
+    top1: torch.Tensor
+    down_in_absmax: torch.Tensor
+    down_out_absmax: torch.Tensor
+    domain_counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    sensitivity: torch.Tensor | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    def share(self) -> torch.Tensor:
+        """Fraction of a layer's routed assignments each expert received ``[L, E]`` (rows sum to 1)."""
+        return self.counts / self.counts.sum(dim=1, keepdim=True).clamp_min(1)
+
+    def row(self, layer: int) -> int:
+        return self.layers.index(layer)
+
+    def entropy(self) -> torch.Tensor:
+        """Routing entropy per layer, normalized to [0, 1] by log(E)."""
+        p = self.share()
+        h = -(p * torch.log(p.clamp_min(1e-12))).sum(dim=1)
+        return h / math.log(self.n_experts)
+
+    def super_experts(self, ratio: float) -> list[tuple[int, int]]:
+        """(layer, expert) whose max |down output| exceeds ``ratio`` × the median over all routed experts."""
+        vals = self.down_out_absmax
+        med = vals[vals > 0].median() if (vals > 0).any() else torch.tensor(0.0)
+        hits = (vals > ratio * med).nonzero().tolist()
+        return [(self.layers[r], e) for r, e in hits]
+
+    def to_json(self) -> dict:
+        d = {k: getattr(self, k) for k in ("schema_version", "model_fingerprint", "model", "layers", "n_experts",
+                                            "top_k", "n_tokens", "sample_ids")}
+        d.update({k: getattr(self, k).tolist() for k in _STATS})
+        d["domain_counts"] = {k: v.tolist() for k, v in self.domain_counts.items()}
+        d["sensitivity"] = None if self.sensitivity is None else self.sensitivity.tolist()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> RoutingProfile:
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"profile schema_version {d.get('schema_version')} != {SCHEMA_VERSION}")
+        kw = {k: d[k] for k in ("model_fingerprint", "model", "layers", "n_experts", "top_k", "n_tokens", "sample_ids")}
+        kw.update({k: torch.tensor(d[k], dtype=torch.float64) for k in _STATS})
+        kw["domain_counts"] = {k: torch.tensor(v, dtype=torch.float64) for k, v in d["domain_counts"].items()}
+        if d.get("sensitivity") is not None:
+            kw["sensitivity"] = torch.tensor(d["sensitivity"], dtype=torch.float64)
+        return cls(**kw)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json()))
+
+    @classmethod
+    def load(cls, path: Path) -> RoutingProfile:
+        return cls.from_json(json.loads(path.read_text()))
+
+
+class _LayerStats:
+    """Accumulates one MoE layer's statistics from the experts pre-hook."""
+
+    def __init__(self, n_experts: int, domains: list[str], device):
+        z = lambda: torch.zeros(n_experts, dtype=torch.float64, device=device)  # noqa: E731
+        self.stats = {k: z() for k in _STATS}
+        self.domain = {d: z() for d in domains}
+        self.token_domain: torch.Tensor | None = None  # [T] domain index of the batch's tokens
+        self.domains = domains
+        self.sensitivity = torch.zeros(n_experts, dtype=torch.float64, device=device)
+        self._probe: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _probe_weights(self, view: ExpertsView) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's experts round-to-nearest at the probe precision (computed once per layer)."""
+        if self._probe is None:
+            self._probe = tuple(
+                quantize_weight(w.detach(), QuantSpec(SENSITIVITY_BITS, effective_group_size(SENSITIVITY_GROUP,
+                                w.shape[2])), w.dtype).dequantize()
+                for w in (view.gate_up, view.down)
+            )
+        return self._probe
+
+    def update(self, view: ExpertsView, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
+        E, k = view.n_experts, idx.shape[1]
+        s = self.stats
+        s["counts"] += torch.bincount(idx.reshape(-1), minlength=E).double()
+        s["weight_mass"].index_add_(0, idx.reshape(-1), w.reshape(-1).double())
+        s["top1"] += torch.bincount(idx.gather(1, w.argmax(dim=1, keepdim=True)).reshape(-1), minlength=E).double()
+        if self.token_domain is not None:
+            for d_i, name in enumerate(self.domains):
+                sel = idx[self.token_domain == d_i].reshape(-1)
+                self.domain[name] += torch.bincount(sel, minlength=E).double()
+        step = token_chunks(x.shape[0], k, E, max(view.gate_up.shape[1], view.gate_up.shape[2]))
+        for t0 in range(0, x.shape[0], step):
+            g = group_tokens(idx[t0 : t0 + step], w[t0 : t0 + step], E)
+            xg = g.gather(x[t0 : t0 + step])
+            a = expert_intermediate(xg, view.gate_up, view.act)
+            y = expert_output(a, view.down)
+            gu_q, down_q = self._probe_weights(view)
+            y_q = expert_output(expert_intermediate(xg, gu_q, view.act), down_q)
+            err = (y.float() - y_q.float()).pow(2).sum(dim=-1) * g.weight.float().pow(2)
+            self.sensitivity += err.sum(dim=1).double()
+            s["down_in_absmax"] = torch.maximum(s["down_in_absmax"], a.abs().amax(dim=(1, 2)).double())
+            s["down_out_absmax"] = torch.maximum(s["down_out_absmax"], y.abs().amax(dim=(1, 2)).double())
+
+
+def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise) -> RoutingProfile:
+    """Run the calibration tokens through the model layer by layer and collect routing statistics."""
+    domains = sorted(set(calib.domains))
+    dom_idx = torch.tensor([domains.index(d) for d in calib.domains])
+    S = calib.tokens.shape[1]
+    hidden = lw.embed(calib.tokens)
+    per_layer: dict[int, _LayerStats] = {}
+    for idx in range(source.n_layers):
+        with lw.layer(idx) as layer:
+            view = experts_of(layer)
+            handle, acc = None, None
+            if view is not None:
+                acc = per_layer[idx] = _LayerStats(view.n_experts, domains, lw.device)
+                handle = view.module.register_forward_pre_hook(
+                    lambda _m, args, acc=acc, view=view: acc.update(view, *args[:3])
+                )
+
+            def before(rows: slice, acc=acc) -> None:
+                if acc is not None:
+                    acc.token_domain = dom_idx[rows].repeat_interleave(S).to(lw.device)
+
+            hidden = lw.forward(layer, hidden, before_batch=before, out=hidden)
+            if handle is not None:
+                handle.remove()
+        if acc is not None:
+            c = acc.stats["counts"]
+            log.info("profile layer %d: %d experts, max/min share %.1f, cold %d", idx, c.numel(),
+                     (c.max() / c.min().clamp_min(1)).item(), int((c == 0).sum()))
+    layers = sorted(per_layer)
+    stack = lambda key: torch.stack([per_layer[i].stats[key].cpu() for i in layers])  # noqa: E731
+    return RoutingProfile(
+        model_fingerprint=source.fingerprint, model=source.display_name, layers=layers,
+        n_experts=int(stack("counts").shape[1]), top_k=source.top_k, n_tokens=int(calib.tokens.numel()),
+        sample_ids=list(calib.sample_ids), **{k: stack(k) for k in _STATS},
+        domain_counts={d: torch.stack([per_layer[i].domain[d].cpu() for i in layers]) for d in domains},
+        sensitivity=torch.stack([per_layer[i].sensitivity.cpu() for i in layers]),
+    )

@@ -1,0 +1,63 @@
+"""The quantize stage's artifact: integer codes, scales and zero points per module, one safetensors file a layer.
+
+Keys are canonical names: ``layers.3.experts.17.up.q`` (int8 codes ``[out, in]``), ``.scale`` (``[out, G]``,
+model dtype), ``.zero`` (int8, asymmetric only). The file's metadata holds each module's bits / group size.
+Files are written to a temporary name and renamed, so a file that exists is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quant.algos.grid import QuantizedWeight, QuantSpec
+
+
+def layer_file(root: Path, layer: int | None) -> Path:
+    return root / ("layer_head.safetensors" if layer is None else f"layer_{layer:05d}.safetensors")
+
+
+def write_layer(path: Path, weights: dict[str, QuantizedWeight]) -> None:
+    """Write 2-D quantized modules (``q [out, in]``) atomically."""
+    tensors, meta = {}, {}
+    for name, qw in weights.items():
+        assert qw.q.ndim == 2, f"{name}: store one module per entry, got {tuple(qw.q.shape)}"
+        tensors[f"{name}.q"] = qw.q.contiguous().cpu()
+        tensors[f"{name}.scale"] = qw.scale.contiguous().cpu()
+        if qw.zero is not None:
+            tensors[f"{name}.zero"] = qw.zero.contiguous().cpu()
+        meta[name] = [qw.spec.bits, qw.spec.group_size, qw.spec.symmetric]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"modules": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def read_layer(path: Path, device: str | torch.device = "cpu") -> dict[str, QuantizedWeight]:
+    """Inverse of ``write_layer``: 2-D QuantizedWeights (``q [out, in]``, ``scale [out, G]``)."""
+    out = {}
+    with safe_open(str(path), "pt", device=str(device)) as f:
+        meta = json.loads(f.metadata()["modules"])
+        for name, (bits, group, sym) in meta.items():
+            zero = f.get_tensor(f"{name}.zero") if not sym else None
+            out[name] = QuantizedWeight(f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.scale"), zero,
+                                        QuantSpec(bits, group, sym))
+    return out
+
+
+def dequantize_2d(qw: QuantizedWeight) -> torch.Tensor:
+    """``[out, in]`` dequantized weight of a stored module (in the scale's dtype)."""
+    return QuantizedWeight(qw.q[None], qw.scale[None], None if qw.zero is None else qw.zero[None],
+                           qw.spec).dequantize()[0]
+
+
+def split_batch(qw: QuantizedWeight) -> list[QuantizedWeight]:
+    """A batched ``[B, out, in]`` result as B 2-D entries."""
+    return [
+        QuantizedWeight(qw.q[b], qw.scale[b], None if qw.zero is None else qw.zero[b], qw.spec)
+        for b in range(qw.q.shape[0])
+    ]

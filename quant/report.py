@@ -1,0 +1,130 @@
+"""Run artifacts -> ``report.md``, ``metrics.json`` and PNG plots. Formatting only: every number comes from an
+artifact (profile, plan, quantize layer reports, eval, manifest)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from quant.models import ModelSource
+from quant.plan import KEEP_BITS, BitPlan
+from quant.plan_summary import summarize
+from quant.profile import RoutingProfile
+from quant.recipe import Recipe
+from quant.rundir import atomic_write_text
+
+
+def _bit_grid(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> torch.Tensor:
+    """``[L, E]`` mean bits of each expert's three projections."""
+    grid = torch.zeros(len(profile.layers), profile.n_experts)
+    for name, m in source.modules.items():
+        if m.kind == "expert":
+            p = plan.modules[name]
+            grid[profile.row(m.layer), m.expert] += (KEEP_BITS if p.keep else p.bits) / 3
+    return grid
+
+
+def plot_all(plan: BitPlan, source: ModelSource, profile: RoutingProfile, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    share = profile.share()
+    order = torch.argsort(share, dim=1, descending=True)
+    files = []
+    fig, ax = plt.subplots(figsize=(8, 3 + 0.15 * len(profile.layers)))
+    im = ax.imshow(share.gather(1, order).numpy(), aspect="auto", cmap="viridis")
+    ax.set(title="Routing share per expert (each row sorted)", xlabel="expert rank in layer", ylabel="MoE layer #",
+           yticks=range(len(profile.layers)), yticklabels=profile.layers)
+    fig.colorbar(im, ax=ax, label="share of routed tokens")
+    files.append(_save(fig, out / "routing_heatmap.png"))
+    fig, ax = plt.subplots(figsize=(8, 3 + 0.15 * len(profile.layers)))
+    im = ax.imshow(_bit_grid(plan, source, profile).numpy(), aspect="auto", cmap="coolwarm", vmin=2, vmax=16)
+    ax.set(title="Bits per expert (expert id order)", xlabel="expert", ylabel="MoE layer #",
+           yticks=range(len(profile.layers)), yticklabels=profile.layers)
+    fig.colorbar(im, ax=ax, label="bits")
+    files.append(_save(fig, out / "bit_map.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    sorted_share = torch.sort(share, dim=1, descending=True).values
+    frac = torch.arange(1, profile.n_experts + 1) / profile.n_experts
+    for i, layer in enumerate(profile.layers):
+        ax.plot(frac.numpy(), sorted_share[i].cumsum(0).numpy(), alpha=0.6, label=f"layer {layer}" if i < 8 else None)
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8, label="uniform")
+    ax.set(title="Cumulative routed traffic", xlabel="top fraction of experts", ylabel="fraction of tokens served")
+    ax.legend(fontsize=7)
+    files.append(_save(fig, out / "traffic_curve.png"))
+    return files
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
+
+
+def _eval_lines(ev: dict) -> list[str]:
+    px = ev["proxies"]
+    lines = ["| metric | base | quantized | delta |", "|---|---|---|---|"]
+    pb, pq = px["perplexity"]["base"], px["perplexity"]["quantized"]
+    lines.append(f"| held-out perplexity | {pb:.3f} | {pq:.3f} | {pq - pb:+.3f} ({100 * (pq - pb) / pb:+.2f}%) |")
+    lines.append(f"| KL(base‖quant) per token | 0 | {px['kl']['quantized']:.5f} | |")
+    lines.append(f"| top-1 agreement | 1 | {px['top1_agreement']['quantized']:.4f} | |")
+    for t, r in ev["tasks"].items():
+        err = f" ± {r['stderr']:.4f}" if r["stderr"] is not None else ""
+        lines.append(f"| {t} ({r['metric']}, n={r['n']}) | {r['base']:.4f} | {r['quantized']:.4f}{err} "
+                     f"| {100 * r['delta']:+.2f} pts |")
+    lines += ["", f"Loaded through: `{ev['loader']}` (from the exported checkpoint on disk).", ""]
+    if ev["gates"]:
+        lines += ["| gate | observed | limit | status |", "|---|---|---|---|"]
+        lines += [f"| {g['name']} ({g['kind']}) | {g['observed']:.4g} | {g['limit']:.4g} | "
+                  f"{'pass' if g['passed'] else '**FAIL**'} |" for g in ev["gates"]]
+    return lines
+
+
+def _plan_lines(summary: dict) -> list[str]:
+    h = summary["headline"]
+    lines = [f"- average bits, expert weights: **{h['avg_bits_experts']}**; all weights: {h['avg_bits_all']}",
+             f"- checkpoint size estimate: {h['size_gb'] * 1000:.2f} MB",
+             f"- expert projections by bits (%): {h['expert_pct_by_bits']}",
+             f"- routed traffic by bits: {h['traffic_share_by_bits']}; traffic-weighted bits: {h['traffic_weighted_bits']}",
+             "", "| layer | modules by bits | traffic share by bits | traffic-weighted bits |", "|---|---|---|---|"]
+    lines += [f"| {r['layer']} | {r['modules_by_bits']} | {r['traffic_share_by_bits']} | {r['traffic_weighted_bits']} |"
+              for r in summary["per_layer"]]
+    return lines
+
+
+def _quantize_lines(layers: list[dict]) -> list[str]:
+    lines = ["| layer | modules | experts | mean bits | worst rel. error | module | seconds | RTN fallbacks |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['layer']} | {r['n_modules']} | {r['n_experts']} | {r['mean_bits']:.2f} | "
+              f"{r['worst_rel_error']:.4f} | `{r['worst_module']}` | {r['seconds']:.2f} | {len(r['rtn_fallbacks'])} |"
+              for r in layers]
+    repairs = [x for r in layers for x in r["repairs"]]
+    return lines + (["", f"Numerical repairs: {len(repairs)}"] + [f"- {x}" for x in repairs[:20]] if repairs else [])
+
+
+def write_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
+    profile = RoutingProfile.load(run_dir / "profile.json")
+    plan = BitPlan.load(run_dir / "plan.json")
+    ev = json.loads((run_dir / "eval.json").read_text())
+    layers = json.loads((run_dir / "quantized" / "layers.json").read_text())
+    summary = summarize(plan, source, profile)
+    plots = plot_all(plan, source, profile, run_dir) if recipe.report.plots else []
+    status = "PASSED" if ev["passed"] else "FAILED"
+    lines = [f"# quant run `{recipe.name}` — gates {status}", "",
+             f"Model `{source.display_name}` ({source.family.name}, fingerprint `{source.fingerprint}`); "
+             f"algorithm `{plan.algorithm}`; policy `{plan.policy}`, granularity `{plan.granularity}`, "
+             f"target runtime `{plan.target_runtime}`.", "", "## Evaluation", ""] + _eval_lines(ev)
+    lines += ["", "## Plan", ""] + _plan_lines(summary)
+    lines += ["", "## Routing", "", f"Routing entropy per MoE layer (1 = uniform): "
+              f"{[round(x, 3) for x in profile.entropy().tolist()]}"]
+    lines += [""] + [f"![{p}]({p})" for p in plots]
+    lines += ["", "## Quantization", ""] + _quantize_lines(layers)
+    atomic_write_text(run_dir / "metrics.json", json.dumps({"plan": summary["headline"], "eval": ev}, indent=1))
+    atomic_write_text(run_dir / "report.md", "\n".join(lines) + "\n")

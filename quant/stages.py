@@ -1,0 +1,142 @@
+"""Stage bodies: read upstream artifacts from the run directory, call the stage's module, write its artifact.
+
+Each ``run_<stage>(recipe, source, run_dir) -> dict`` writes only its own outputs (atomically) and returns a
+few numbers for the manifest. Stages never call each other; ``pipeline`` decides order and freshness.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from quant.calibration import CalibrationSet, build_calibration, load_manifest, resolve_dataset_path
+from quant.layerwise import Layerwise
+from quant.models import ModelSource
+from quant.plan import BitPlan, plan_bits
+from quant.plan_summary import summarize
+from quant.profile import RoutingProfile, profile_routing
+from quant.recipe import Recipe
+from quant.rundir import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+
+def dataset_hash(dataset: str) -> str:
+    """Hash of a calibration manifest and the local files it names."""
+    path = resolve_dataset_path(dataset)
+    h = hashlib.sha256(path.read_bytes())
+    for src in load_manifest(path).sources:
+        if src.path and (path.parent / src.path).is_file():
+            h.update((path.parent / src.path).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def tokenizer_for(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
+
+
+def save_calibration(calib: CalibrationSet, run_dir: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = run_dir / ".calibration.safetensors.tmp"
+    save_file({"tokens": calib.tokens.contiguous()}, str(tmp))
+    tmp.replace(run_dir / "calibration.safetensors")
+    meta = {"dataset": calib.manifest, "seed": calib.seed, "n_samples": len(calib.sample_ids),
+            "seq_len": int(calib.tokens.shape[1]), "sample_ids": list(calib.sample_ids), "domains": list(calib.domains)}
+    atomic_write_text(run_dir / "calibration.json", json.dumps(meta, indent=1))
+
+
+def load_calibration(run_dir: Path) -> CalibrationSet:
+    from safetensors.torch import load_file
+
+    meta = json.loads((run_dir / "calibration.json").read_text())
+    tokens = load_file(str(run_dir / "calibration.safetensors"))["tokens"]
+    return CalibrationSet(tokens, tuple(meta["sample_ids"]), tuple(meta["domains"]), meta["seed"], meta["dataset"])
+
+
+def _layerwise(recipe: Recipe, source: ModelSource, batch_size: int) -> Layerwise:
+    return Layerwise(source, recipe.model.dtype, recipe.quantize.device, batch_size)
+
+
+def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    c = recipe.calibration
+    calib = build_calibration(c.dataset, tokenizer_for(source), c.n_samples, c.seq_len, c.seed)
+    save_calibration(calib, run_dir)
+    return {"n_tokens": int(calib.tokens.numel())}
+
+
+def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    calib = load_calibration(run_dir)
+    profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size))
+    tmp = run_dir / ".profile.json.tmp"
+    profile.save(tmp)
+    tmp.replace(run_dir / "profile.json")
+    return {"moe_layers": len(profile.layers), "n_experts": profile.n_experts}
+
+
+def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    from quant.runtimes import check_runtime
+
+    profile = RoutingProfile.load(run_dir / "profile.json")
+    plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers)
+    check_runtime(plan, source, recipe.plan.target_runtime, recipe.export.formats)
+    summary = summarize(plan, source, profile)
+    plan.notes.append(json.dumps(summary["headline"]))
+    tmp = run_dir / ".plan.json.tmp"
+    plan.save(tmp)
+    tmp.replace(run_dir / "plan.json")
+    log.info("plan: %s", summary["headline"])
+    return {"headline": summary["headline"]}
+
+
+def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    """Layer files go to ``quantize.partial/`` (kept across crashes, keyed by the plan); renamed when done."""
+    from quant.quantize import quantize_model
+
+    plan = BitPlan.load(run_dir / "plan.json")
+    partial = run_dir / "quantize.partial"
+    key = hashlib.sha256((run_dir / "plan.json").read_bytes() + recipe.section_hash("quantize").encode()
+                         + (run_dir / "calibration.safetensors").read_bytes()).hexdigest()[:16]
+    if partial.exists() and (not (partial / "key").is_file() or (partial / "key").read_text() != key):
+        shutil.rmtree(partial)
+    partial.mkdir(exist_ok=True)
+    (partial / "key").write_text(key)
+    reports = quantize_model(source, load_calibration(run_dir), plan, recipe.quantize,
+                             _layerwise(recipe, source, recipe.quantize.batch_size), partial)
+    final = run_dir / "quantized"
+    if final.exists():
+        shutil.rmtree(final)
+    partial.rename(final)
+    return {"layers": len(reports), "rtn_fallbacks": sum(len(r.rtn_fallbacks) for r in reports),
+            "resumed_layers": sum(r.resumed for r in reports)}
+
+
+def run_export(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    from quant.export import export_all
+
+    plan = BitPlan.load(run_dir / "plan.json")
+    written = export_all(source, plan, recipe, run_dir)
+    return {"formats": list(written)}
+
+
+def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    from quant.evaluate import evaluate_run
+
+    result = evaluate_run(recipe, source, run_dir)
+    tmp = run_dir / ".eval.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(run_dir / "eval.json")
+    failed = [f"{g['name']} {g['observed']:.4g} vs limit {g['limit']:.4g}" for g in result["gates"] if not g["passed"]]
+    return {"passed": not failed, "failed_gates": failed}
+
+
+def run_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    from quant.report import write_report
+
+    write_report(recipe, source, run_dir)
+    return {}

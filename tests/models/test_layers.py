@@ -1,0 +1,69 @@
+"""Layer-by-layer execution equals the full transformers model, for every builtin family."""
+
+import pytest
+import torch
+
+from quant.errors import ModelError
+from quant.layerwise import Layerwise
+from quant.models import BUILTINS, resolve_model
+from quant.models.families import FAMILIES
+
+
+@pytest.mark.parametrize("name", list(BUILTINS))
+def test_layerwise_equals_full_model(name):
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model(f"builtin:{name}")
+    tokens = torch.randint(0, 1000, (3, 20), generator=torch.Generator().manual_seed(1))
+    lw = Layerwise(src, "float32", "cpu", batch_size=2)
+    hidden = lw.embed(tokens)
+    for idx in range(src.n_layers):
+        with lw.layer(idx) as layer:
+            hidden = lw.forward(layer, hidden)
+    norm, head = lw.logits_fn()
+    logits = head(norm(hidden))
+    full = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = full(tokens).logits
+    assert torch.allclose(logits, ref, atol=1e-4), (logits - ref).abs().max()
+
+
+def test_builtins_are_deterministic(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from quant.models.builtin import builtin_path
+
+    a = load_file(str(builtin_path("mixtral-tiny") / "model.safetensors"))
+    monkeypatch.setenv("QUANT_CACHE", str(tmp_path))
+    b = load_file(str(builtin_path("mixtral-tiny") / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_canonical_names_cover_every_family():
+    cases = {
+        "qwen3_moe": ("model.layers.2.mlp.experts.5.up_proj.weight", "layers.2.experts.5.up"),
+        "mixtral": ("model.layers.1.block_sparse_moe.experts.3.w2.weight", "layers.1.experts.3.down"),
+        "deepseek_v3": ("model.layers.4.mlp.shared_experts.gate_proj.weight", "layers.4.shared.gate"),
+        "olmoe": ("model.layers.0.self_attn.o_proj.weight", "layers.0.attn.o"),
+        "qwen2_moe": ("model.layers.0.mlp.shared_expert.down_proj.weight", "layers.0.shared.down"),
+    }
+    for fam, (disk, canonical) in cases.items():
+        assert FAMILIES[fam].canonical(disk) == canonical
+    assert FAMILIES["deepseek_v3"].canonical("model.layers.1.self_attn.kv_a_layernorm.weight") is None
+    assert FAMILIES["mixtral"].canonical("model.layers.1.block_sparse_moe.gate.weight") == "layers.1.router"
+
+
+def test_module_inventory_shapes():
+    src = resolve_model("builtin:deepseek-v3-tiny")
+    m = src.modules
+    assert m["layers.1.experts.3.gate"].out_features == 32 and m["layers.1.experts.3.gate"].in_features == 64
+    assert m["layers.0.mlp.down"].kind == "dense_mlp" and "layers.0.experts.0.up" not in m
+    assert src.moe_layers() == [1, 2, 3] and src.n_experts(1) == 16 and src.top_k == 4
+
+
+def test_unsupported_family(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "jamba", "num_experts": 4}))
+    with pytest.raises(ModelError, match="an MoE family quant does not support"):
+        resolve_model(str(tmp_path))

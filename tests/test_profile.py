@@ -1,0 +1,97 @@
+"""Routing profile on the builtin models (biased routers: the hottest expert is known) and its statistics."""
+
+import json
+
+import pytest
+import torch
+
+from quant.calibration import build_calibration
+from quant.layerwise import Layerwise
+from quant.models import BUILTINS, resolve_model
+from quant.plan import plan_bits
+from quant.profile import RoutingProfile, profile_routing
+from quant.recipe import PlanSpec
+from quant.routing import expert_intermediate, expert_output, group_tokens
+
+
+@pytest.fixture(scope="module")
+def profiles():
+    from transformers import AutoTokenizer
+
+    out = {}
+    for name in BUILTINS:
+        src = resolve_model(f"builtin:{name}")
+        calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 16, 128, 0)
+        out[name] = (src, calib, profile_routing(src, calib, Layerwise(src, "float32", "cpu", 4)))
+    return out
+
+
+@pytest.mark.parametrize("name", list(BUILTINS))
+def test_profile_finds_hot_expert_and_plan_gives_it_8_bits(profiles, name):
+    src, calib, prof = profiles[name]
+    hottest = json.loads((src.path / "quant_builtin.json").read_text())["hot_experts"][0]
+    assert prof.layers == src.moe_layers()
+    assert (prof.counts.sum(1) == calib.tokens.numel() * src.top_k).all()
+    share = prof.share()
+    assert (share[:, hottest] > 1.0 / prof.n_experts).all()  # above uniform in every layer
+    plan = plan_bits(prof, src.modules, PlanSpec(group_size=32), "rtn", src.n_layers)
+    for layer in prof.layers:
+        assert plan.modules[f"layers.{layer}.experts.{hottest}.down"].bits == 8
+
+
+def test_weight_mass_and_top1_are_consistent(profiles):
+    _, calib, prof = profiles["qwen3-moe-tiny"]
+    n_tokens = calib.tokens.numel()
+    # normalized top-k weights (norm_topk_prob): every token distributes mass 1
+    assert ((prof.weight_mass.sum(1) - n_tokens).abs() < 1e-3 * n_tokens).all()
+    assert (prof.top1.sum(1) == n_tokens).all()
+    assert (prof.top1 <= prof.counts).all()
+
+
+def test_domain_counts_partition_the_total(profiles):
+    _, calib, prof = profiles["deepseek-v3-tiny"]
+    assert set(prof.domain_counts) == set(calib.domains)
+    assert torch.allclose(sum(prof.domain_counts.values()), prof.counts)
+
+
+def test_sensitivity_is_positive_for_used_experts(profiles):
+    _, _, prof = profiles["olmoe-tiny"]
+    used = prof.counts > 0
+    assert (prof.sensitivity[used] > 0).all() and (prof.sensitivity[~used] == 0).all()
+
+
+def test_profile_json_roundtrip(profiles, tmp_path):
+    _, _, prof = profiles["mixtral-tiny"]
+    prof.save(tmp_path / "p.json")
+    again = RoutingProfile.load(tmp_path / "p.json")
+    assert torch.equal(again.counts, prof.counts) and again.sample_ids == prof.sample_ids
+    assert torch.equal(again.sensitivity, prof.sensitivity)
+
+
+def test_super_expert_detection():
+    prof = RoutingProfile("f", "m", [0, 1], 4, 2, 10, [], *(torch.ones(2, 4, dtype=torch.float64) for _ in range(5)))
+    prof.down_out_absmax[1, 2] = 200.0
+    assert prof.super_experts(50.0) == [(1, 2)]
+    assert prof.super_experts(500.0) == []
+
+
+def test_grouped_expert_ops_match_per_expert_loop():
+    g = torch.Generator().manual_seed(0)
+    T, k, E, D, I = 50, 3, 6, 16, 8
+    x = torch.randn(T, D, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    gate_up, down = torch.randn(E, 2 * I, D, generator=g), torch.randn(E, D, I, generator=g)
+    grp = group_tokens(idx, w, E)
+    a = expert_intermediate(grp.gather(x), gate_up, torch.nn.functional.silu)
+    y = expert_output(a, down)
+    for e in range(E):
+        tok, slot = torch.where(idx == e)
+        n = len(tok)
+        assert grp.counts[e] == n and grp.mask[e].sum() == n
+        assert torch.equal(grp.token[e, :n], tok)
+        assert torch.allclose(grp.weight[e, :n], w[tok, slot])
+        gate, up = (x[tok] @ gate_up[e].T).chunk(2, dim=-1)
+        ref = (torch.nn.functional.silu(gate) * up) @ down[e].T
+        assert torch.allclose(y[e, :n], ref, atol=1e-5)
+        assert (y[e, n:] == 0).all()
