@@ -21,7 +21,7 @@ from quant.calibration import CalibrationSet
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of
-from quant.routing import expert_intermediate, expert_output, group_tokens, token_chunks
+from quant.routing import chunk_budget, expert_intermediate, expert_output, group_tokens, token_chunks
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
@@ -128,7 +128,7 @@ class _LayerStats:
             for d_i, name in enumerate(self.domains):
                 sel = idx[self.token_domain == d_i].reshape(-1)
                 self.domain[name] += torch.bincount(sel, minlength=E).double()
-        step = token_chunks(x.shape[0], k, E, max(view.gate_up.shape[1], view.gate_up.shape[2]))
+        step = token_chunks(x.shape[0], k, E, max(view.gate_up.shape[1], view.gate_up.shape[2]), chunk_budget(x.device))
         for t0 in range(0, x.shape[0], step):
             g = group_tokens(idx[t0 : t0 + step], w[t0 : t0 + step], E)
             xg = g.gather(x[t0 : t0 + step])

@@ -53,11 +53,3 @@ def dequantize_2d(qw: QuantizedWeight) -> torch.Tensor:
     """``[out, in]`` dequantized weight of a stored module (in the scale's dtype)."""
     return QuantizedWeight(qw.q[None], qw.scale[None], None if qw.zero is None else qw.zero[None],
                            qw.spec).dequantize()[0]
-
-
-def split_batch(qw: QuantizedWeight) -> list[QuantizedWeight]:
-    """A batched ``[B, out, in]`` result as B 2-D entries."""
-    return [
-        QuantizedWeight(qw.q[b], qw.scale[b], None if qw.zero is None else qw.zero[b], qw.spec)
-        for b in range(qw.q.shape[0])
-    ]

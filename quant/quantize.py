@@ -9,6 +9,7 @@ on what they will see at inference. A layer whose file exists is not recomputed 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -27,7 +28,7 @@ from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
 from quant.plan import BitPlan, ModulePlan
-from quant.qstore import dequantize_2d, layer_file, read_layer, split_batch, write_layer
+from quant.qstore import dequantize_2d, layer_file, read_layer, write_layer
 from quant.recipe import QuantizeSpec
 
 log = logging.getLogger(__name__)
@@ -58,19 +59,34 @@ class LayerReport:
     worst_rel_error: float = 0.0
     worst_module: str = ""
     seconds: float = 0.0
+    stats_seconds: float = 0.0
+    solve_seconds: float = 0.0
+    forward_seconds: float = 0.0
     rtn_fallbacks: list[str] = field(default_factory=list)
     repairs: list[str] = field(default_factory=list)
     resumed: bool = False
 
 
+@contextlib.contextmanager
+def _timed(report: LayerReport, field_name: str, device: torch.device):
+    """Add the block's wall time (after a device sync) to ``report.<field_name>``."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    yield
+    sync()
+    setattr(report, field_name, getattr(report, field_name) + time.perf_counter() - t0)
+
+
+def _sub_batches(experts: list[int], out_f: int, in_f: int, budget_gb: float) -> list[list[int]]:
+    """Split a batch so one solve's fp32 working set (weights + ~3 Hessian-sized buffers) fits the budget."""
+    per_expert = 4 * (2 * out_f * in_f + 3 * in_f * in_f)
+    n = max(1, int(budget_gb * 1e9) // per_expert)
+    return [experts[i : i + n] for i in range(0, len(experts), n)]
+
+
 def _spec_of(p: ModulePlan) -> QuantSpec:
     return QuantSpec(p.bits, p.group_size, p.symmetric)
-
-
-def _rel_error(w: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """``[B]`` relative Frobenius error of a batch."""
-    d = qw.dequantize().float() - w.float()
-    return d.flatten(1).norm(dim=1) / w.float().flatten(1).norm(dim=1).clamp_min(1e-12)
 
 
 class _LayerJob:
@@ -88,72 +104,120 @@ class _LayerJob:
     def experts_planned(self) -> dict[str, ModulePlan]:
         return {n: p for n, p in self.mods.items() if ".experts." in n}
 
-    def collect(self, lw: Layerwise, hidden: torch.Tensor) -> tuple[dict, ExpertStats | None]:
-        """One pass with the original weights, accumulating Hessians (outputs discarded)."""
-        lin_stats = {n: LinearStats(m) for n, m in self.linears.items()}
-        exp_stats = None
-        if self.view is not None and self.experts_planned():
-            exp_stats = ExpertStats(self.view, self.spec.gate_weighted, self.spec.all_experts)
-        lw.run(self.layer, hidden)
-        for s in lin_stats.values():
-            s.handle.remove()
-        if exp_stats is not None:
-            exp_stats.remove()
-        return lin_stats, exp_stats
+    def expert_chunks(self) -> list[tuple[int, int]]:
+        """(first, count) expert ranges whose fp32 Hessians fit ``hessian_budget_gb`` (one pass each)."""
+        v = self.view
+        per_expert = 4 * (v.gate_up.shape[2] ** 2 + v.intermediate ** 2)
+        count = max(1, min(v.n_experts, int(self.spec.hessian_budget_gb * 1e9) // per_expert))
+        return [(f, min(count, v.n_experts - f)) for f in range(0, v.n_experts, count)]
 
-    def solve(self, w: torch.Tensor, H: torch.Tensor | None, spec: QuantSpec, names: list[str]) -> torch.Tensor:
-        """Quantize a ``[B, out, in]`` batch; record results; return the dequantized batch."""
-        solver = ALGORITHMS[self.plan.algorithm]
+    def run_with_statistics(self, lw: Layerwise, hidden: torch.Tensor) -> None:
+        """Calibration passes with the original weights feeding each expert chunk; linears solved last.
+
+        Solving a chunk changes only those experts, which neither feed the next chunk's gate/up input (the
+        post-attention norm output) nor its down input (its own gate/up), so later passes stay exact.
+        """
+        lin_stats = {n: LinearStats(m) for n, m in self.linears.items()}
+        chunks = self.expert_chunks() if self.view is not None and self.experts_planned() else [(0, 0)]
+        for i, (first, count) in enumerate(chunks):
+            exp_stats = None
+            if count:
+                exp_stats = ExpertStats(self.view, self.spec.gate_weighted, self.spec.all_experts, first, count)
+            with _timed(self.report, "stats_seconds", lw.device):
+                lw.run(self.layer, hidden)
+            if i == 0:
+                for st in lin_stats.values():
+                    st.handle.remove()
+            if exp_stats is not None:
+                exp_stats.remove()
+                with _timed(self.report, "solve_seconds", lw.device):
+                    self.run_experts(exp_stats)
+                del exp_stats
+        with _timed(self.report, "solve_seconds", lw.device):
+            self.run_linears(lin_stats)
+
+    def solve(self, w: torch.Tensor, H: torch.Tensor | None, spec: QuantSpec,
+              rows: list[list[tuple[str, slice]]], algorithm: str | None = None) -> torch.Tensor:
+        """Quantize a ``[B, out, in]`` batch whose element ``b`` holds the modules ``rows[b]`` (name, row slice):
+        GPTQ treats rows independently given H, so modules sharing an input are solved as one problem.
+        Records every module's codes; returns the dequantized batch."""
+        solver = ALGORITHMS[algorithm or self.plan.algorithm]
         qw, repairs = solver(w, H, spec, w.dtype, self.spec)
-        self.report.repairs += [f"{names[0]}…: {r}" for r in repairs]
-        errs = _rel_error(w, qw)
-        worst = int(errs.argmax())
-        if errs[worst].item() >= self.report.worst_rel_error:
-            self.report.worst_rel_error, self.report.worst_module = errs[worst].item(), names[worst]
-        self.results.update(zip(names, split_batch(qw), strict=True))
-        return qw.dequantize()
+        self.report.repairs += [f"{rows[b][0][0]}: {why}" for b, why in repairs]
+        deq = qw.dequantize()
+        diff = (deq.float() - w.float()).pow(2).sum(dim=2)  # [B, out]
+        ref = w.float().pow(2).sum(dim=2)
+        for b, parts in enumerate(rows):
+            for name, r in parts:
+                err = (diff[b, r].sum() / ref[b, r].sum().clamp_min(1e-24)).sqrt().item()
+                if err >= self.report.worst_rel_error:
+                    self.report.worst_rel_error, self.report.worst_module = err, name
+                z = None if qw.zero is None else qw.zero[b, r]
+                self.results[name] = QuantizedWeight(qw.q[b, r], qw.scale[b, r], z, spec)
+        return deq
 
     def run_linears(self, lin_stats: dict) -> None:
-        for name, mod in self.linears.items():
-            H = lin_stats[name].hessian()[None] if lin_stats else None
-            deq = self.solve(mod.weight.data[None], H, _spec_of(self.mods[name]), [name])
-            mod.weight.data.copy_(deq[0])
+        """Linears with identical input statistics (q/k/v, shared gate/up) and one spec are solved together."""
+        groups: list[tuple[QuantSpec, torch.Tensor | None, list[str]]] = []
+        for name in self.linears:
+            spec, H = _spec_of(self.mods[name]), lin_stats[name].hessian() if lin_stats else None
+            for g_spec, g_H, names in groups:
+                same_input = H is not None and g_H is not None and g_H.shape == H.shape and torch.equal(g_H, H)
+                if g_spec == spec and same_input:
+                    names.append(name)
+                    break
+            else:
+                groups.append((spec, H, [name]))
+        for spec, H, names in groups:
+            mods = [self.linears[n] for n in names]
+            w = torch.cat([m.weight.data for m in mods], dim=0)[None]
+            bounds = torch.cumsum(torch.tensor([0] + [m.out_features for m in mods]), 0).tolist()
+            rows = [[(n, slice(bounds[i], bounds[i + 1])) for i, n in enumerate(names)]]
+            deq = self.solve(w, None if H is None else H[None], spec, rows)[0]
+            for i, m in enumerate(mods):
+                m.weight.data.copy_(deq[bounds[i] : bounds[i + 1]])
+
+    def _expert_groups(self, planned: dict, first: int, count: int, counts) -> dict[tuple, list[int]]:
+        """(projection, spec, RTN fallback) -> experts; gate and up of one spec form one 'gate_up' problem."""
+        groups: dict[tuple, list[int]] = {}
+        for e in range(first, first + count):
+            p = {proj: planned.get(f"layers.{self.idx}.experts.{e}.{proj}") for proj in ("gate", "up", "down")}
+            few = counts is not None and int(counts[e - first]) < max(self.spec.min_tokens, 1)
+            fused = p["gate"] is not None and p["up"] is not None and _spec_of(p["gate"]) == _spec_of(p["up"])
+            for proj, plan in (("gate_up", p["gate"]),) if fused else (("gate", p["gate"]), ("up", p["up"])):
+                if plan is not None:
+                    groups.setdefault((proj, _spec_of(plan), few), []).append(e)
+            if p["down"] is not None:
+                groups.setdefault(("down", _spec_of(p["down"]), few), []).append(e)
+        return groups
 
     def run_experts(self, exp_stats: ExpertStats | None) -> None:
+        """Quantize the planned experts (all, or the chunk ``exp_stats`` covers), as ``[E', out, in]`` batches."""
         planned = self.experts_planned()
         if not planned:
             return
         v = self.view
         I = v.intermediate
+        first, count = (exp_stats.first, exp_stats.count) if exp_stats is not None else (0, v.n_experts)
         H_gu, H_down = exp_stats.hessians() if exp_stats is not None else (None, None)
         counts = exp_stats.counts if exp_stats is not None else None
-        for proj in ("gate", "up", "down"):
-            if proj == "down":
-                weights, H = v.down.data, H_down
-            else:
-                lo, hi = PROJ_ROWS[proj]
-                weights, H = v.gate_up.data[:, lo * I : hi * I], H_gu
-            groups: dict[tuple, list[int]] = {}
-            for e in range(v.n_experts):
-                p = planned.get(f"layers.{self.idx}.experts.{e}.{proj}")
-                if p is None:
-                    continue
-                fallback = H is not None and counts is not None and int(counts[e]) < max(self.spec.min_tokens, 1)
-                groups.setdefault((_spec_of(p), fallback), []).append(e)
-            for (spec, fallback), experts in groups.items():
-                self._solve_experts(proj, weights, H, spec, experts, fallback)
+        views = {"gate_up": (v.gate_up.data, H_gu), "gate": (v.gate_up.data[:, :I], H_gu),
+                 "up": (v.gate_up.data[:, I:], H_gu), "down": (v.down.data, H_down)}
+        for (proj, spec, fallback), experts in self._expert_groups(planned, first, count, counts).items():
+            weights, H = views[proj]
+            for sub in _sub_batches(experts, weights.shape[1], weights.shape[2], self.spec.solve_budget_gb):
+                local = None if H is None or fallback else H[torch.tensor([e - first for e in sub], device=H.device)]
+                self._solve_experts(proj, weights, local, spec, sub, fallback, I)
         self.report.n_experts = len({n.split(".")[3] for n in planned})
 
-    def _solve_experts(self, proj, weights, H, spec, experts, fallback) -> None:
-        names = [f"layers.{self.idx}.experts.{e}.{proj}" for e in experts]
+    def _solve_experts(self, proj, weights, H, spec, experts, fallback, I) -> None:
+        """``H`` is already indexed to ``experts`` (None for RTN or the token-floor fallback)."""
+        splits = [("gate", slice(0, I)), ("up", slice(I, 2 * I))] if proj == "gate_up" else [(proj, slice(None))]
+        rows = [[(f"layers.{self.idx}.experts.{e}.{p}", r) for p, r in splits] for e in experts]
         sel = torch.tensor(experts, device=weights.device)
         if fallback:
-            self.report.rtn_fallbacks += names
-            qw, _ = _solve_rtn(weights[sel], None, spec, weights.dtype, self.spec)
-            self.results.update(zip(names, split_batch(qw), strict=True))
-            weights[sel] = qw.dequantize()
-            return
-        weights[sel] = self.solve(weights[sel], None if H is None else H[sel], spec, names)
+            self.report.rtn_fallbacks += [name for parts in rows for name, _ in parts]
+        weights[sel] = self.solve(weights[sel], H, spec, rows, algorithm="rtn" if fallback else None)
 
     def finish_report(self, seconds: float) -> LayerReport:
         r = self.report
@@ -202,11 +266,15 @@ def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, sp
                 _apply_stored(job, read_layer(path, lw.device))
                 job.report.resumed = True
             else:
-                lin_stats, exp_stats = job.collect(lw, hidden) if NEEDS_HESSIAN[plan.algorithm] else ({}, None)
-                job.run_linears(lin_stats)
-                job.run_experts(exp_stats)
+                if NEEDS_HESSIAN[plan.algorithm]:
+                    job.run_with_statistics(lw, hidden)
+                else:
+                    with _timed(job.report, "solve_seconds", lw.device):
+                        job.run_linears({})
+                        job.run_experts(None)
                 write_layer(path, job.results)
-            hidden = lw.forward(layer, hidden, out=hidden)
+            with _timed(job.report, "forward_seconds", lw.device):
+                hidden = lw.forward(layer, hidden, out=hidden)
         report = job.finish_report(time.perf_counter() - t0)
         reports.append(report)
         log.info("layer %d: %d modules (%d experts), mean %.2f bits, worst rel err %.4f (%s), %.2fs%s",

@@ -66,12 +66,18 @@ def fit_grid(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype) -> tupl
     levels = spec.qmax - spec.qmin
     if spec.symmetric:
         scale = g.abs().amax(dim=-1) / (levels / 2)
-        return scale.clamp_min(_MIN_SCALE).to(scale_dtype), None
+        return _to_scale_dtype(scale, scale_dtype), None
     lo = g.amin(dim=-1).clamp(max=0.0)
     hi = g.amax(dim=-1).clamp(min=0.0)
-    scale = ((hi - lo) / levels).clamp_min(_MIN_SCALE).to(scale_dtype)
+    scale = _to_scale_dtype((hi - lo) / levels, scale_dtype)
     zero = torch.round(spec.qmin - lo / scale.float()).clamp(spec.qmin, spec.qmax).to(torch.int8)
     return scale, zero
+
+
+def _to_scale_dtype(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Cast, then floor at the dtype's smallest normal number: an all-zero group must not get scale 0 (fp16 would
+    round a tiny fp32 floor to 0 and the codes to NaN)."""
+    return scale.clamp_min(_MIN_SCALE).to(scale_dtype).clamp_min(torch.finfo(scale_dtype).tiny)
 
 
 def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:

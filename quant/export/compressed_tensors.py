@@ -20,7 +20,6 @@ import torch
 from quant.export.targets import name_regexes
 from quant.export.writer import ShardWriter, atomic_directory, copy_side_files, write_manifest
 from quant.models import ModelSource
-from quant.models.layers import read_tensors
 from quant.plan import BitPlan
 from quant.qstore import layer_file, read_layer
 
@@ -85,7 +84,7 @@ def write_compressed_tensors(source: ModelSource, plan: BitPlan, qdir: Path, out
             prefix = key.removesuffix(".weight")
             name = by_prefix.get(prefix) if key.endswith(".weight") else None
             if name is None or name not in quantized:
-                writer.add(key, read_tensors(source, [key])[key])
+                writer.add(key, source.read_tensors([key])[key])
                 continue
             layer = _layer_of_key(key)
             if cache["layer"] != layer:

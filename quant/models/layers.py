@@ -11,7 +11,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from quant.errors import ModelError
@@ -56,25 +55,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.model.layers
 
 
-def read_tensors(source: ModelSource, keys: list[str], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Read named tensors from the model's safetensors shards (one open per shard)."""
-    by_file: dict[str, list[str]] = {}
-    for key in keys:
-        by_file.setdefault(source.weight_map[key], []).append(key)
-    out = {}
-    for file, file_keys in by_file.items():
-        with safe_open(source.path / file, "pt", device=str(device)) as f:
-            for key in file_keys:
-                out[key] = f.get_tensor(key)
-    return out
-
-
 def _layer_state(source: ModelSource, idx: int, device) -> dict[str, torch.Tensor]:
     """On-disk tensors of layer ``idx`` renamed to the in-memory decoder layer's state-dict keys."""
     prefix = f"model.layers.{idx}."
     fam = source.family
     keys = [k for k in source.weight_map if k.startswith(prefix)]
-    raw = read_tensors(source, keys, device)
+    raw = source.read_tensors(keys, device)
     inv = {v: k for k, v in fam.expert_proj.items()}
     expert_re = re.compile(re.escape(fam.disk_moe) + r"\.experts\.(\d+)\.(\w+)\.weight$")
     experts: dict[str, dict[int, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
@@ -124,7 +110,7 @@ def release(module: nn.Module) -> None:
 
 def load_embedding(source: ModelSource, model: nn.Module, device, dtype) -> nn.Module:
     emb = model.model.embed_tokens
-    emb.load_state_dict({"weight": read_tensors(source, ["model.embed_tokens.weight"], device)[
+    emb.load_state_dict({"weight": source.read_tensors(["model.embed_tokens.weight"], device)[
         "model.embed_tokens.weight"].to(dtype)}, assign=True)
     return emb
 
@@ -133,7 +119,7 @@ def load_head(source: ModelSource, model: nn.Module, device, dtype) -> tuple[nn.
     """Final norm and lm_head (tied to the embedding when the checkpoint has no lm_head)."""
     norm_key = "model.norm.weight"
     head_key = "lm_head.weight" if "lm_head.weight" in source.weight_map else "model.embed_tokens.weight"
-    t = read_tensors(source, [norm_key, head_key], device)
+    t = source.read_tensors([norm_key, head_key], device)
     model.model.norm.load_state_dict({"weight": t[norm_key].to(dtype)}, assign=True)
     model.lm_head.load_state_dict({"weight": t[head_key].to(dtype)}, assign=True)
     return model.model.norm, model.lm_head

@@ -83,6 +83,18 @@ class ModelSource:
 
         return AutoConfig.from_pretrained(self.path, trust_remote_code=False)
 
+    def read_tensors(self, keys: list[str], device="cpu") -> dict:
+        """Named tensors from the safetensors shards (one open per shard), on ``device``."""
+        by_file: dict[str, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.weight_map[key], []).append(key)
+        out = {}
+        for file, file_keys in by_file.items():
+            with safe_open(self.path / file, "pt", device=str(device)) as f:
+                for key in file_keys:
+                    out[key] = f.get_tensor(key)
+        return out
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every tensor, from safetensors headers."""
         out: dict[str, tuple[int, ...]] = {}

@@ -1,0 +1,291 @@
+"""Engine benchmark (GPU): quant's layer-wise engine vs llm-compressor on MoE layers with real shapes.
+
+Builds a random-weight model with Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, top-8, expert
+intermediate 768) or DeepSeek-V3 layer shapes (hidden 7168, 256 routed experts + 1 shared, expert
+intermediate 2048, top-8, MLA), saves it as a real safetensors checkpoint, and on the same random calibration
+tokens runs, in one process:
+  - quant: profile (tokens/s), then quantize (rtn / gptq / awq) layer by layer; seconds per layer split into
+    statistics passes, solve and propagation; peak GPU memory; export to compressed-tensors;
+  - llm-compressor (oneshot, sequential pipeline; GPTQModifier W4A16 or AWQModifier + W4A16_ASYM), same tokens;
+  - the mean relative layer-output error of both checkpoints: every decoder layer of the dequantized checkpoint
+    and of the base model get the same (base) input hidden states; error = ||Y_q - Y|| / ||Y - X|| (the
+    residual branch's output), averaged over layers.
+Prints JSON lines and, last, a table. Usage (GPU):
+  python benchmarks/engine.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 --algos rtn,gptq \\
+      --llmcompressor gptq --out results.json
+``--virtual-layers N`` tiles the saved layers to an N-layer model (layer i reads the tensors of saved layer
+i mod K through the normal safetensors path) to time a full-depth run without N layers on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quant.calibration import CalibrationSet  # noqa: E402
+from quant.layerwise import Layerwise  # noqa: E402
+from quant.models import ModelSource  # noqa: E402
+from quant.plan import plan_bits  # noqa: E402
+from quant.profile import profile_routing  # noqa: E402
+from quant.quantize import quantize_model  # noqa: E402
+from quant.recipe import PlanSpec, QuantizeSpec  # noqa: E402
+
+SHAPES = {
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=32000, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096,
+                          tie_word_embeddings=False),
+    "deepseek-v3": dict(model_type="deepseek_v3", vocab_size=32000, hidden_size=7168, intermediate_size=18432,
+                        moe_intermediate_size=2048, num_attention_heads=128, num_key_value_heads=128,
+                        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=0,
+                        n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        max_position_embeddings=4096, tie_word_embeddings=False),
+    "tiny": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=256, intermediate_size=512,
+                 moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
+                 num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False),
+}
+
+
+def say(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_gb() -> float:
+    return torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def build_model(shape: str, n_layers: int, path: Path, seed: int) -> None:
+    """Random-weight model (transformers' own init, seeded) saved as bf16 safetensors + a trivial tokenizer."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    kw = dict(SHAPES[shape])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), num_hidden_layers=n_layers, **kw)
+    torch.manual_seed(seed)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():  # fused expert params may be left uninitialized by from_config
+        for layer in model.model.layers:
+            ex = getattr(layer.mlp, "experts", None)
+            if ex is not None and hasattr(ex, "gate_up_proj"):
+                ex.gate_up_proj.normal_(0, cfg.initializer_range)
+                ex.down_proj.normal_(0, cfg.initializer_range)
+    model.save_pretrained(path, max_shard_size="50GB")
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")),
+                                  unk_token="[UNK]", pad_token="[UNK]", eos_token="[UNK]")
+    tok.save_pretrained(path)
+    del model
+    reset_peak()
+
+
+class TiledSource(ModelSource):
+    """An N-layer view of a K-layer checkpoint: layer i's tensors are read from saved layer i mod K."""
+
+    def __init__(self, path: Path, n_virtual: int):
+        super().__init__(path)
+        self.n_saved = int(self.config_dict["num_hidden_layers"])
+        self.n_virtual = n_virtual
+        self.config_dict["num_hidden_layers"] = n_virtual
+        self.config.num_hidden_layers = n_virtual
+        real = dict(self.weight_map)
+        self.weight_map = {}
+        for key, file in real.items():
+            parts = key.split(".")
+            if key.startswith("model.layers."):
+                for i in range(int(parts[2]), n_virtual, self.n_saved):
+                    self.weight_map[".".join(parts[:2] + [str(i)] + parts[3:])] = file
+            else:
+                self.weight_map[key] = file
+
+    def _real(self, key: str) -> str:
+        parts = key.split(".")
+        if key.startswith("model.layers."):
+            parts[2] = str(int(parts[2]) % self.n_saved)
+        return ".".join(parts)
+
+    def read_tensors(self, keys, device="cpu"):
+        real = {k: self._real(k) for k in keys}
+        loaded = super().read_tensors(sorted(set(real.values())), device)
+        return {k: loaded[r] for k, r in real.items()}
+
+    def shapes(self):
+        real = super().shapes()
+        return {k: real[self._real(k)] for k in self.weight_map}
+
+
+def calibration(n: int, seqlen: int, vocab: int, seed: int) -> CalibrationSet:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (n, seqlen), generator=g)
+    return CalibrationSet(tokens, tuple(f"random:{i}" for i in range(n)), ("random",) * n, seed, "random")
+
+
+def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, batch: int, quant_all: bool) -> dict:
+    """Profile + quantize with quant's engine; export compressed-tensors; timings per layer."""
+    from quant.export.compressed_tensors import write_compressed_tensors
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    reset_peak()
+    sync()
+    t0 = time.perf_counter()
+    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", dev, batch))
+    sync()
+    prof_s = time.perf_counter() - t0
+    sym = algo != "awq"
+    spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=128, symmetric=sym,
+                    protect={"attention": 4 if quant_all else "keep", "shared_experts": 4, "dense_mlp": 4})
+    plan = plan_bits(prof, src.modules, spec, algo, src.n_layers)
+    qspec = QuantizeSpec(algorithm=algo, device=dev, batch_size=batch)
+    qdir = work / f"q-{algo}"
+    shutil.rmtree(qdir, ignore_errors=True)
+    reset_peak()
+    sync()
+    t0 = time.perf_counter()
+    reports = quantize_model(src, calib, plan, qspec, Layerwise(src, "bfloat16", dev, batch), qdir)
+    sync()
+    total = time.perf_counter() - t0
+    peak = peak_gb()
+    out = {"algo": algo, "profile_s": prof_s, "profile_tokens_per_s": calib.tokens.numel() / prof_s,
+           "quantize_s": total, "layers": len(reports), "s_per_layer": total / len(reports),
+           "stats_s_per_layer": sum(r.stats_seconds for r in reports) / len(reports),
+           "solve_s_per_layer": sum(r.solve_seconds for r in reports) / len(reports),
+           "forward_s_per_layer": sum(r.forward_seconds for r in reports) / len(reports),
+           "peak_gpu_gb": peak, "repairs": sum(len(r.repairs) for r in reports)}
+    if not isinstance(src, TiledSource):
+        out["checkpoint"] = str(write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}", 20 << 30))
+    return out
+
+
+def run_llmcompressor(model_dir: Path, calib: CalibrationSet, algo: str, work: Path) -> dict:
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+
+    ids = calib.tokens
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    ignore = ["lm_head", "re:.*mlp.gate$"]
+    if algo == "awq":
+        from llmcompressor.modifiers.transform.awq import AWQModifier
+
+        recipe = [AWQModifier(), QuantizationModifier(targets="Linear", scheme="W4A16_ASYM", ignore=ignore)]
+    else:
+        recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore)
+    out_dir = work / f"llmc-{algo}"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    reset_peak()
+    t0 = time.perf_counter()
+    oneshot(model=str(model_dir), dataset=ds, recipe=recipe, max_seq_length=ids.shape[1],
+            num_calibration_samples=ids.shape[0], pipeline="sequential", output_dir=str(out_dir))
+    sync()
+    total = time.perf_counter() - t0
+    n_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    return {"algo": f"llmcompressor-{algo}", "quantize_s": total, "layers": n_layers, "s_per_layer": total / n_layers,
+            "peak_gpu_gb": peak_gb(), "checkpoint": str(out_dir)}
+
+
+def dequantized(ckpt: Path, work: Path) -> Path:
+    """compressed-tensors' own dequantizer -> a dense folder."""
+    from compressed_tensors.entrypoints.convert import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+
+    out = work / (ckpt.name + "-dense")
+    shutil.rmtree(out, ignore_errors=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    convert_checkpoint(ckpt, out, CompressedTensorsDequantizer(ckpt), device=dev)
+    return out
+
+
+def layer_errors(base: ModelSource, quant_dir: Path, tokens: torch.Tensor, batch: int) -> list[float]:
+    """Per layer ||Y_q - Y|| / ||Y - X|| with the base model's inputs X fed to both layers."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    qsrc = ModelSource(quant_dir)
+    lw_b, lw_q = Layerwise(base, "bfloat16", dev, batch), Layerwise(qsrc, "bfloat16", dev, batch)
+    hidden = lw_b.embed(tokens)
+    errs = []
+    for i in range(base.n_layers):
+        with lw_b.layer(i) as lb:
+            y = lw_b.forward(lb, hidden)
+        with lw_q.layer(i) as lq:
+            yq = lw_q.forward(lq, hidden)
+        errs.append(((yq.float() - y.float()).norm() / (y.float() - hidden.float()).norm()).item())
+        hidden = y
+    return errs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--virtual-layers", type=int, default=0)
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--algos", default="rtn,gptq")
+    ap.add_argument("--llmcompressor", default="", help="comma list: gptq,awq")
+    ap.add_argument("--error-samples", type=int, default=16)
+    ap.add_argument("--keep-attention", action="store_true", help="quantize experts only")
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="quant-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    say(torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        args=vars(a))
+    model_dir = work / f"model-{a.shape}-{a.layers}"
+    t0 = time.perf_counter()
+    if not (model_dir / "config.json").is_file():
+        build_model(a.shape, a.layers, model_dir, seed=0)
+    say(step="build", s=round(time.perf_counter() - t0, 1))
+    src = TiledSource(model_dir, a.virtual_layers) if a.virtual_layers else ModelSource(model_dir)
+    calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
+    rows = []
+    for algo in [x for x in a.algos.split(",") if x]:
+        r = run_quant(src, calib, algo, work, a.batch, quant_all=not a.keep_attention)
+        say(**r)
+        rows.append(r)
+    for algo in [x for x in a.llmcompressor.split(",") if x]:
+        r = run_llmcompressor(model_dir, calib, algo, work)
+        say(**r)
+        rows.append(r)
+    err_tokens = calib.tokens[: a.error_samples]
+    for r in rows if a.error_samples else []:
+        if "checkpoint" in r:
+            r["rel_layer_error"] = layer_errors(src, dequantized(Path(r["checkpoint"]), work), err_tokens, a.batch)
+            r["mean_rel_layer_error"] = sum(r["rel_layer_error"]) / len(r["rel_layer_error"])
+            say(algo=r["algo"], rel_layer_error=r["rel_layer_error"])
+    if a.out:
+        Path(a.out).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+    print(f"\n{'engine':24} {'s/layer':>8} {'stats':>7} {'solve':>7} {'fwd':>7} {'peak GB':>8} {'rel err':>8}")
+    for r in rows:
+        print(f"{r['algo']:24} {r['s_per_layer']:8.2f} {r.get('stats_s_per_layer', float('nan')):7.2f} "
+              f"{r.get('solve_s_per_layer', float('nan')):7.2f} {r.get('forward_s_per_layer', float('nan')):7.2f} "
+              f"{r['peak_gpu_gb']:8.1f} {r.get('mean_rel_layer_error', float('nan')):8.4f}")
+    if "profile_tokens_per_s" in (rows[0] if rows else {}):
+        print(f"profile throughput: {rows[0]['profile_tokens_per_s']:.0f} tokens/s ({a.samples}x{a.seqlen} tokens)")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    main()

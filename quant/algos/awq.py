@@ -1,0 +1,157 @@
+"""AWQ (Lin et al., 2023, arXiv:2306.00978): activation-aware smoothing-factor search, batched over experts.
+
+Dimensions: ``B`` batch (experts of one shape and bit width, or 1), ``C`` calibration rows per element (the
+tokens routed to it, zero-padded to a common length; ``mask [B, C]`` marks the real ones), ``O`` output
+features, ``I`` input features.
+
+For any per-input-channel factors ``s > 0``, ``x Wᵀ = (x / s)(W · s)ᵀ``; quantizing ``W · s`` instead of
+``W`` gives the channels that carry large activations a finer effective grid. The search tries
+``s = m^α / sqrt(max(m^α) · min(m^α))`` with ``m = mean |x|`` per channel over the real rows and ``α`` in
+``linspace(0, 1, n_grid)``, and keeps the ``α`` with the least output error
+``Σ_rows ||x Wᵀ − (x / s) Q(W · s)ᵀ||²``. ``α = 0`` is ``s = 1``, plain round-to-nearest, so the result is
+never worse than RTN on the calibration rows. One ``s`` per batch element, or with ``share_across_batch`` one
+``s`` for all of them (loss summed over the batch). ``extra`` adds other weights fed by the same input: they
+count in the loss and are quantized with the same ``s``.
+
+What the caller folds where. The returned ``weight`` is ``Q(W · s)``: the weights' input columns are already
+multiplied by ``s``, and ``1 / s`` must be folded into whatever produces the input, exactly once:
+
+* fused expert gate/up fed by ``post_attention_layernorm`` (stack gate and up along ``O``; their input is the
+  same): one shared ``s`` (``share_across_batch=True``, B = experts). Norm weight ÷ ``s``; router weight
+  columns × ``s`` (the router is kept in bf16, so its logits change only by rounding); shared-expert gate/up
+  columns × ``s`` (pass them as ``extra`` so they count in the search and are quantized with the same ``s``).
+* expert down_proj: per-expert ``s`` (``share_across_batch=False``). That expert's up_proj rows ÷ ``s``, exact
+  because down's input is ``act(gate x) · (up x)``, elementwise in the up rows. This changes up's weights, so
+  search down before gate/up (down's input does not depend on gate/up's ``s`` in exact arithmetic) or
+  re-quantize up afterwards.
+* attention q/k/v fed by ``input_layernorm`` (stack q, k, v along ``O``, B = 1): ``input_layernorm`` ÷ ``s``.
+* o_proj with v_proj as the producer: v_proj rows ÷ ``s``, only when v's outputs map one-to-one onto o's
+  inputs (``num_key_value_heads == num_attention_heads``); with GQA a v channel feeds several o channels that
+  would need one tied factor, so leave o_proj unscaled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quant.algos.grid import QuantizedWeight, QuantSpec, quantize_weight
+from quant.errors import NumericalError
+
+# Channels whose mean |x| is below this fraction of the largest are floored to it, so s stays finite and a
+# channel that was (nearly) silent in calibration is not blown up by 1/s.
+_MIN_RELATIVE_MEAN = 1e-4
+
+
+@dataclass(frozen=True)
+class AWQExtra:
+    """More weights fed by the same input: ``w [B', O', I]``, their input rows ``x [B', C', I]`` with
+    ``mask [B', C']`` and their own ``spec`` (e.g. a shared expert kept at 8 bits). ``B' == B`` unless the
+    search is shared across the batch."""
+
+    w: torch.Tensor
+    x: torch.Tensor
+    mask: torch.Tensor
+    spec: QuantSpec
+
+
+@dataclass(frozen=True)
+class AWQResult:
+    """``scales``: ``s [B, I]`` (``[I]`` when shared), fp32. ``weight``: ``Q(w · s)``. ``alpha [B]``: the
+    exponent chosen. ``error [B]`` / ``rtn_error [B]``: summed squared output error of ``w`` over the real
+    rows at the chosen ``α`` / at ``α = 0``. ``extra_*``: the same for ``extra`` (``[B']``), or None."""
+
+    scales: torch.Tensor
+    weight: QuantizedWeight
+    alpha: torch.Tensor
+    error: torch.Tensor
+    rtn_error: torch.Tensor
+    extra_weight: QuantizedWeight | None = None
+    extra_error: torch.Tensor | None = None
+    extra_rtn_error: torch.Tensor | None = None
+
+
+def awq_search(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    spec: QuantSpec,
+    scale_dtype: torch.dtype,
+    *,
+    n_grid: int = 20,
+    share_across_batch: bool = False,
+    extra: AWQExtra | None = None,
+) -> AWQResult:
+    """Search ``s`` for ``w [B, O, I]`` given its input rows ``x [B, C, I]`` (``mask [B, C]`` bool)."""
+    assert n_grid >= 1, n_grid
+    parts = [AWQExtra(w, x, mask, spec)] + ([extra] if extra is not None else [])
+    for part in parts:
+        _check_part(part, w.shape[0], w.shape[2], share_across_batch)
+    means = _channel_means(parts, share_across_batch)  # [N, I], N = 1 if shared else B
+    alphas = torch.linspace(0.0, 1.0, n_grid)
+    s_grid = torch.stack([_smoothing(means, alpha) for alpha in alphas.tolist()])  # [n_grid, N, I]
+    errors = []  # per part [n_grid, B']; the loop runs over α, each step batched over the whole batch
+    for part in parts:
+        ref = torch.bmm(part.x.float(), part.w.float().transpose(1, 2))
+        errors.append(torch.stack([_output_error(part, ref, s, scale_dtype) for s in s_grid]))
+    objective = sum(e.sum(dim=1, keepdim=True) for e in errors) if share_across_batch else sum(errors)
+    best = torch.nan_to_num(objective, nan=float("inf")).argmin(dim=0)  # [N]; ties keep the smaller α
+    s = s_grid[best, torch.arange(best.shape[0])]  # [N, I]
+    picked = [e[best.expand(e.shape[1]) if share_across_batch else best, torch.arange(e.shape[1])] for e in errors]
+    _check_finite_error(picked)
+    weights = [_quantize_scaled(part, s, scale_dtype) for part in parts]
+    alpha = alphas[best].expand(w.shape[0])
+    extra_fields = (weights[1], picked[1], errors[1][0]) if extra is not None else (None, None, None)
+    return AWQResult(s[0] if share_across_batch else s, weights[0], alpha, picked[0], errors[0][0], *extra_fields)
+
+
+def _check_part(part: AWQExtra, B: int, n_in: int, shared: bool) -> None:
+    Bp, Cp, _ = part.x.shape
+    assert part.w.ndim == 3 and part.w.shape[2] == n_in, f"w must be [B, O, {n_in}], got {tuple(part.w.shape)}"
+    assert part.x.shape == (part.w.shape[0], Cp, n_in), f"x must be [B, C, I], got {tuple(part.x.shape)}"
+    assert part.mask.shape == (Bp, Cp) and part.mask.dtype == torch.bool, "mask must be bool [B, C]"
+    assert shared or Bp == B, f"extra has batch {Bp} but w has {B}: only a shared search mixes batch sizes"
+    assert n_in % part.spec.group_size == 0, f"group size {part.spec.group_size} does not divide {n_in}"
+    finite = torch.isfinite(part.w).flatten(1).all(1) & torch.isfinite(part.x).flatten(1).all(1)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().flatten().tolist()
+        raise NumericalError(f"AWQ input has NaN/Inf at batch index {bad} (weights or activations)")
+
+
+def _channel_means(parts: list[AWQExtra], shared: bool) -> torch.Tensor:
+    """mean |x| per channel over the real rows of every part: ``[B, I]``, or ``[1, I]`` when shared; floored
+    at ``_MIN_RELATIVE_MEAN`` of the largest; all ones for an element without rows."""
+    sums = [(p.x.float().abs() * p.mask[..., None]).sum(dim=1) for p in parts]  # [B', I]
+    counts = [p.mask.sum(dim=1).float() for p in parts]  # [B']
+    if shared:
+        sums, counts = [t.sum(dim=0, keepdim=True) for t in sums], [c.sum(dim=0, keepdim=True) for c in counts]
+    mean = sum(sums) / sum(counts).clamp_min(1.0)[:, None]
+    floor = mean.amax(dim=-1, keepdim=True) * _MIN_RELATIVE_MEAN
+    return torch.where(floor > 0, torch.maximum(mean, floor), torch.ones_like(mean))
+
+
+def _smoothing(means: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``s = m^α / sqrt(max · min)`` per row of ``means [N, I]``; exactly 1 at ``α = 0``."""
+    s = means.pow(alpha)
+    return s / (s.amax(dim=-1, keepdim=True) * s.amin(dim=-1, keepdim=True)).sqrt()
+
+
+def _quantize_scaled(part: AWQExtra, s: torch.Tensor, scale_dtype: torch.dtype) -> QuantizedWeight:
+    """``Q(W · s)`` for ``s [B' or 1, I]``."""
+    return quantize_weight(part.w.float() * s[:, None, :], part.spec, scale_dtype)
+
+
+def _output_error(part: AWQExtra, ref: torch.Tensor, s: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """``Σ_real rows ||x Wᵀ − (x / s) Q(W · s)ᵀ||²`` per element ``[B']`` for ``s [B' or 1, I]`` and
+    ``ref = x Wᵀ [B', C', O']``."""
+    w_hat = _quantize_scaled(part, s, scale_dtype).dequantize().float()
+    y = torch.bmm(part.x.float() / s[:, None, :], w_hat.transpose(1, 2))
+    return (((y - ref) ** 2).sum(dim=-1) * part.mask).sum(dim=-1)
+
+
+def _check_finite_error(errors: list[torch.Tensor]) -> None:
+    for err in errors:
+        if not bool(torch.isfinite(err).all()):
+            bad = (~torch.isfinite(err)).nonzero().flatten().tolist()
+            raise NumericalError(f"AWQ output error is not finite at batch index {bad} for every α")

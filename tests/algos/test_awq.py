@@ -1,0 +1,145 @@
+"""quant.algos.awq: the smoothing search beats RTN where AWQ should, folds exactly, and is batched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quant.algos.awq as awq_module
+from quant.algos.awq import AWQExtra, AWQResult, awq_search
+from quant.algos.grid import QuantSpec, quantize_weight
+from quant.errors import NumericalError
+
+B, C, N_OUT, N_IN = 4, 96, 48, 256
+SPEC = QuantSpec(4, 64, symmetric=True)
+
+
+def outlier_activations(B: int = B, C: int = C, n_in: int = N_IN, seed: int = 0) -> torch.Tensor:
+    """``[B, C, I]`` activations where 6 channels (a different set per element) are 20-50x larger."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, C, n_in, generator=g)
+    for b in range(B):  # test data only
+        channels = torch.randperm(n_in, generator=g)[:6]
+        x[b, :, channels] *= 20 + 30 * torch.rand(6, generator=g)
+    return x
+
+
+def weights(B: int = B, n_out: int = N_OUT, n_in: int = N_IN, seed: int = 1) -> torch.Tensor:
+    return torch.randn(B, n_out, n_in, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def output_error(w, x, mask, w_hat, s) -> torch.Tensor:
+    """Σ over real rows of ||x Wᵀ − (x / s) Ŵᵀ||², per element."""
+    y = torch.bmm(x, w.transpose(1, 2))
+    y_hat = torch.bmm(x / s.expand(w.shape[0], -1)[:, None, :], w_hat.float().transpose(1, 2))
+    return (((y - y_hat) ** 2).sum(-1) * mask).sum(-1)
+
+
+def full_mask(B: int = B, C: int = C) -> torch.Tensor:
+    return torch.ones(B, C, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_beats_rtn_per_expert_on_outlier_channels(symmetric: bool) -> None:
+    spec = QuantSpec(4, 64, symmetric)
+    w, x, mask = weights(), outlier_activations(), full_mask()
+    result = awq_search(w, x, mask, spec, torch.bfloat16)
+    assert isinstance(result, AWQResult) and result.scales.shape == (B, N_IN)
+    rtn = output_error(w, x, mask, quantize_weight(w, spec, torch.bfloat16).dequantize(), torch.ones(N_IN))
+    torch.testing.assert_close(result.rtn_error, rtn)
+    assert (result.error <= result.rtn_error).all()
+    assert (result.error < 0.9 * result.rtn_error).all(), result.error / result.rtn_error
+    assert (result.alpha > 0).all(), result.alpha
+
+
+def test_shared_scale_beats_rtn_in_total() -> None:
+    w, x, mask = weights(), outlier_activations(), full_mask()
+    x[:, :, :3] *= 30  # the shared norm output has outliers every expert sees
+    result = awq_search(w, x, mask, SPEC, torch.bfloat16, share_across_batch=True)
+    assert result.scales.shape == (N_IN,) and result.alpha.shape == (B,)
+    assert (result.alpha == result.alpha[0]).all() and result.alpha[0] > 0
+    assert result.error.sum() < 0.9 * result.rtn_error.sum()
+    per_expert = awq_search(w, x, mask, SPEC, torch.bfloat16)
+    assert per_expert.error.sum() <= result.error.sum()  # sharing can only cost
+
+
+def test_alpha_zero_without_outliers_is_rtn() -> None:
+    """With the grid reduced to α = 0 the result is exactly round-to-nearest."""
+    w, x, mask = weights(), outlier_activations(), full_mask()
+    result = awq_search(w, x, mask, SPEC, torch.bfloat16, n_grid=1)
+    rtn = quantize_weight(w, SPEC, torch.bfloat16)
+    assert torch.equal(result.scales, torch.ones(B, N_IN)) and torch.equal(result.weight.q, rtn.q)
+    assert torch.equal(result.error, result.rtn_error) and (result.alpha == 0).all()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_folding_reproduces_the_loss(shared: bool) -> None:
+    """The caller runs (x / s) through Q(W · s): that product is exactly what the search scored."""
+    w, x, mask = weights(), outlier_activations(), full_mask()
+    result = awq_search(w, x, mask, SPEC, torch.bfloat16, share_across_batch=shared)
+    s = result.scales if not shared else result.scales.expand(B, N_IN)
+    assert torch.equal(result.weight.q, quantize_weight(w * s[:, None, :], SPEC, torch.bfloat16).q)
+    folded = torch.bmm(x / s[:, None, :], result.weight.dequantize().float().transpose(1, 2))
+    assert torch.equal((((folded - torch.bmm(x, w.transpose(1, 2))) ** 2).sum(-1) * mask).sum(-1), result.error)
+    # and in exact arithmetic the folding is the identity on the unquantized weights
+    torch.testing.assert_close(torch.bmm(x / s[:, None, :], (w * s[:, None, :]).transpose(1, 2)),
+                               torch.bmm(x, w.transpose(1, 2)), rtol=1e-5, atol=1e-5)
+
+
+def test_padding_rows_are_ignored_and_empty_experts_stay_rtn() -> None:
+    w, x = weights(), outlier_activations()
+    mask = full_mask()
+    mask[1, 40:] = False
+    mask[3] = False  # an expert no calibration token reached
+    junk = x.clone()
+    junk[~mask] = 1e3 * torch.randn(int((~mask).sum()), N_IN)
+    clean = x * mask[..., None]
+    a = awq_search(w, junk, mask, SPEC, torch.bfloat16)
+    b = awq_search(w, clean, mask, SPEC, torch.bfloat16)
+    assert torch.equal(a.scales, b.scales) and torch.equal(a.weight.q, b.weight.q)
+    torch.testing.assert_close(a.error, b.error)
+    assert a.alpha[3] == 0 and torch.equal(a.scales[3], torch.ones(N_IN)) and a.error[3] == 0
+
+
+def test_extra_weights_share_the_scale() -> None:
+    """Shared-expert gate/up fed by the same norm: all tokens, 8 bits, quantized with the same s."""
+    w, x, mask = weights(), outlier_activations(), full_mask()
+    x[:, :, :3] *= 30
+    shared_w = weights(1, 64, N_IN, seed=9)
+    extra = AWQExtra(shared_w, x.reshape(1, B * C, N_IN), mask.reshape(1, B * C), QuantSpec(8, 64, False))
+    result = awq_search(w, x, mask, SPEC, torch.bfloat16, share_across_batch=True, extra=extra)
+    s = result.scales
+    assert torch.equal(result.extra_weight.q, quantize_weight(shared_w * s, extra.spec, torch.bfloat16).q)
+    assert result.extra_weight.zero is not None and result.extra_error.shape == (1,)
+    total, total_rtn = result.error.sum() + result.extra_error, result.rtn_error.sum() + result.extra_rtn_error
+    assert total <= total_rtn
+
+
+def test_extra_batch_must_match_unless_shared() -> None:
+    extra = AWQExtra(weights(1), outlier_activations(1), full_mask(1), SPEC)
+    with pytest.raises(AssertionError, match="only a shared search"):
+        awq_search(weights(), outlier_activations(), full_mask(), SPEC, torch.bfloat16, extra=extra)
+
+
+def test_nan_activations_raise() -> None:
+    x = outlier_activations()
+    x[2, 5, 7] = float("nan")
+    with pytest.raises(NumericalError, match=r"batch index \[2\]"):
+        awq_search(weights(), x, full_mask(), SPEC, torch.bfloat16)
+
+
+def test_no_python_loop_over_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantizer calls grow with the α grid, not with B: n_grid searches plus one final quantization."""
+    calls = {"n": 0}
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return quantize_weight(*args, **kwargs)
+
+    monkeypatch.setattr(awq_module, "quantize_weight", counting)
+    counts = []
+    for n in (1, 6):
+        calls["n"] = 0
+        awq_search(weights(n), outlier_activations(n), full_mask(n), SPEC, torch.bfloat16, n_grid=7)
+        counts.append(calls["n"])
+    assert counts == [8, 8]

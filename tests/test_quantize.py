@@ -1,0 +1,72 @@
+"""The layer loop: chunked statistics, fused problems, mixed bits and fallbacks on a real builtin model."""
+
+import pytest
+import torch
+
+from quant.calibration import build_calibration
+from quant.layerwise import Layerwise
+from quant.models import resolve_model
+from quant.plan import plan_bits
+from quant.profile import profile_routing
+from quant.qstore import layer_file, read_layer
+from quant.quantize import quantize_model
+from quant.recipe import PlanSpec, QuantizeSpec
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from transformers import AutoTokenizer
+
+    src = resolve_model("builtin:deepseek-v3-tiny")
+    calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 8, 64, 0)
+    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4))
+    return src, calib, prof
+
+
+def _quantize(setup, tmp_path, name, plan_spec=None, **qkw):
+    src, calib, prof = setup
+    plan = plan_bits(prof, src.modules, plan_spec or PlanSpec(group_size=32), qkw.pop("algorithm", "gptq"), src.n_layers)
+    out = tmp_path / name
+    reports = quantize_model(src, calib, plan, QuantizeSpec(**qkw), Layerwise(src, "bfloat16", "cpu", 4), out)
+    return plan, out, reports
+
+
+def _stored(out, src):
+    return {n: qw for layer in range(src.n_layers) for n, qw in read_layer(layer_file(out, layer)).items()}
+
+
+def test_chunked_statistics_and_small_solves_are_bit_identical(setup, tmp_path):
+    src = setup[0]
+    _, a, _ = _quantize(setup, tmp_path, "whole")
+    _, b, _ = _quantize(setup, tmp_path, "chunked", hessian_budget_gb=2e-5, solve_budget_gb=1e-4)
+    sa, sb = _stored(a, src), _stored(b, src)
+    assert sa.keys() == sb.keys()
+    for n in sa:
+        assert torch.equal(sa[n].q, sb[n].q) and torch.equal(sa[n].scale, sb[n].scale), n
+
+
+def test_mixed_bits_in_one_layer_are_exactly_the_plan(setup, tmp_path):
+    src = setup[0]
+    plan, out, _ = _quantize(setup, tmp_path, "mixed", PlanSpec(group_size=32, low_bits=3, high_bits=8))
+    stored = _stored(out, src)
+    assert set(stored) == set(plan.quantized())
+    bits_seen = set()
+    for name, p in plan.quantized().items():
+        qw = stored[name]
+        assert qw.spec.bits == p.bits and qw.spec.group_size == p.group_size
+        assert int(qw.q.min()) >= -(1 << (p.bits - 1)) and int(qw.q.max()) <= (1 << (p.bits - 1)) - 1
+        bits_seen.add(p.bits)
+    assert {3, 8} <= bits_seen
+    layer2 = {p.bits for n, p in plan.quantized().items() if n.startswith("layers.2.experts.")}
+    assert layer2 == {3, 8}  # one layer holds both
+
+
+def test_token_floor_falls_back_to_rtn_and_reports_it(setup, tmp_path):
+    src, _, prof = setup
+    _, out, reports = _quantize(setup, tmp_path, "floor", min_tokens=10**9)
+    fallbacks = [n for r in reports for n in r.rtn_fallbacks]
+    n_experts = sum(1 for n, m in src.modules.items() if m.kind == "expert")
+    assert len(fallbacks) == n_experts
+    _, rtn, _ = _quantize(setup, tmp_path, "rtn", algorithm="rtn")
+    a, b = _stored(out, src), _stored(rtn, src)
+    assert all(torch.equal(a[n].q, b[n].q) for n in fallbacks)
