@@ -142,7 +142,8 @@ def calibration(n: int, seqlen: int, vocab: int, seed: int) -> CalibrationSet:
     return CalibrationSet(tokens, tuple(f"random:{i}" for i in range(n)), ("random",) * n, seed, "random")
 
 
-def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, batch: int, quant_all: bool) -> dict:
+def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, batch: int, quant_all: bool,
+              solve_budget_gb: float = 6.0) -> dict:
     """Profile + quantize with quant's engine; export compressed-tensors; timings per layer."""
     from quant.export.compressed_tensors import write_compressed_tensors
 
@@ -157,7 +158,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=128, symmetric=sym,
                     protect={"attention": 4 if quant_all else "keep", "shared_experts": 4, "dense_mlp": 4})
     plan = plan_bits(prof, src.modules, spec, algo, src.n_layers)
-    qspec = QuantizeSpec(algorithm=algo, device=dev, batch_size=batch)
+    qspec = QuantizeSpec(algorithm=algo, device=dev, batch_size=batch, solve_budget_gb=solve_budget_gb)
     qdir = work / f"q-{algo}"
     shutil.rmtree(qdir, ignore_errors=True)
     reset_peak()
@@ -246,6 +247,7 @@ def main() -> None:
     ap.add_argument("--llmcompressor", default="", help="comma list: gptq,awq")
     ap.add_argument("--error-samples", type=int, default=16)
     ap.add_argument("--keep-attention", action="store_true", help="quantize experts only")
+    ap.add_argument("--solve-budget-gb", type=float, default=6.0)
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -262,7 +264,7 @@ def main() -> None:
     calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     rows = []
     for algo in [x for x in a.algos.split(",") if x]:
-        r = run_quant(src, calib, algo, work, a.batch, quant_all=not a.keep_attention)
+        r = run_quant(src, calib, algo, work, a.batch, quant_all=not a.keep_attention, solve_budget_gb=a.solve_budget_gb)
         say(**r)
         rows.append(r)
     for algo in [x for x in a.llmcompressor.split(",") if x]:

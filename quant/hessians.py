@@ -41,6 +41,7 @@ class LinearStats:
     def __init__(self, module: nn.Linear):
         n = module.in_features
         self.sum = torch.zeros(n, n, dtype=torch.float32, device=module.weight.device)
+        self.abs_sum = torch.zeros(n, dtype=torch.float32, device=module.weight.device)
         self.n = 0
         self.handle = module.register_forward_pre_hook(self._hook)
 
@@ -49,10 +50,14 @@ class LinearStats:
         with exact_tf32(_low_precision(x)):
             xf = x.float()
             self.sum.addmm_(xf.T, xf)
+        self.abs_sum += xf.abs().sum(dim=0)
         self.n += x.shape[0]
 
     def hessian(self) -> torch.Tensor:
         return self.sum / max(self.n, 1)
+
+    def mean_abs(self) -> torch.Tensor:
+        return self.abs_sum / max(self.n, 1)
 
 
 class ExpertStats:
@@ -71,6 +76,8 @@ class ExpertStats:
         self.first, self.count = first, count
         self.sum_gu = torch.zeros(E, D, D, dtype=torch.float32, device=dev)
         self.sum_down = torch.zeros(E, I, I, dtype=torch.float32, device=dev) if need_down else None
+        self.abs_gu = torch.zeros(E, D, dtype=torch.float32, device=dev)
+        self.abs_down = torch.zeros(E, I, dtype=torch.float32, device=dev)
         self.weight_sum = torch.zeros(E, dtype=torch.float64, device=dev)
         self.counts = torch.zeros(E, dtype=torch.long, device=dev)
         self.handle = view.module.register_forward_pre_hook(self._hook)
@@ -97,10 +104,17 @@ class ExpertStats:
         sqrt_w = row_w.sqrt().unsqueeze(-1)
         xs = xg.float() * sqrt_w
         self.sum_gu.baddbmm_(xs.transpose(1, 2), xs)
+        self.abs_gu += xs.abs().sum(dim=1)
         if self.need_down:
             gate_up = self.view.gate_up[self.first : self.first + self.count]
             a = expert_intermediate(xg, gate_up, self.view.act).float() * sqrt_w
             self.sum_down.baddbmm_(a.transpose(1, 2), a)
+            self.abs_down += a.abs().sum(dim=1)
+
+    def mean_abs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """mean |x| per input channel, per expert: gate/up input ``[E, D]``, down input ``[E, I]``."""
+        denom = self.weight_sum.clamp_min(1e-12).float()[:, None]
+        return self.abs_gu / denom, self.abs_down / denom
 
     def hessians(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         denom = self.weight_sum.clamp_min(1e-12).float().view(-1, 1, 1)

@@ -22,9 +22,14 @@ def layer_file(root: Path, layer: int | None) -> Path:
     return root / ("layer_head.safetensors" if layer is None else f"layer_{layer:05d}.safetensors")
 
 
-def write_layer(path: Path, weights: dict[str, QuantizedWeight]) -> None:
-    """Write 2-D quantized modules (``q [out, in]``) atomically."""
-    tensors, meta = {}, {}
+PARAM_PREFIX = "__param__."
+
+
+def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[str, torch.Tensor] | None = None) -> None:
+    """Write 2-D quantized modules (``q [out, in]``) atomically, plus ``params``: kept tensors the algorithm
+    changed (AWQ folds 1/s into norms and routers), by the layer's in-memory parameter name."""
+    tensors = {PARAM_PREFIX + k: v.detach().contiguous().cpu() for k, v in (params or {}).items()}
+    meta = {}
     for name, qw in weights.items():
         assert qw.q.ndim == 2, f"{name}: store one module per entry, got {tuple(qw.q.shape)}"
         tensors[f"{name}.q"] = qw.q.contiguous().cpu()
@@ -53,3 +58,9 @@ def dequantize_2d(qw: QuantizedWeight) -> torch.Tensor:
     """``[out, in]`` dequantized weight of a stored module (in the scale's dtype)."""
     return QuantizedWeight(qw.q[None], qw.scale[None], None if qw.zero is None else qw.zero[None],
                            qw.spec).dequantize()[0]
+
+
+def read_params(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The changed kept parameters stored with a layer (in-memory names), possibly empty."""
+    with safe_open(str(path), "pt", device=str(device)) as f:
+        return {k[len(PARAM_PREFIX):]: f.get_tensor(k) for k in f.keys() if k.startswith(PARAM_PREFIX)}

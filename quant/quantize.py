@@ -28,8 +28,9 @@ from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
 from quant.plan import BitPlan, ModulePlan
-from quant.qstore import dequantize_2d, layer_file, read_layer, write_layer
+from quant.qstore import dequantize_2d, layer_file, read_layer, read_params, write_layer
 from quant.recipe import QuantizeSpec
+from quant.smooth import run_awq
 
 log = logging.getLogger(__name__)
 PROJ_ROWS = {"gate": (0, 1), "up": (1, 2)}  # halves of gate_up_proj [E, 2I, D]
@@ -46,8 +47,8 @@ def _solve_gptq(w, H, spec, scale_dtype, q: QuantizeSpec) -> tuple[QuantizedWeig
     return res.weight, [f"batch element {b}: {why}" for b, why in res.repairs]
 
 
-ALGORITHMS = {"rtn": _solve_rtn, "gptq": _solve_gptq}
-NEEDS_HESSIAN = {"rtn": False, "gptq": True}
+ALGORITHMS = {"rtn": _solve_rtn, "gptq": _solve_gptq, "awq": _solve_rtn}  # awq: smooth.run_awq, then RTN
+NEEDS_HESSIAN = {"rtn": False, "gptq": True, "awq": True}
 
 
 @dataclass
@@ -93,7 +94,8 @@ class _LayerJob:
     """Quantizes the planned modules of one materialized layer."""
 
     def __init__(self, source: ModelSource, plan: BitPlan, spec: QuantizeSpec, idx: int, layer: nn.Module):
-        self.plan, self.spec, self.idx, self.layer = plan, spec, idx, layer
+        self.source, self.plan, self.spec, self.idx, self.layer = source, plan, spec, idx, layer
+        self.params: dict[str, torch.Tensor] = {}
         prefix = f"layers.{idx}."
         self.mods = {n: p for n, p in plan.quantized().items() if n.startswith(prefix)}
         self.linears = {n: m for n, m in linears_of(source, layer, idx).items() if n in self.mods}
@@ -136,6 +138,9 @@ class _LayerJob:
         with _timed(self.report, "solve_seconds", lw.device):
             self.run_linears(lin_stats)
 
+    def spec_of(self, name: str) -> QuantSpec:
+        return _spec_of(self.mods[name])
+
     def solve(self, w: torch.Tensor, H: torch.Tensor | None, spec: QuantSpec,
               rows: list[list[tuple[str, slice]]], algorithm: str | None = None) -> torch.Tensor:
         """Quantize a ``[B, out, in]`` batch whose element ``b`` holds the modules ``rows[b]`` (name, row slice):
@@ -144,22 +149,30 @@ class _LayerJob:
         solver = ALGORITHMS[algorithm or self.plan.algorithm]
         qw, repairs = solver(w, H, spec, w.dtype, self.spec)
         self.report.repairs += [f"{rows[b][0][0]}: {why}" for b, why in repairs]
+        return self.record(qw, rows, w)
+
+    def record(self, qw: QuantizedWeight, rows: list[list[tuple[str, slice]]], w: torch.Tensor | None = None):
+        """Store each module's codes from a batched result; track the worst relative weight error vs ``w``."""
         deq = qw.dequantize()
-        diff = (deq.float() - w.float()).pow(2).sum(dim=2)  # [B, out]
-        ref = w.float().pow(2).sum(dim=2)
+        if w is not None:
+            diff = (deq.float() - w.float()).pow(2).sum(dim=2)  # [B, out]
+            ref = w.float().pow(2).sum(dim=2)
         for b, parts in enumerate(rows):
             for name, r in parts:
-                err = (diff[b, r].sum() / ref[b, r].sum().clamp_min(1e-24)).sqrt().item()
-                if err >= self.report.worst_rel_error:
-                    self.report.worst_rel_error, self.report.worst_module = err, name
+                if w is not None:
+                    err = (diff[b, r].sum() / ref[b, r].sum().clamp_min(1e-24)).sqrt().item()
+                    if err >= self.report.worst_rel_error:
+                        self.report.worst_rel_error, self.report.worst_module = err, name
                 z = None if qw.zero is None else qw.zero[b, r]
-                self.results[name] = QuantizedWeight(qw.q[b, r], qw.scale[b, r], z, spec)
+                self.results[name] = QuantizedWeight(qw.q[b, r], qw.scale[b, r], z, qw.spec)
         return deq
 
-    def run_linears(self, lin_stats: dict) -> None:
+    def run_linears(self, lin_stats: dict, skip: set[str] = frozenset()) -> None:
         """Linears with identical input statistics (q/k/v, shared gate/up) and one spec are solved together."""
         groups: list[tuple[QuantSpec, torch.Tensor | None, list[str]]] = []
         for name in self.linears:
+            if name in skip:
+                continue
             spec, H = _spec_of(self.mods[name]), lin_stats[name].hessian() if lin_stats else None
             for g_spec, g_H, names in groups:
                 same_input = H is not None and g_H is not None and g_H.shape == H.shape and torch.equal(g_H, H)
@@ -177,8 +190,9 @@ class _LayerJob:
             for i, m in enumerate(mods):
                 m.weight.data.copy_(deq[bounds[i] : bounds[i + 1]])
 
-    def _expert_groups(self, planned: dict, first: int, count: int, counts) -> dict[tuple, list[int]]:
+    def expert_groups(self, first: int, count: int, counts) -> dict[tuple, list[int]]:
         """(projection, spec, RTN fallback) -> experts; gate and up of one spec form one 'gate_up' problem."""
+        planned = self.experts_planned()
         groups: dict[tuple, list[int]] = {}
         for e in range(first, first + count):
             p = {proj: planned.get(f"layers.{self.idx}.experts.{e}.{proj}") for proj in ("gate", "up", "down")}
@@ -203,12 +217,11 @@ class _LayerJob:
         counts = exp_stats.counts if exp_stats is not None else None
         views = {"gate_up": (v.gate_up.data, H_gu), "gate": (v.gate_up.data[:, :I], H_gu),
                  "up": (v.gate_up.data[:, I:], H_gu), "down": (v.down.data, H_down)}
-        for (proj, spec, fallback), experts in self._expert_groups(planned, first, count, counts).items():
+        for (proj, spec, fallback), experts in self.expert_groups(first, count, counts).items():
             weights, H = views[proj]
             for sub in _sub_batches(experts, weights.shape[1], weights.shape[2], self.spec.solve_budget_gb):
                 local = None if H is None or fallback else H[torch.tensor([e - first for e in sub], device=H.device)]
                 self._solve_experts(proj, weights, local, spec, sub, fallback, I)
-        self.report.n_experts = len({n.split(".")[3] for n in planned})
 
     def _solve_experts(self, proj, weights, H, spec, experts, fallback, I) -> None:
         """``H`` is already indexed to ``experts`` (None for RTN or the token-floor fallback)."""
@@ -222,6 +235,7 @@ class _LayerJob:
     def finish_report(self, seconds: float) -> LayerReport:
         r = self.report
         r.n_modules = len(self.results)
+        r.n_experts = len({n.split(".")[3] for n in self.results if ".experts." in n})
         numel = {n: q.q.numel() for n, q in self.results.items()}
         total = sum(numel.values())
         r.mean_bits = sum(self.results[n].spec.bits * k for n, k in numel.items()) / max(total, 1)
@@ -229,8 +243,9 @@ class _LayerJob:
         return r
 
 
-def _apply_stored(job: _LayerJob, stored: dict[str, QuantizedWeight]) -> None:
-    """Put previously stored dequantized weights into the layer (resume path)."""
+def _apply_stored(job: _LayerJob, path: Path, device) -> None:
+    """Put previously stored dequantized weights (and changed kept parameters) into the layer (resume path)."""
+    stored = read_layer(path, device)
     I = job.view.intermediate if job.view is not None else 0
     for name, qw in stored.items():
         deq = dequantize_2d(qw)
@@ -243,6 +258,11 @@ def _apply_stored(job: _LayerJob, stored: dict[str, QuantizedWeight]) -> None:
         else:
             lo, hi = PROJ_ROWS[proj]
             job.view.gate_up.data[e, lo * I : hi * I].copy_(deq)
+    params = read_params(path, device)
+    state = dict(job.layer.named_parameters())
+    for name, t in params.items():
+        state[name].data.copy_(t.to(state[name].device))
+    job.params = params
     job.results = stored
     missing = set(job.mods) - set(stored)
     if missing:
@@ -263,16 +283,19 @@ def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, sp
             job = _LayerJob(source, plan, spec, idx, layer)
             path = layer_file(out_dir, idx)
             if path.is_file():
-                _apply_stored(job, read_layer(path, lw.device))
+                _apply_stored(job, path, lw.device)
                 job.report.resumed = True
             else:
-                if NEEDS_HESSIAN[plan.algorithm]:
+                if plan.algorithm == "awq":
+                    with _timed(job.report, "solve_seconds", lw.device):
+                        job.params = run_awq(job, lw, hidden)
+                elif NEEDS_HESSIAN[plan.algorithm]:
                     job.run_with_statistics(lw, hidden)
                 else:
                     with _timed(job.report, "solve_seconds", lw.device):
                         job.run_linears({})
                         job.run_experts(None)
-                write_layer(path, job.results)
+                write_layer(path, job.results, job.params)
             with _timed(job.report, "forward_seconds", lw.device):
                 hidden = lw.forward(layer, hidden, out=hidden)
         report = job.finish_report(time.perf_counter() - t0)

@@ -82,14 +82,22 @@ def awq_search(
     n_grid: int = 20,
     share_across_batch: bool = False,
     extra: AWQExtra | None = None,
+    channel_means: torch.Tensor | None = None,
 ) -> AWQResult:
-    """Search ``s`` for ``w [B, O, I]`` given its input rows ``x [B, C, I]`` (``mask [B, C]`` bool)."""
+    """Search ``s`` for ``w [B, O, I]`` given its input rows ``x [B, C, I]`` (``mask [B, C]`` bool).
+
+    ``channel_means [N, I]`` (N = 1 when shared, else B): mean |x| per channel measured elsewhere, for callers
+    whose rows are not activations but a square root of their second moment (``x = Lᵀ`` with ``L Lᵀ = Σ x xᵀ``
+    gives the same loss from a Hessian, without keeping activations)."""
     assert n_grid >= 1, n_grid
     parts = [AWQExtra(w, x, mask, spec)] + ([extra] if extra is not None else [])
     for part in parts:
         _check_part(part, w.shape[0], w.shape[2], share_across_batch)
-    means = _channel_means(parts, share_across_batch)  # [N, I], N = 1 if shared else B
-    alphas = torch.linspace(0.0, 1.0, n_grid)
+    if channel_means is None:
+        means = _channel_means(parts, share_across_batch)  # [N, I], N = 1 if shared else B
+    else:
+        means = _floor_means(channel_means.float())
+    alphas = torch.linspace(0.0, 1.0, n_grid, device=w.device)
     s_grid = torch.stack([_smoothing(means, alpha) for alpha in alphas.tolist()])  # [n_grid, N, I]
     errors = []  # per part [n_grid, B']; the loop runs over α, each step batched over the whole batch
     for part in parts:
@@ -97,8 +105,9 @@ def awq_search(
         errors.append(torch.stack([_output_error(part, ref, s, scale_dtype) for s in s_grid]))
     objective = sum(e.sum(dim=1, keepdim=True) for e in errors) if share_across_batch else sum(errors)
     best = torch.nan_to_num(objective, nan=float("inf")).argmin(dim=0)  # [N]; ties keep the smaller α
-    s = s_grid[best, torch.arange(best.shape[0])]  # [N, I]
-    picked = [e[best.expand(e.shape[1]) if share_across_batch else best, torch.arange(e.shape[1])] for e in errors]
+    s = s_grid[best, torch.arange(best.shape[0], device=w.device)]  # [N, I]
+    picked = [e[best.expand(e.shape[1]) if share_across_batch else best, torch.arange(e.shape[1], device=w.device)]
+              for e in errors]
     _check_finite_error(picked)
     weights = [_quantize_scaled(part, s, scale_dtype) for part in parts]
     alpha = alphas[best].expand(w.shape[0])
@@ -126,7 +135,10 @@ def _channel_means(parts: list[AWQExtra], shared: bool) -> torch.Tensor:
     counts = [p.mask.sum(dim=1).float() for p in parts]  # [B']
     if shared:
         sums, counts = [t.sum(dim=0, keepdim=True) for t in sums], [c.sum(dim=0, keepdim=True) for c in counts]
-    mean = sum(sums) / sum(counts).clamp_min(1.0)[:, None]
+    return _floor_means(sum(sums) / sum(counts).clamp_min(1.0)[:, None])
+
+
+def _floor_means(mean: torch.Tensor) -> torch.Tensor:
     floor = mean.amax(dim=-1, keepdim=True) * _MIN_RELATIVE_MEAN
     return torch.where(floor > 0, torch.maximum(mean, floor), torch.ones_like(mean))
 

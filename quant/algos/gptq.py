@@ -207,33 +207,105 @@ def _quantize_columns(W, U, spec: QuantSpec, scale_dtype: torch.dtype, block_siz
     """GPTQ's column loop on ``W [B, O, I]`` (processing order) with ``U [B, I, I]``. ``static``: per-column
     grids ``(scale, zero) [B, O, I]`` fixed in advance, or None to fit each group's grid when the group starts.
     -> codes ``[B, O, I]`` and, when fitted here, ``scale, zero [B, O, G]``. Works on a transposed copy
-    ``[B, I, O]`` so that a column, its grid and the rank-1 updates are contiguous."""
+    ``[B, I, O]`` so that a column, its grid and the rank-1 updates are contiguous. On CUDA each block's column
+    loop is captured once as a CUDA graph and replayed (the loop is launch-bound: ~15 small kernels a column)."""
     B, n_out, n_in = W.shape
-    gs, column = spec.group_size, QuantSpec(spec.bits, 1, spec.symmetric)
+    gs = spec.group_size
     Wt = W.transpose(1, 2).contiguous()
     qt = torch.empty(B, n_in, n_out, dtype=torch.int8, device=W.device)
     scale = torch.empty(B, n_out, n_in // gs, dtype=scale_dtype, device=W.device)
     zero = None if spec.symmetric else torch.empty(B, n_out, n_in // gs, dtype=torch.int8, device=W.device)
     if static is not None:
         static = tuple(None if t is None else t.transpose(1, 2).contiguous() for t in static)
+    runner = _BlockRunner(W.device.type == "cuda")
+    wide = None  # (scale, zero) of a group wider than the block, fitted at its first column
     for i1, i2 in _blocks(n_in, gs, block_size):
-        W1, U1 = Wt[:, i1:i2], U[:, i1:i2, i1:i2]
-        err = torch.empty(B, i2 - i1, n_out, device=W.device)
-        for j in range(i2 - i1):
-            i = i1 + j
-            if static is not None:
-                s, z = static[0][:, i, :, None], None if static[1] is None else static[1][:, i, :, None]
-            elif i % gs == 0:  # a group starts: its columns have every earlier update (see _blocks)
-                s, z = fit_grid(Wt[:, i : i + gs].transpose(1, 2), spec, scale_dtype)
-                scale[:, :, i // gs, None] = s
+        inputs = [Wt[:, i1:i2], U[:, i1:i2, i1:i2]]
+        starts: tuple[int, ...] = ()
+        if static is not None:
+            inputs += [static[0][:, i1:i2]] + ([] if static[1] is None else [static[1][:, i1:i2]])
+        elif gs > i2 - i1:  # the block lies inside one group; fit it (all earlier updates applied) at its start
+            if i1 % gs == 0:
+                wide = fit_grid(Wt[:, i1 : i1 + gs].transpose(1, 2), spec, scale_dtype)
+                scale[:, :, i1 // gs] = wide[0][..., 0]
                 if zero is not None:
-                    zero[:, :, i // gs, None] = z
-            w_col = W1[:, j, :, None]  # [B, O, 1]
-            q_col = quantize(w_col, s, z, column)
-            e = (w_col - dequantize(q_col, s, z, 1).float())[..., 0] / U1[:, j, j, None]  # [B, O]
-            W1[:, j:] -= U1[:, j, j:, None] * e[:, None, :]
-            err[:, j] = e
-            qt[:, i] = q_col[..., 0]
+                    zero[:, :, i1 // gs] = wide[1][..., 0]
+            inputs += [t[..., 0][:, None, :].expand(B, i2 - i1, n_out).contiguous() for t in wide if t is not None]
+        else:
+            starts = tuple(j for j in range(i2 - i1) if (i1 + j) % gs == 0)
+        key = (tuple(inputs[0].shape), starts, len(inputs))
+        out = runner.run(key, lambda *t, starts=starts: _column_block(spec, scale_dtype, starts, *t), inputs)
+        W1, q1, err, grids = out
+        Wt[:, i1:i2] = W1
+        qt[:, i1:i2] = q1
+        for (j, s), z in zip(grids[0], grids[1] or [None] * len(grids[0]), strict=True):
+            scale[:, :, (i1 + j) // gs] = s
+            if zero is not None:
+                zero[:, :, (i1 + j) // gs] = z
         Wt[:, i2:] -= torch.bmm(U[:, i1:i2, i2:].transpose(1, 2), err)
     _check_converged(Wt)
     return qt.transpose(1, 2).contiguous(), scale, zero
+
+
+def _column_block(spec: QuantSpec, scale_dtype, starts: tuple[int, ...], W1, U1, s_static=None, z_static=None):
+    """One block of GPTQ columns, in place on ``W1 [B, w, O]`` (transposed), ``U1 [B, w, w]``. Grids are fitted at
+    the block offsets ``starts`` (dynamic) or read from ``s_static/z_static [B, w, O]``.
+    -> (W1, codes [B, w, O], errors [B, w, O], ([(offset, scale [B, O])], [zero [B, O]] or None))."""
+    B, width, n_out = W1.shape
+    gs, column = spec.group_size, QuantSpec(spec.bits, 1, spec.symmetric)
+    q1 = torch.empty(B, width, n_out, dtype=torch.int8, device=W1.device)
+    err = torch.empty(B, width, n_out, dtype=W1.dtype, device=W1.device)
+    scales, zeros = [], None if spec.symmetric else []
+    s = z = None
+    for j in range(width):
+        if s_static is not None:
+            s, z = s_static[:, j, :, None], None if z_static is None else z_static[:, j, :, None]
+        elif j in starts:  # a group starts: its columns have every earlier update (see _blocks)
+            s, z = fit_grid(W1[:, j : j + gs].transpose(1, 2), spec, scale_dtype)
+            scales.append((j, s[..., 0]))
+            if zeros is not None:
+                zeros.append(z[..., 0])
+        w_col = W1[:, j, :, None]  # [B, O, 1]
+        q_col = quantize(w_col, s, z, column)
+        e = (w_col - dequantize(q_col, s, z, 1).float())[..., 0] / U1[:, j, j, None]  # [B, O]
+        W1[:, j:] -= U1[:, j, j:, None] * e[:, None, :]
+        err[:, j] = e
+        q1[:, j] = q_col[..., 0]
+    return W1, q1, err, (scales, zeros)
+
+
+class _BlockRunner:
+    """Runs ``fn(*inputs)`` eagerly, or on CUDA through one captured graph per ``key`` (inputs copied into static
+    buffers, the graph replayed). Outputs of a replay live in the graph's buffers until the next replay."""
+
+    def __init__(self, use_graphs: bool):
+        self.use_graphs = use_graphs
+        self.graphs: dict = {}
+
+    def run(self, key, fn, inputs: list[torch.Tensor]):
+        if not self.use_graphs:
+            return fn(*inputs)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(fn, inputs)
+            except RuntimeError:  # capture unsupported here: the eager loop computes the same thing
+                self.use_graphs = False
+                return fn(*inputs)
+        graph, static, out = self.graphs[key]
+        for buf, t in zip(static, inputs, strict=True):
+            buf.copy_(t)
+        graph.replay()
+        return out
+
+    @staticmethod
+    def _capture(fn, inputs):
+        static = [t.clone() for t in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on copies (the block updates its input in place)
+            fn(*[t.clone() for t in static])
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(*static)
+        return graph, static, out

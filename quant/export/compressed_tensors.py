@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 
 from quant.export.targets import name_regexes
-from quant.export.writer import ShardWriter, atomic_directory, copy_side_files, write_manifest
+from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
 from quant.plan import BitPlan
-from quant.qstore import layer_file, read_layer
 
 log = logging.getLogger(__name__)
 
@@ -66,36 +65,12 @@ def compress_module(qw) -> dict[str, torch.Tensor]:
     return out
 
 
-def _layer_of_key(key: str) -> int | None:
-    parts = key.split(".")
-    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else None
-
-
 def write_compressed_tensors(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
                              extra_manifest: dict | None = None) -> Path:
     """Write the checkpoint to ``out`` atomically; returns ``out``."""
-    by_prefix = {m.disk_prefix: n for n, m in source.modules.items()}
-    quantized = plan.quantized()
-    keys = sorted(source.weight_map, key=lambda k: (_layer_of_key(k) is None, _layer_of_key(k) or 0, k))
-    with atomic_directory(out) as tmp:
-        writer = ShardWriter(tmp, max_shard_bytes)
-        cache: dict = {"layer": object(), "modules": {}}
-        for key in keys:
-            prefix = key.removesuffix(".weight")
-            name = by_prefix.get(prefix) if key.endswith(".weight") else None
-            if name is None or name not in quantized:
-                writer.add(key, source.read_tensors([key])[key])
-                continue
-            layer = _layer_of_key(key)
-            if cache["layer"] != layer:
-                cache = {"layer": layer, "modules": read_layer(layer_file(qdir, layer))}
-            for suffix, tensor in compress_module(cache["modules"][name]).items():
-                writer.add(f"{prefix}.{suffix}", tensor)
-        writer.close()
-        config = json.loads((source.path / "config.json").read_text())
-        config["quantization_config"] = quantization_config(source, plan)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        copy_side_files(source.path, tmp)
-        write_manifest(tmp, {"format": "compressed-tensors", **(extra_manifest or {})})
+    config = json.loads((source.path / "config.json").read_text())
+    config["quantization_config"] = quantization_config(source, plan)
+    write_checkpoint(source, plan, qdir, out, max_shard_bytes, compress_module, {"config.json": config},
+                     {"format": "compressed-tensors", **(extra_manifest or {})})
     log.info("wrote compressed-tensors checkpoint %s", out)
     return out

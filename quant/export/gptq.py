@@ -28,11 +28,9 @@ from pathlib import Path
 import torch
 
 from quant.errors import PlanError
-from quant.export.compressed_tensors import _layer_of_key
-from quant.export.writer import ShardWriter, atomic_directory, copy_side_files, write_manifest
+from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
 from quant.plan import BitPlan
-from quant.qstore import layer_file, read_layer
 
 GPTQ_BITS = (2, 4, 8)
 
@@ -166,27 +164,8 @@ def write_gptq(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_sh
         raise PlanError(f"the GPTQ writer packs {GPTQ_BITS} bits, not {bad}; export compressed-tensors instead")
     qcfg = quantize_config(plan, source)
     v2 = qcfg["checkpoint_format"] == "gptq_v2"
-    by_prefix = {m.disk_prefix: n for n, m in source.modules.items()}
-    quantized = plan.quantized()
-    with atomic_directory(out) as tmp:
-        writer = ShardWriter(tmp, max_shard_bytes)
-        cache: dict = {"layer": object(), "modules": {}}
-        for key in sorted(source.weight_map, key=lambda k: (_layer_of_key(k) is None, _layer_of_key(k) or 0, k)):
-            prefix = key.removesuffix(".weight")
-            name = by_prefix.get(prefix) if key.endswith(".weight") else None
-            if name is None or name not in quantized:
-                writer.add(key, source.read_tensors([key])[key])
-                continue
-            layer = _layer_of_key(key)
-            if cache["layer"] != layer:
-                cache = {"layer": layer, "modules": read_layer(layer_file(qdir, layer))}
-            for suffix, tensor in gptq_tensors(cache["modules"][name], v2).items():
-                writer.add(f"{prefix}.{suffix}", tensor)
-        writer.close()
-        config = json.loads((source.path / "config.json").read_text())
-        config["quantization_config"] = qcfg
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "quantize_config.json").write_text(json.dumps(qcfg, indent=2))
-        copy_side_files(source.path, tmp)
-        write_manifest(tmp, {"format": "gptq", **(extra_manifest or {})})
-    return out
+    config = json.loads((source.path / "config.json").read_text())
+    config["quantization_config"] = qcfg
+    return write_checkpoint(source, plan, qdir, out, max_shard_bytes, lambda qw: gptq_tensors(qw, v2),
+                            {"config.json": config, "quantize_config.json": qcfg},
+                            {"format": "gptq", **(extra_manifest or {})})

@@ -11,12 +11,16 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from quant.models import ModelSource
+from quant.plan import BitPlan
+from quant.qstore import layer_file, read_layer, read_params
 
 MANIFEST = "quant_manifest.json"
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -113,3 +117,55 @@ def atomic_directory(final: Path) -> Iterator[Path]:
             os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _layer_of_key(key: str) -> int | None:
+    parts = key.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else None
+
+
+class _LayerCache:
+    """The quantize stage's stored modules and changed kept parameters (on-disk names) of one layer at a time."""
+
+    def __init__(self, source: ModelSource, qdir: Path):
+        self.source, self.qdir, self.layer = source, qdir, object()
+        self.modules: dict = {}
+        self.params: dict[str, torch.Tensor] = {}
+
+    def load(self, layer: int | None) -> None:
+        if layer == self.layer:
+            return
+        path = layer_file(self.qdir, layer)
+        self.layer = layer
+        self.modules = read_layer(path) if path.is_file() else {}
+        raw = read_params(path) if path.is_file() else {}
+        self.params = {self.source.family.disk_key(layer, k): v for k, v in raw.items()}
+
+
+def write_checkpoint(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
+                     module_tensors: Callable, config_files: dict[str, dict], manifest: dict) -> Path:
+    """Stream every tensor of ``source`` to a new checkpoint at ``out`` (atomically): quantized modules as
+    ``module_tensors(stored) -> {suffix: tensor}``, kept tensors from the quantize stage when it changed them
+    (AWQ folds) else from the source. ``config_files``: JSON files to write (config.json, ...)."""
+    by_prefix = {m.disk_prefix: n for n, m in source.modules.items()}
+    quantized = plan.quantized()
+    cache = _LayerCache(source, qdir)
+    with atomic_directory(out) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        for key in sorted(source.weight_map, key=lambda k: (_layer_of_key(k) is None, _layer_of_key(k) or 0, k)):
+            cache.load(_layer_of_key(key))
+            prefix = key.removesuffix(".weight")
+            name = by_prefix.get(prefix) if key.endswith(".weight") else None
+            if name is not None and name in quantized:
+                for suffix, tensor in module_tensors(cache.modules[name]).items():
+                    writer.add(f"{prefix}.{suffix}", tensor)
+            elif key in cache.params:
+                writer.add(key, cache.params[key].to(source.read_tensors([key])[key].dtype))
+            else:
+                writer.add(key, source.read_tensors([key])[key])
+        writer.close()
+        for fname, data in config_files.items():
+            (tmp / fname).write_text(json.dumps(data, indent=2))
+        copy_side_files(source.path, tmp)
+        write_manifest(tmp, manifest)
+    return out

@@ -27,6 +27,7 @@ class FamilySpec:
     disk_moe: str = "mlp"
     expert_proj: dict[str, str] = field(default_factory=lambda: {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
     shared_attr: str | None = None
+    attn_norm_fed: tuple[str, ...] = ("q", "k", "v")  # canonical attention leaves reading input_layernorm
     dense_proj: dict[str, str] = field(default_factory=lambda: {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
 
     def rules(self) -> list[tuple[re.Pattern, str]]:
@@ -52,6 +53,13 @@ class FamilySpec:
         out.append((re.compile(r"^model\.embed_tokens\.weight$"), "embed"))
         out.append((re.compile(r"^lm_head\.weight$"), "lm_head"))
         return out
+
+    def disk_key(self, layer: int, local: str) -> str:
+        """On-disk key of a decoder layer's in-memory parameter (``mlp.gate.weight`` -> Mixtral's
+        ``block_sparse_moe.gate.weight``)."""
+        if local.startswith("mlp.") and self.disk_moe != "mlp" and not local.startswith("mlp.shared"):
+            local = self.disk_moe + local[3:]
+        return f"model.layers.{layer}.{local}"
 
     def canonical(self, disk_key: str) -> str | None:
         """Canonical module name of an on-disk ``*.weight`` key, or None for norms, biases, buffers."""
@@ -100,7 +108,8 @@ def expert_of(canonical: str) -> int | None:
 FAMILIES: dict[str, FamilySpec] = {
     "qwen3_moe": FamilySpec("qwen3_moe", ("qwen3_moe",)),
     "qwen2_moe": FamilySpec("qwen2_moe", ("qwen2_moe",), shared_attr="shared_expert"),
-    "deepseek_v3": FamilySpec("deepseek_v3", ("deepseek_v3",), shared_attr="shared_experts"),
+    "deepseek_v3": FamilySpec("deepseek_v3", ("deepseek_v3",), shared_attr="shared_experts",
+                              attn_norm_fed=("q_a", "kv_a_proj_with_mqa")),
     "mixtral": FamilySpec(
         "mixtral", ("mixtral",), disk_moe="block_sparse_moe", expert_proj={"gate": "w1", "up": "w3", "down": "w2"}
     ),

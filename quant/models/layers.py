@@ -164,3 +164,40 @@ def linears_of(source: ModelSource, layer: nn.Module, idx: int) -> dict[str, nn.
             if canonical is not None:
                 out[canonical] = mod
     return out
+
+
+@dataclass
+class SmoothingSites:
+    """Where AWQ's 1/s can be folded in a decoder layer, as in-memory parameter names and modules.
+
+    ``attn_norm`` feeds ``attn_linears`` (canonical names); ``mlp_norm`` feeds the routed experts' gate/up (and
+    the shared experts' or dense MLP's gate/up); ``mlp_readers`` are kept weights that also read ``mlp_norm``'s
+    output (routers): their input columns must be multiplied by s.
+    """
+
+    attn_norm: tuple[str, nn.Module]
+    attn_linears: tuple[str, ...]
+    mlp_norm: tuple[str, nn.Module]
+    mlp_readers: tuple[tuple[str, nn.Parameter], ...]
+    kept_mlp_inputs: tuple[tuple[str, nn.Linear], ...] = ()
+
+
+def smoothing_sites(source: ModelSource, layer: nn.Module, idx: int, quantized: set[str] = frozenset()) -> SmoothingSites:
+    """``quantized``: canonical names that will be quantized; other shared-expert gate/up reading the MoE norm are
+    returned in ``kept_mlp_inputs`` (their columns must absorb s too)."""
+    fam = source.family
+    readers = []
+    mlp = layer.mlp
+    for attr in ("gate", "shared_expert_gate"):
+        mod = getattr(mlp, attr, None)
+        if mod is not None and isinstance(getattr(mod, "weight", None), nn.Parameter) and hasattr(mlp, "experts"):
+            readers.append((f"mlp.{attr}.weight", mod.weight))
+    return SmoothingSites(
+        attn_norm=("input_layernorm.weight", layer.input_layernorm),
+        attn_linears=tuple(f"layers.{idx}.attn.{leaf}" for leaf in fam.attn_norm_fed),
+        mlp_norm=("post_attention_layernorm.weight", layer.post_attention_layernorm),
+        mlp_readers=tuple(readers),
+        kept_mlp_inputs=tuple((n, m) for n, m in layer.named_modules() if isinstance(m, nn.Linear)
+                              and (c := fam.canonical(f"model.layers.{idx}.{n}.weight")) is not None
+                              and ".shared." in c and c.rsplit(".", 1)[1] in ("gate", "up") and c not in quantized),
+    )

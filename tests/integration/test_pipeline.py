@@ -129,3 +129,33 @@ def test_transformers_cannot_serve_mixed_expert_bits(family_runs):
     ev = json.loads((d / "eval.json").read_text())
     assert ev["loader"] == "compressed-tensors-dequantize"
     assert src.family.name == "qwen3_moe"
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
+def test_awq_folds_ship_in_the_checkpoint(tmp_path, name):
+    """AWQ divides norms and scales routers; the checkpoint must carry those changed kept tensors, so that
+    transformers' model equals the pipeline's in-memory quantized layers."""
+    from transformers import AutoModelForCausalLM
+
+    from quant.qstore import read_params
+
+    _, result = _run(tmp_path, name, "quantize.algorithm=awq", "plan.policy=uniform", "plan.group_size=32",
+                     "plan.target_runtime=transformers", until="export")
+    d = result.run_dir
+    src = resolve_model(f"builtin:{name}")
+    params = {layer: read_params(layer_file(d / "quantized", layer)) for layer in src.moe_layers()}
+    assert all("post_attention_layernorm.weight" in p and "mlp.gate.weight" in p for p in params.values())
+    quant = AutoModelForCausalLM.from_pretrained(d / "checkpoint", dtype=torch.bfloat16)
+    fake = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.bfloat16)
+    _apply_dequantized(fake, src, d / "quantized")
+    sd = fake.state_dict()
+    for layer in range(src.n_layers):
+        for local, t in read_params(layer_file(d / "quantized", layer)).items():
+            sd[f"model.layers.{layer}.{local}"].copy_(t)
+    ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b, base = quant(ids).logits.float(), fake(ids).logits.float(), \
+            AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.bfloat16)(ids).logits.float()
+    assert torch.allclose(a, b, atol=2e-2, rtol=2e-2), (a - b).abs().max()
+    # and the folded, quantized model still computes (approximately) the original function
+    assert (a - base).abs().mean() < 0.2 * base.abs().mean()
