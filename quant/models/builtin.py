@@ -41,6 +41,8 @@ BUILTINS: dict[str, tuple[str, dict, tuple[int, ...]]] = {
                                  norm_topk_prob=False), (0, 7, 12)),
 }
 DEFAULT_BUILTIN = "qwen3-moe-tiny"
+# trained checkpoints that ship with the package (see benchmarks/reference_moe/)
+SHIPPED: dict[str, Path] = {"reference-moe": Path(__file__).parent / "assets" / "reference-moe"}
 LOGIT_SCALE = 4.0
 HOT_SCALE = 0.15  # router logit bonus per unit of the shared direction, for the hottest expert (then 0.75x, 0.5x)
 
@@ -57,17 +59,22 @@ def _spec_hash(name: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
+def builtin_names() -> list[str]:
+    return list(BUILTINS) + list(SHIPPED)
+
+
 def builtin_path(name: str) -> Path:
-    """Folder of builtin ``name``, building it on first use (atomically: temp dir, then rename)."""
-    if name not in BUILTINS:
-        raise ModelError(f"unknown builtin model '{name}'; builtins: {', '.join(BUILTINS)}")
-    target = cache_root() / "builtin" / f"{name}-{_spec_hash(name)}"
+    """Folder of builtin ``name``, built (or unpacked) on first use, atomically: temp dir, then rename."""
+    if name not in BUILTINS and name not in SHIPPED:
+        raise ModelError(f"unknown builtin model '{name}'; builtins: {', '.join(builtin_names())}")
+    key = _spec_hash(name) if name in BUILTINS else (SHIPPED[name] / "SHA256SUMS").read_bytes().hex()[:10]
+    target = cache_root() / "builtin" / f"{name}-{key}"
     if (target / "quant_builtin.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        _build(name, tmp)
+        _build(name, tmp) if name in BUILTINS else _unpack(SHIPPED[name], tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race; its copy is identical
@@ -76,6 +83,24 @@ def builtin_path(name: str) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _unpack(assets: Path, out: Path) -> None:
+    """A shipped checkpoint: xz-compressed safetensors shards, checked against SHA256SUMS after unpacking."""
+    import lzma
+
+    for f in assets.iterdir():
+        if f.suffix == ".xz":
+            with lzma.open(f) as src, open(out / f.stem, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+        elif f.name != "SHA256SUMS":
+            shutil.copy2(f, out / f.name)
+    for line in (assets / "SHA256SUMS").read_text().split("\n"):
+        if line.strip():
+            digest, fname = line.split()
+            if hashlib.sha256((out / fname).read_bytes()).hexdigest() != digest:
+                raise ModelError(f"shipped checkpoint {assets.name}: {fname} does not match SHA256SUMS (corrupt install?)")
+    (out / "quant_builtin.json").write_text(json.dumps({"name": assets.name, "shipped": True}, indent=2))
 
 
 def _bias_router(model: torch.nn.Module, hot: tuple[int, ...], gen: torch.Generator) -> None:

@@ -67,3 +67,19 @@ def test_unsupported_family(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "jamba", "num_experts": 4}))
     with pytest.raises(ModelError, match="an MoE family quant does not support"):
         resolve_model(str(tmp_path))
+
+
+def test_reference_moe_ships_and_has_language_ability():
+    """The shipped trained MoE unpacks (hash-checked), loads through transformers and predicts held-out text
+    far better than chance (vocabulary 8192)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = resolve_model("builtin:reference-moe")
+    assert src.family.name == "qwen3_moe" and src.n_experts(0) == 32 and src.top_k == 4
+    tok = AutoTokenizer.from_pretrained(src.path)
+    model = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32)
+    text = open("calibration/data/heldout-python-code.txt").read()[:4000]
+    ids = tok(text, return_tensors="pt").input_ids[:, :256]
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss.item()
+    assert torch.exp(torch.tensor(loss)) < 60  # measured ~20 on this file; uniform would be 8192
