@@ -69,6 +69,29 @@ class RoutingProfile:
         hits = (vals > ratio * med).nonzero().tolist()
         return [(self.layers[r], e) for r, e in hits]
 
+    def cold_experts(self, min_tokens: int) -> list[tuple[int, int]]:
+        """(layer, expert) routed fewer than ``min_tokens`` tokens (0 = never used)."""
+        return [(self.layers[r], e) for r, e in (self.counts < max(min_tokens, 1)).nonzero().tolist()]
+
+    def max_min_ratio(self) -> torch.Tensor:
+        """Per layer: most used expert's count over the least used one's (inf when an expert is unused)."""
+        return self.counts.max(dim=1).values / self.counts.min(dim=1).values
+
+    def rank_stability(self, fraction: float = 0.2) -> dict[str, dict[str, float]]:
+        """For each pair of calibration domains: mean over layers of the Spearman correlation of expert counts
+        and of the overlap of their top-``fraction`` expert sets (1 = the same hot experts)."""
+        names = sorted(self.domain_counts)
+        n_top = max(1, round(fraction * self.n_experts))
+        out = {}
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                ca, cb = self.domain_counts[a], self.domain_counts[b]
+                rho = [_spearman(ca[r], cb[r]) for r in range(ca.shape[0])]
+                top_a, top_b = ca.topk(n_top, dim=1).indices, cb.topk(n_top, dim=1).indices
+                overlap = [len(set(top_a[r].tolist()) & set(top_b[r].tolist())) / n_top for r in range(ca.shape[0])]
+                out[f"{a}~{b}"] = {"spearman": sum(rho) / len(rho), "top_overlap": sum(overlap) / len(overlap)}
+        return out
+
     def to_json(self) -> dict:
         d = {k: getattr(self, k) for k in ("schema_version", "model_fingerprint", "model", "layers", "n_experts",
                                             "top_k", "n_tokens", "sample_ids")}
@@ -94,6 +117,23 @@ class RoutingProfile:
     @classmethod
     def load(cls, path: Path) -> RoutingProfile:
         return cls.from_json(json.loads(path.read_text()))
+
+
+def _spearman(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Spearman rank correlation of two 1-D tensors (average ranks for ties)."""
+    def ranks(v: torch.Tensor) -> torch.Tensor:
+        order = torch.argsort(v, stable=True)
+        r = torch.empty_like(v, dtype=torch.float64)
+        r[order] = torch.arange(len(v), dtype=torch.float64)
+        for value in torch.unique(v):  # average the ranks of ties
+            tie = v == value
+            r[tie] = r[tie].mean()
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denom = (rx.norm() * ry.norm()).item()
+    return float((rx @ ry).item() / denom) if denom > 0 else 0.0
 
 
 class _LayerStats:

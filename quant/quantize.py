@@ -36,15 +36,15 @@ log = logging.getLogger(__name__)
 PROJ_ROWS = {"gate": (0, 1), "up": (1, 2)}  # halves of gate_up_proj [E, 2I, D]
 
 
-def _solve_rtn(w, H, spec, scale_dtype, q: QuantizeSpec) -> tuple[QuantizedWeight, list[str]]:
+def _solve_rtn(w, H, spec, scale_dtype, q: QuantizeSpec) -> tuple[QuantizedWeight, list[tuple[int, str]]]:
     return rtn(w, spec, scale_dtype), []
 
 
-def _solve_gptq(w, H, spec, scale_dtype, q: QuantizeSpec) -> tuple[QuantizedWeight, list[str]]:
+def _solve_gptq(w, H, spec, scale_dtype, q: QuantizeSpec) -> tuple[QuantizedWeight, list[tuple[int, str]]]:
     from quant.algos.gptq import gptq
 
     res = gptq(w, H, spec, scale_dtype, dampening=q.dampening, block_size=q.block_size, act_order=q.act_order)
-    return res.weight, [f"batch element {b}: {why}" for b, why in res.repairs]
+    return res.weight, list(res.repairs)
 
 
 ALGORITHMS = {"rtn": _solve_rtn, "gptq": _solve_gptq, "awq": _solve_rtn}  # awq: smooth.run_awq, then RTN
@@ -148,7 +148,7 @@ class _LayerJob:
         Records every module's codes; returns the dequantized batch."""
         solver = ALGORITHMS[algorithm or self.plan.algorithm]
         qw, repairs = solver(w, H, spec, w.dtype, self.spec)
-        self.report.repairs += [f"{rows[b][0][0]}: {why}" for b, why in repairs]
+        self.report.repairs += [f"{', '.join(n for n, _ in rows[b])}: {why}" for b, why in repairs]
         return self.record(qw, rows, w)
 
     def record(self, qw: QuantizedWeight, rows: list[list[tuple[str, slice]]], w: torch.Tensor | None = None):
@@ -300,6 +300,11 @@ def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, sp
                 hidden = lw.forward(layer, hidden, out=hidden)
         report = job.finish_report(time.perf_counter() - t0)
         reports.append(report)
+        for repair in report.repairs:
+            log.warning("layer %d: numerical repair: %s", idx, repair)
+        if report.rtn_fallbacks:
+            log.warning("layer %d: %d expert projections below the token floor fell back to RTN", idx,
+                        len(report.rtn_fallbacks))
         log.info("layer %d: %d modules (%d experts), mean %.2f bits, worst rel err %.4f (%s), %.2fs%s",
                  idx, report.n_modules, report.n_experts, report.mean_bits, report.worst_rel_error,
                  report.worst_module, report.seconds, " (resumed)" if report.resumed else "")

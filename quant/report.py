@@ -109,6 +109,20 @@ def _quantize_lines(layers: list[dict]) -> list[str]:
     return lines + (["", f"Numerical repairs: {len(repairs)}"] + [f"- {x}" for x in repairs[:20]] if repairs else [])
 
 
+def _routing_lines(profile: RoutingProfile, min_tokens: int) -> list[str]:
+    cold = profile.cold_experts(min_tokens)
+    lines = [f"- routing entropy per MoE layer (1 = uniform): {[round(x, 3) for x in profile.entropy().tolist()]}",
+             f"- most / least used expert per layer: {[round(x, 1) for x in profile.max_min_ratio().tolist()]}",
+             f"- experts with fewer than {max(min_tokens, 1)} routed tokens: {len(cold)} {cold[:12]}",
+             f"- super-expert candidates (max down-proj output > 50 × median): {profile.super_experts(50.0)[:12]}"]
+    stability = profile.rank_stability()
+    if stability:
+        lines.append("- rank stability between calibration domains (mean over layers): " + "; ".join(
+            f"{pair}: Spearman {v['spearman']:.3f}, top-20% overlap {v['top_overlap']:.2f}"
+            for pair, v in stability.items()))
+    return lines
+
+
 def write_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     profile = RoutingProfile.load(run_dir / "profile.json")
     plan = BitPlan.load(run_dir / "plan.json")
@@ -122,8 +136,7 @@ def write_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
              f"algorithm `{plan.algorithm}`; policy `{plan.policy}`, granularity `{plan.granularity}`, "
              f"target runtime `{plan.target_runtime}`.", "", "## Evaluation", ""] + _eval_lines(ev)
     lines += ["", "## Plan", ""] + _plan_lines(summary)
-    lines += ["", "## Routing", "", f"Routing entropy per MoE layer (1 = uniform): "
-              f"{[round(x, 3) for x in profile.entropy().tolist()]}"]
+    lines += ["", "## Routing", ""] + _routing_lines(profile, recipe.profile.min_tokens)
     lines += [""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Quantization", ""] + _quantize_lines(layers)
     atomic_write_text(run_dir / "metrics.json", json.dumps({"plan": summary["headline"], "eval": ev}, indent=1))

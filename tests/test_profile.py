@@ -95,3 +95,22 @@ def test_grouped_expert_ops_match_per_expert_loop():
         ref = (torch.nn.functional.silu(gate) * up) @ down[e].T
         assert torch.allclose(y[e, :n], ref, atol=1e-5)
         assert (y[e, n:] == 0).all()
+
+
+def test_rank_stability_and_cold_experts():
+    counts = torch.tensor([[10.0, 5, 1, 0], [3, 3, 9, 1]], dtype=torch.float64)
+    z = torch.zeros_like(counts)
+    prof = RoutingProfile("f", "m", [0, 1], 4, 1, 10, [], counts, counts, z, z, z,
+                          domain_counts={"a": counts, "b": counts.flip(1), "c": counts * 2})
+    st = prof.rank_stability(fraction=0.25)
+    assert st["a~c"] == {"spearman": pytest.approx(1.0), "top_overlap": 1.0}
+    assert st["a~b"]["spearman"] < 0 and st["a~b"]["top_overlap"] == 0.0
+    assert prof.cold_experts(2) == [(0, 2), (0, 3), (1, 3)]
+    assert prof.max_min_ratio()[1].item() == 9.0
+
+
+def test_domains_of_the_bundled_set_disagree_somewhat(profiles):
+    _, _, prof = profiles["qwen3-moe-tiny"]
+    st = prof.rank_stability()
+    assert set(st) == {"code~gpl3", "code~prose", "gpl3~prose"}
+    assert all(-1.0 <= v["spearman"] <= 1.0 and 0.0 <= v["top_overlap"] <= 1.0 for v in st.values())

@@ -1,0 +1,183 @@
+"""The Hugging Face model card (``README.md``) of a quantized checkpoint. Formatting only: every number comes
+from the plan summary and the eval result passed in, every serving claim from the runtime check.
+
+Front matter: ``base_model`` when the model path looks like a hub id (``ORG/NAME``, not a builtin or a local
+folder), ``license`` copied from the source model (its README front matter, else ``config.json``), ``tags``
+and ``library_name``. Body: what was done, the plan, the evaluation with gate status, how to serve it with each
+runtime (a snippet only where the runtime check found no problem), and the tool version.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from quant.models import ModelSource
+from quant.recipe import Recipe
+
+RUNTIMES = ("vllm", "sglang", "transformers", "gptqmodel")
+RUNTIME_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "transformers": "transformers", "gptqmodel": "GPTQModel"}
+# what a checkpoint format rules out regardless of the plan
+FORMAT_PROBLEMS = {
+    ("gptq", "transformers"): "transformers cannot load GPTQ-format MoE checkpoints (fused experts); use gptqmodel or vllm",
+    ("compressed-tensors", "gptqmodel"): "GPTQModel loads GPTQ-format checkpoints; this one is compressed-tensors",
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def hub_id(model_path: str) -> str | None:
+    """``model_path`` if it names a hub repository (``ORG/NAME`` that is not a local folder), else None."""
+    if model_path.startswith("builtin:") or not _HUB_ID.match(model_path) or Path(model_path).expanduser().exists():
+        return None
+    return model_path
+
+
+def source_license(source: ModelSource) -> str | None:
+    """The source model's license: README front matter ``license``, else ``config.json``'s, else None."""
+    readme = source.path / "README.md"
+    if readme.is_file():
+        m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", readme.read_text(errors="replace"), re.S)
+        if m:
+            try:
+                meta = yaml.safe_load(m.group(1))
+            except yaml.YAMLError:
+                meta = None
+            if isinstance(meta, dict) and meta.get("license"):
+                return str(meta["license"])
+    lic = source.config_dict.get("license")
+    return str(lic) if lic else None
+
+
+def _front_matter(recipe: Recipe, source: ModelSource, fmt: str) -> str:
+    meta: dict = {}
+    base = hub_id(recipe.model.path)
+    if base:
+        meta["base_model"] = base
+        meta["base_model_relation"] = "quantized"
+    lic = source_license(source)
+    if lic:
+        meta["license"] = lic
+    meta["library_name"] = "transformers"
+    meta["tags"] = ["quantized", "mixture-of-experts", fmt, "moe-quant"]
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
+
+
+def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
+    p, q = recipe.plan, recipe.quantize
+    policy = f"`{p.policy}`"
+    if p.policy in ("top_fraction", "random", "inverse"):
+        policy += f" ({p.top_fraction:.0%} of experts at high bits; score `{p.score}`, ranking `{p.ranking}`)"
+    elif p.policy == "budget":
+        policy += f" ({f'{p.budget_avg_bits} average expert bits' if p.budget_avg_bits else f'{p.budget_gb} GB'})"
+    group = "per channel" if p.group_size == -1 else f"group size {p.group_size}"
+    lines = [f"`{source.display_name}` ({source.family.name}) quantized by moe-quant with recipe `{recipe.name}`."]
+    if recipe.description:
+        lines += ["", recipe.description]
+    return lines + [
+        "",
+        f"- algorithm: `{q.algorithm}`",
+        f"- policy: {policy}; experts at {p.high_bits} (high) or {p.low_bits} (low) bits",
+        f"- granularity: `{p.granularity}` ({'one scheme per MoE layer' if p.granularity == 'per_layer' else 'bits chosen per expert'})",
+        f"- grid: {group}, {'symmetric' if p.symmetric else 'asymmetric (zero points)'}",
+        f"- format: `{fmt}`; target runtime: `{p.target_runtime}`",
+    ]
+
+
+def _plan(summary: dict) -> list[str]:
+    h = summary.get("headline", summary)
+    lines = [
+        f"- average bits over expert weights: **{h['avg_bits_experts']}**; over all weights: {h['avg_bits_all']}",
+        f"- traffic-weighted bits (what a routed token reads): {h['traffic_weighted_bits']}",
+        f"- checkpoint size: {h['size_gb']} GB ({h['size_gb'] * 1000:.1f} MB)",
+        "",
+        "| bits | % of expert projections | share of routed traffic |",
+        "|---|---|---|",
+    ]
+    traffic = {str(b): v for b, v in h.get("traffic_share_by_bits", {}).items()}
+    for b, pct in sorted(h["expert_pct_by_bits"].items(), key=lambda kv: int(kv[0])):
+        label = "16 (kept)" if int(b) == 16 else str(b)
+        share = traffic.get(str(b))
+        lines.append(f"| {label} | {pct}% | {'-' if share is None else f'{100 * share:.1f}%'} |")
+    return lines
+
+
+def _gate_cell(gates: list[dict], *names: str) -> str:
+    hits = [g for g in gates if g["name"] in names]
+    if not hits:
+        return "no gate"
+    return "; ".join(f"{'pass' if g['passed'] else '**FAILED**'} ({g['kind']} {g['limit']:.4g}, observed "
+                     f"{g['observed']:.4g})" for g in hits)
+
+
+def _eval(ev: dict | None) -> list[str]:
+    if ev is None:
+        return ["Not evaluated."]
+    px, gates = ev["proxies"], ev.get("gates", [])
+    pb, pq = px["perplexity"]["base"], px["perplexity"]["quantized"]
+    lines = ["| metric | base | quantized | delta | gate |", "|---|---|---|---|---|",
+             f"| held-out perplexity | {pb:.4f} | {pq:.4f} | {pq - pb:+.4f} ({100 * (pq - pb) / pb:+.2f}%) | "
+             f"{_gate_cell(gates, 'perplexity')} |",
+             f"| KL(base ‖ quantized) per token | 0 | {px['kl']['quantized']:.4g} | "
+             f"{px['kl']['quantized']:+.4g} | {_gate_cell(gates, 'kl')} |",
+             f"| top-1 agreement with base | 1 | {px['top1_agreement']['quantized']:.4g} | "
+             f"{px['top1_agreement']['quantized'] - 1:+.4g} | {_gate_cell(gates, 'top1_agreement')} |"]
+    for task, r in ev.get("tasks", {}).items():
+        names = (task, task.removeprefix("quant_"))
+        lines.append(f"| {task} ({r['metric']}, n={r['n']}) | {r['base']:.4f} | {r['quantized']:.4f} | "
+                     f"{100 * r['delta']:+.2f} pts | {_gate_cell(gates, *names)} |")
+    failed = [g["name"] for g in gates if not g["passed"]]
+    verdict = (f"**Quality gates FAILED: {', '.join(failed)}.**" if failed
+               else "All quality gates passed." if gates else "No quality gates were set.")
+    return lines + ["", verdict, "", f"Evaluated from the exported checkpoint on disk (loader: `{ev.get('loader', '?')}`)."]
+
+
+def _snippet(runtime: str, repo: str, trust: bool) -> list[str]:
+    flag, kw = (" --trust-remote-code", ", trust_remote_code=True") if trust else ("", "")
+    if runtime == "vllm":
+        return ["```bash", f"vllm serve {repo}{flag}", "```", "```python", "from vllm import LLM",
+                f'llm = LLM(model="{repo}"{kw})', 'print(llm.generate(["Hello"])[0].outputs[0].text)', "```"]
+    if runtime == "sglang":
+        return ["```bash", f"python -m sglang.launch_server --model-path {repo}{flag}", "```"]
+    if runtime == "transformers":
+        return ["```python", "# pip install compressed-tensors", "import torch",
+                "from transformers import AutoModelForCausalLM, AutoTokenizer",
+                f'tok = AutoTokenizer.from_pretrained("{repo}"{kw})',
+                f'model = AutoModelForCausalLM.from_pretrained("{repo}", dtype=torch.bfloat16{kw})', "```"]
+    return ["```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}"{kw})',
+            'print(model.tokenizer.decode(model.generate("Hello")[0]))', "```"]
+
+
+def _serving(runtime_problems: dict[str, list[str]], fmt: str, repo: str, trust: bool) -> list[str]:
+    lines = []
+    for rt in RUNTIMES:
+        lines += [f"### {RUNTIME_NAMES[rt]}", ""]
+        if rt not in runtime_problems:
+            lines += ["Compatibility was not checked for this runtime.", ""]
+            continue
+        reasons = list(runtime_problems[rt])
+        extra = FORMAT_PROBLEMS.get((fmt, rt))
+        if extra and extra not in reasons:
+            reasons.append(extra)
+        lines += ([f"not servable: {'; '.join(reasons)}"] if reasons else _snippet(rt, repo, trust)) + [""]
+    return lines
+
+
+def render_card(recipe: Recipe, source: ModelSource, plan_summary: dict, eval_result: dict | None,
+                runtime_problems: dict[str, list[str]], tool_version: str, *, fmt: str | None = None,
+                repo_id: str | None = None) -> str:
+    """README.md for the checkpoint of format ``fmt`` (default: the recipe's first export format, i.e. the run's
+    ``checkpoint/``). ``plan_summary``: ``plan_summary.summarize`` output or its ``headline``. ``runtime_problems``:
+    runtime -> reasons it cannot serve the checkpoint (empty list: servable). ``repo_id`` goes into the
+    snippets (default ``ORG/NAME``)."""
+    fmt = fmt or recipe.export.formats[0]
+    repo = repo_id or "ORG/NAME"
+    title = repo_id.split("/")[-1] if repo_id else f"{source.display_name.split('/')[-1]} ({recipe.name})"
+    lines = [_front_matter(recipe, source, fmt), f"# {title}", "", "## What this is", ""]
+    lines += _what(recipe, source, fmt)
+    lines += ["", "## Plan", ""] + _plan(plan_summary)
+    lines += ["", "## Evaluation", ""] + _eval(eval_result)
+    lines += ["", "## Serving", ""] + _serving(runtime_problems, fmt, repo, recipe.model.trust_remote_code)
+    lines += ["## Provenance", "", f"Made with moe-quant {tool_version} (`quant run`)."]
+    return "\n".join(lines) + "\n"

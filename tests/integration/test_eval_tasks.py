@@ -1,0 +1,34 @@
+"""lm-eval through the pipeline, offline: MMLU-style and HumanEval-style tasks on base and exported model."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from quant.errors import GateFailed
+from quant.pipeline import run
+from quant.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ("calibration.n_samples=8", "calibration.seq_len=64", "eval.perplexity.n_samples=2",
+        "eval.perplexity.seq_len=64", "eval.tasks=[quant_mmlu,quant_humaneval]", "eval.limit=3",
+        "eval.max_gen_toks=24", "eval.batch_size=4")
+
+
+def test_tasks_run_offline_with_deltas_and_gates(tmp_path):
+    recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml",
+                         overrides=FAST + ("eval.gates.mmlu={max_drop: 100}",))
+    result = run(recipe, tmp_path / "t")
+    ev = json.loads((result.run_dir / "eval.json").read_text())
+    assert set(ev["tasks"]) == {"quant_mmlu", "quant_humaneval"}
+    for t in ev["tasks"].values():
+        assert t["n"] == 3 and 0.0 <= t["base"] <= 1.0 and 0.0 <= t["quantized"] <= 1.0
+        assert t["delta"] == pytest.approx(t["quantized"] - t["base"])
+    assert ev["tasks"]["quant_mmlu"]["metric"] == "acc" and ev["tasks"]["quant_humaneval"]["metric"] == "pass@1"
+    assert [g["name"] for g in ev["gates"]] == ["perplexity", "mmlu"] and ev["passed"]
+    assert "quant_mmlu (acc, n=3)" in (result.run_dir / "report.md").read_text()
+    # a gate that cannot pass: the same run (base scores cached) exits with GateFailed (CLI exit code 3)
+    strict = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml",
+                         overrides=FAST + ("eval.gates.mmlu={max_drop: -101}",))
+    with pytest.raises(GateFailed, match="mmlu"):
+        run(strict, tmp_path / "t", force="eval")
