@@ -41,6 +41,10 @@ class NumericalError(QuantError):
     """Numerical failure that could not be repaired (NaN/Inf weights, an unusable Hessian)."""
 
 
+class PublishError(QuantError):
+    """Uploading to the hub failed (network, authentication, offline mode, missing client)."""
+
+
 class GateFailed(QuantError):
     """Evaluation finished but at least one quality gate failed (distinct exit code)."""
 

@@ -73,10 +73,10 @@ class Run:
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
     def outputs(self, stage: str) -> list[str]:
-        if stage == "export":
+        if stage == "export":  # each checkpoint's manifest holds the SHA-256 of every file export wrote
             from quant.export import checkpoint_dirs
 
-            return list(checkpoint_dirs(self.recipe).values())
+            return [f"{d}/quant_manifest.json" for d in checkpoint_dirs(self.recipe).values()]
         return list(DEPENDS[stage][2])
 
     def execute(self, until: str = "report", force: str | None = None) -> RunResult:

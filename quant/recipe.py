@@ -131,7 +131,7 @@ class QuantizeSpec(_Strict):
     device: str = "auto"
     dampening: float = Field(0.01, gt=0.0, lt=1.0)
     block_size: int = Field(128, ge=1)
-    act_order: bool = False
+    act_order: bool = True
     min_tokens: int = Field(0, ge=0)
     gate_weighted: bool = False
     all_experts: bool = False

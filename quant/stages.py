@@ -136,7 +136,9 @@ def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
 
 
 def run_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    from quant.export import write_cards
     from quant.report import write_report
 
     write_report(recipe, source, run_dir)
+    write_cards(recipe, source, run_dir)
     return {}

@@ -12,7 +12,7 @@ LAYERS = [
     {"report", "export", "publish"},
     {"quantize", "evaluate", "runtimes", "plan_summary"},
     {"plan"},
-    {"profile", "hessians"},
+    {"profile", "hessians", "smooth"},
     {"layerwise", "calibration", "qstore", "lmeval", "humaneval"},
     {"sandbox", "routing", "models", "rundir"},
     {"algos"},

@@ -23,3 +23,24 @@ def export_all(source: ModelSource, plan: BitPlan, recipe: Recipe, run_dir: Path
     extra = {"recipe": recipe.name, "base_model": source.display_name, "model_fingerprint": source.fingerprint}
     return {fmt: writers[fmt](source, plan, run_dir / "quantized", run_dir / folder, max_bytes, extra)
             for fmt, folder in checkpoint_dirs(recipe).items()}
+
+
+def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
+    """The model card (README.md) of every exported checkpoint, from the plan summary, eval and runtime checks."""
+    import json
+    from importlib.metadata import version
+
+    from quant.export.card import RUNTIMES, render_card
+    from quant.export.writer import CARD
+    from quant.plan_summary import summarize
+    from quant.profile import RoutingProfile
+    from quant.rundir import atomic_write_text
+    from quant.runtimes import problems_for
+
+    plan = BitPlan.load(run_dir / "plan.json")
+    summary = summarize(plan, source, RoutingProfile.load(run_dir / "profile.json"))
+    ev = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").is_file() else None
+    for fmt, folder in checkpoint_dirs(recipe).items():
+        problems = {rt: problems_for(plan, source, rt, (fmt,)) for rt in RUNTIMES}
+        card = render_card(recipe, source, summary, ev, problems, version("moe-quant"), fmt=fmt)
+        atomic_write_text(run_dir / folder / CARD, card)

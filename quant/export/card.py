@@ -21,7 +21,8 @@ RUNTIMES = ("vllm", "sglang", "transformers", "gptqmodel")
 RUNTIME_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "transformers": "transformers", "gptqmodel": "GPTQModel"}
 # what a checkpoint format rules out regardless of the plan
 FORMAT_PROBLEMS = {
-    ("gptq", "transformers"): "transformers cannot load GPTQ-format MoE checkpoints (fused experts); use gptqmodel or vllm",
+    ("gptq", "transformers"): "transformers cannot load GPTQ-format MoE checkpoints (fused experts); export "
+                              "compressed-tensors or serve the GPTQ checkpoint with gptqmodel/vllm",
     ("compressed-tensors", "gptqmodel"): "GPTQModel loads GPTQ-format checkpoints; this one is compressed-tensors",
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from quant.errors import CheckpointError, RunDirError
+from quant.errors import CheckpointError, PublishError, RunDirError
 from quant.export.writer import verify_manifest
 
 
@@ -32,9 +32,16 @@ def publish_run(run_dir: Path, repo_id: str, *, private: bool = False, api=None)
     if "/" not in repo_id:
         raise RunDirError(f"--repo-id must look like ORG/NAME, got '{repo_id}'")
     if api is None:
-        from huggingface_hub import HfApi
-
+        try:
+            from huggingface_hub import HfApi
+        except ImportError:
+            raise PublishError("publishing needs huggingface_hub: pip install 'moe-quant[publish]'") from None
         api = HfApi()
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    api.upload_folder(repo_id=repo_id, folder_path=str(ckpt), commit_message=f"quant: {m['identity']['recipe']}")
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(repo_id=repo_id, folder_path=str(ckpt), commit_message=f"quant: {m['identity']['recipe']}")
+    except Exception as e:  # noqa: BLE001 - network, auth, offline mode: one user-facing problem
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise PublishError(f"could not upload {ckpt} to hub repo '{repo_id}' ({type(e).__name__}: {reason}); check "
+                           "the network, HF_TOKEN / `hf auth login`, and that HF_HUB_OFFLINE is unset") from None
     return f"https://huggingface.co/{repo_id}"

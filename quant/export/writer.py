@@ -23,6 +23,7 @@ from quant.plan import BitPlan
 from quant.qstore import layer_file, read_layer, read_params
 
 MANIFEST = "quant_manifest.json"
+CARD = "README.md"  # the model card, written after evaluation (report stage); not covered by the manifest
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
               "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "LICENSE", "LICENSE.txt")
 
@@ -94,7 +95,8 @@ def verify_manifest(directory: Path) -> list[str]:
     """Files whose hash differs from the manifest, or that are missing / unlisted."""
     data = json.loads((directory / MANIFEST).read_text())
     listed = data["files"]
-    present = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST}
+    present = {str(p.relative_to(directory)) for p in directory.rglob("*")
+               if p.is_file() and p.name not in (MANIFEST, CARD)}
     bad = [f for f in listed if f not in present or sha256_file(directory / f) != listed[f]]
     return bad + sorted(present - set(listed))
 

@@ -8,9 +8,10 @@ scheme is the base one overridden by the first ``dynamic`` rule whose pattern ``
 rules skip the module: it stays a bf16 ``.weight``).
 
 Runs (in-process, up to export): qwen3-moe-tiny with a per-expert 8/4 plan, symmetric; olmoe-tiny with a
-per-expert 8/4 plan, asymmetric. ``plan.group_size=32`` is the only override the tiny builtins need (the
-default 128 is clamped to each module's in_features, 64 or 32, so gate/up and down of one expert get different
-group sizes, which one GPTQ ``dynamic`` rule per expert cannot express).
+per-expert 8/4 plan, asymmetric. ``plan.group_size=32`` is the only override the tiny builtins need; GPTQModel's
+torch kernel takes their 32/64 in/out features as they are. (With 128 or 64 the group is clamped to each module's
+in_features, 64 for gate/up and 32 for down, and the GPTQ writer refuses: one ``dynamic`` rule per expert cannot
+give its projections different group sizes.)
 """
 
 from __future__ import annotations
@@ -84,10 +85,12 @@ class GptqModule:
 
 
 class GptqReader:
-    """A GPTQ checkpoint folder: ``config.json`` quantization_config, and every tensor by name."""
+    """A GPTQ checkpoint folder: ``quantize_config.json`` (the same dict as config.json's quantization_config,
+    which is what vLLM reads), and every tensor by name."""
 
     def __init__(self, ckpt: Path):
-        self.qcfg = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+        self.qcfg = json.loads((ckpt / "quantize_config.json").read_text())
+        assert json.loads((ckpt / "config.json").read_text())["quantization_config"] == self.qcfg
         assert self.qcfg["quant_method"] == "gptq" and self.qcfg.get("pack_dtype", "int32") == "int32"
         assert not self.qcfg["desc_act"]
         self.v2 = self.qcfg["checkpoint_format"] == "gptq_v2"

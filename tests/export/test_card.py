@@ -1,0 +1,157 @@
+"""The model card: parseable front matter, numbers from the inputs, failed gates and unservable runtimes shown."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quant.export.card import render_card
+from quant.models import ModelSource, resolve_model
+from quant.recipe import parse_recipe
+
+HEADLINE = {"avg_bits_experts": 4.812, "avg_bits_all": 6.137, "size_gb": 12.3456,
+            "expert_pct_by_bits": {4: 81.25, 8: 18.75}, "traffic_share_by_bits": {4: 0.3541, 8: 0.6459},
+            "traffic_weighted_bits": 6.583}
+ALL_OK = {"vllm": [], "sglang": [], "transformers": [], "gptqmodel": []}
+
+
+def _eval(ppl_passed: bool = True) -> dict:
+    return {"loader": "transformers",
+            "proxies": {"perplexity": {"base": 10.0, "quantized": 10.5}, "kl": {"quantized": 0.0123},
+                        "top1_agreement": {"quantized": 0.9512}, "n_tokens": 2048},
+            "tasks": {"quant_mmlu": {"metric": "acc", "base": 0.6, "quantized": 0.58, "delta": -0.02,
+                                     "stderr": 0.01, "n": 100}},
+            "gates": [{"name": "perplexity", "kind": "max_rel_increase", "observed": 0.05,
+                       "limit": 0.1 if ppl_passed else 0.01, "passed": ppl_passed},
+                      {"name": "mmlu", "kind": "max_drop (points)", "observed": 2.0, "limit": 3.0, "passed": True}],
+            "passed": ppl_passed}
+
+
+@pytest.fixture(scope="module")
+def builtin_source(quant_cache) -> ModelSource:
+    return resolve_model("builtin:qwen3-moe-tiny")
+
+
+def _recipe(model: str = "acme/Tiny-MoE-A1B", *overrides: str):
+    return parse_recipe({"name": "mixed_int8_int4", "description": "hot experts at INT8, the rest INT4"},
+                        overrides=("plan.group_size=32", *overrides), model=model)
+
+
+def _split(card: str) -> tuple[dict, str]:
+    m = re.match(r"^---\n(.*?)\n---\n(.*)$", card, re.S)
+    assert m, card[:300]
+    return yaml.safe_load(m.group(1)), m.group(2)
+
+
+def _section(body: str, title: str, level: str = "##") -> str:
+    """Text under heading ``level title`` up to the next heading of the same or a higher level (headings inside
+    fenced code blocks are code, not headings)."""
+    out, inside, fenced = [], False, False
+    for line in body.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = re.match(r"^(#+) (.*)$", line) if not fenced else None
+        if heading and len(heading.group(1)) <= len(level):
+            if inside:
+                break
+            inside = heading.group(1) == level and heading.group(2) == title
+            continue
+        if inside:
+            out.append(line)
+    assert inside, f"no section {title!r}"
+    return "\n".join(out) + "\n"
+
+
+def _copy_source(src: ModelSource, dst: Path, readme: str | None = None, config_extra: dict | None = None):
+    shutil.copytree(src.path, dst)
+    if readme is not None:
+        (dst / "README.md").write_text(readme)
+    if config_extra:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, **config_extra}))
+    return ModelSource(dst)
+
+
+def test_front_matter_for_a_hub_model(builtin_source, tmp_path):
+    src = _copy_source(builtin_source, tmp_path / "m", readme="---\nlicense: apache-2.0\nlanguage: [en]\n---\n# Tiny\n")
+    meta, body = _split(render_card(_recipe(), src, {"headline": HEADLINE}, _eval(), ALL_OK, "0.1.0"))
+    assert meta == {"base_model": "acme/Tiny-MoE-A1B", "base_model_relation": "quantized", "license": "apache-2.0",
+                    "library_name": "transformers",
+                    "tags": ["quantized", "mixture-of-experts", "compressed-tensors", "moe-quant"]}
+    assert body.startswith("\n# ")
+    assert "moe-quant 0.1.0" in _section(body, "Provenance")
+
+
+def test_license_from_config_and_omitted_fields(builtin_source, tmp_path):
+    src = _copy_source(builtin_source, tmp_path / "m", config_extra={"license": "mit"})
+    meta, _ = _split(render_card(_recipe(), src, HEADLINE, None, ALL_OK, "0.1.0", fmt="gptq"))
+    assert meta["license"] == "mit" and meta["tags"][2] == "gptq"
+    # builtin and local-folder models have no hub id; the builtin has no license anywhere
+    for model in ("builtin:qwen3-moe-tiny", str(builtin_source.path)):
+        meta, _ = _split(render_card(_recipe(model), builtin_source, HEADLINE, None, ALL_OK, "0.1.0"))
+        assert "base_model" not in meta and "license" not in meta, meta
+        assert meta["library_name"] == "transformers"
+
+
+def test_what_and_plan_numbers_match_the_inputs(builtin_source):
+    recipe = _recipe("acme/Tiny-MoE-A1B", "quantize.algorithm=gptq", "plan.granularity=per_layer",
+                     "plan.symmetric=false")
+    _, body = _split(render_card(recipe, builtin_source, {"headline": HEADLINE, "per_layer": []}, None, ALL_OK, "0.1.0"))
+    what = _section(body, "What this is")
+    assert "`mixed_int8_int4`" in what and "`gptq`" in what and "`top_fraction`" in what and "`per_layer`" in what
+    assert "group size 32" in what and "asymmetric" in what and "20%" in what
+    plan = _section(body, "Plan")
+    assert "**4.812**" in plan and "6.137" in plan and "6.583" in plan and "12.3456 GB" in plan
+    rows = {r[0]: r[1:] for r in (ln.strip("|").split("|") for ln in plan.splitlines() if ln.startswith("| "))}
+    rows = {k.strip(): [c.strip() for c in v] for k, v in rows.items()}
+    assert rows["4"] == ["81.25%", "35.4%"] and rows["8"] == ["18.75%", "64.6%"]
+    # a summary that went through JSON (string keys) renders the same table
+    as_json = json.loads(json.dumps({"headline": HEADLINE}))
+    assert _section(_split(render_card(recipe, builtin_source, as_json, None, ALL_OK, "0.1.0"))[1], "Plan") == plan
+
+
+def test_eval_table_and_gates(builtin_source):
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, _eval(True), ALL_OK, "0.1.0"))
+    ev = _section(body, "Evaluation")
+    ppl = next(ln for ln in ev.splitlines() if ln.startswith("| held-out perplexity"))
+    assert "10.0000" in ppl and "10.5000" in ppl and "+0.5000" in ppl and "+5.00%" in ppl and "pass" in ppl
+    mmlu = next(ln for ln in ev.splitlines() if ln.startswith("| quant_mmlu"))
+    assert "-2.00 pts" in mmlu and "pass" in mmlu  # the 'mmlu' gate applies to task quant_mmlu
+    assert "0.0123" in ev and "0.9512" in ev and "All quality gates passed." in ev and "FAIL" not in ev
+
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, _eval(False), ALL_OK, "0.1.0"))
+    ev = _section(body, "Evaluation")
+    ppl = next(ln for ln in ev.splitlines() if ln.startswith("| held-out perplexity"))
+    assert "**FAILED**" in ppl and "0.01" in ppl
+    assert "Quality gates FAILED: perplexity" in ev and "All quality gates passed" not in ev
+
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, ALL_OK, "0.1.0"))
+    assert _section(body, "Evaluation").strip() == "Not evaluated."
+
+
+def test_serving_follows_runtime_compatibility(builtin_source):
+    problems = {"vllm": ["vllm applies one quantization scheme to all experts of a fused MoE layer"],
+                "sglang": [], "transformers": [], "gptqmodel": []}
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0", repo_id="me/tiny-w4"))
+    serving = _section(body, "Serving")
+    vllm, sglang = _section(serving, "vLLM", "###"), _section(serving, "SGLang", "###")
+    assert vllm.strip() == f"not servable: {problems['vllm'][0]}" and "vllm serve" not in vllm
+    assert "python -m sglang.launch_server --model-path me/tiny-w4" in sglang
+    assert 'AutoModelForCausalLM.from_pretrained("me/tiny-w4"' in _section(serving, "transformers", "###")
+    gptqmodel = _section(serving, "GPTQModel", "###")  # compressed-tensors: not a format GPTQModel loads
+    assert gptqmodel.strip().startswith("not servable:") and "GPTQ-format" in gptqmodel
+
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, ALL_OK, "0.1.0", fmt="gptq",
+                                 repo_id="me/tiny-gptq"))
+    serving = _section(body, "Serving")
+    assert "vllm serve me/tiny-gptq" in _section(serving, "vLLM", "###")
+    assert 'GPTQModel.load("me/tiny-gptq")' in _section(serving, "GPTQModel", "###")
+    assert "not servable: transformers cannot load GPTQ-format" in _section(serving, "transformers", "###")
+
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, {"vllm": []}, "0.1.0"))
+    assert "not checked" in _section(_section(body, "Serving"), "SGLang", "###")
