@@ -159,3 +159,22 @@ def test_awq_folds_ship_in_the_checkpoint(tmp_path, name):
     assert torch.allclose(a, b, atol=2e-2, rtol=2e-2), (a - b).abs().max()
     # and the folded, quantized model still computes (approximately) the original function
     assert (a - base).abs().mean() < 0.2 * base.abs().mean()
+
+
+def test_sharded_checkpoint_with_index_loads(tmp_path):
+    """A shard limit far below the model size gives several shards, an index, and a manifest covering them."""
+    from transformers import AutoModelForCausalLM
+
+    from quant.export.writer import verify_manifest
+
+    _, result = _run(tmp_path, "qwen3-moe-tiny", "export.max_shard_gb=0.0002", "plan.policy=uniform",
+                     "plan.group_size=32", until="export")
+    ckpt = result.run_dir / "checkpoint"
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and all((ckpt / s).is_file() for s in shards)
+    assert all(s.startswith("model-") and s.endswith(f"-of-{len(shards):05d}.safetensors") for s in shards)
+    manifest = json.loads((ckpt / "quant_manifest.json").read_text())["files"]
+    assert set(shards) <= set(manifest) and verify_manifest(ckpt) == []
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape[-1] == 1024
