@@ -18,6 +18,7 @@ import torch
 
 from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
 from quant.calibration import CalibrationSet
+from quant.errors import ModelError
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of
@@ -189,9 +190,15 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise) -
     S = calib.tokens.shape[1]
     hidden = lw.embed(calib.tokens)
     per_layer: dict[int, _LayerStats] = {}
+    moe_layers = set(source.moe_layers())
     for idx in range(source.n_layers):
         with lw.layer(idx) as layer:
             view = experts_of(layer)
+            if view is None and idx in moe_layers:
+                raise ModelError(
+                    f"{source.path}: layer {idx} has routed experts on disk but its transformers module does not fuse "
+                    "them (per-expert Linear layout, e.g. remote code); quant needs transformers' fused experts"
+                )
             handle, acc = None, None
             if view is not None:
                 acc = per_layer[idx] = _LayerStats(view.n_experts, domains, lw.device)
