@@ -123,8 +123,8 @@ def test_resume_after_sigkill_during_quantize(tmp_path):
     slow = (
         "import time, quant.quantize as q\n"
         "orig = q.write_layer\n"
-        "def slow(path, w):\n"
-        "    orig(path, w)\n"
+        "def slow(path, *args, **kwargs):\n"
+        "    orig(path, *args, **kwargs)\n"
         "    open(str(path) + '.written', 'w').close()\n"
         "    time.sleep(60)\n"
         "q.write_layer = slow\n"
@@ -133,8 +133,10 @@ def test_resume_after_sigkill_during_quantize(tmp_path):
     args = [sys.executable, "-c", slow, "run", HEADLINE, "-o", str(out), *FAST]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy())
     deadline = time.time() + 240
-    while not list((out / "quantize.partial").glob("*.written")) and time.time() < deadline:
+    while not list((out / "quantize.partial").glob("*.written")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
+    if proc.poll() is not None:
+        pytest.fail(f"the run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}")
     assert list((out / "quantize.partial").glob("*.written")), "quantize never started"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
