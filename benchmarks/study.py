@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import statistics
 import sys
@@ -31,12 +30,13 @@ sys.path.insert(0, str(REPO / "benchmarks" / "reference_moe"))
 from evaluate_reference import nextline_samples  # noqa: E402
 
 from quant.calibration import build_calibration  # noqa: E402
+from quant.evaluate import logprobs, proxies  # noqa: E402
 from quant.layerwise import Layerwise  # noqa: E402
 from quant.models import resolve_model  # noqa: E402
 from quant.plan import plan_bits  # noqa: E402
 from quant.plan_summary import summarize  # noqa: E402
 from quant.profile import profile_routing  # noqa: E402
-from quant.qstore import dequantize_2d, layer_file, read_layer, read_params  # noqa: E402
+from quant.qstore import layer_file, load_into_layer  # noqa: E402
 from quant.quantize import quantize_model  # noqa: E402
 from quant.recipe import PlanSpec, QuantizeSpec  # noqa: E402
 
@@ -69,27 +69,8 @@ def load_model(path: Path):
 
 def apply_quantized(model, src, qdir: Path) -> None:
     """Put the stored dequantized weights (and AWQ-changed kept tensors) into a float model."""
-    sd = model.state_dict()
     for layer in range(src.n_layers):
-        path = layer_file(qdir, layer)
-        for local, t in read_params(path).items():
-            sd[f"model.layers.{layer}.{local}"].copy_(t)
-        for name, qw in read_layer(path).items():
-            w = dequantize_2d(qw).float()
-            p = name.split(".")
-            if p[2] != "experts":
-                sd[src.modules[name].disk_prefix + ".weight"].copy_(w)
-                continue
-            gu = sd[f"model.layers.{layer}.mlp.experts.gate_up_proj"]
-            half = gu.shape[1] // 2
-            target = {"gate": gu[int(p[3]), :half], "up": gu[int(p[3]), half:],
-                      "down": sd[f"model.layers.{layer}.mlp.experts.down_proj"][int(p[3])]}[p[4]]
-            target.copy_(w)
-
-
-@torch.no_grad()
-def logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(model(tokens).logits[:, :-1].float(), dim=-1)
+        load_into_layer(src, model.model.layers[layer], layer, layer_file(qdir, layer))
 
 
 @torch.no_grad()
@@ -129,12 +110,10 @@ def heldout_code_docs() -> list[dict]:
 
 
 def metrics(model, tokens, base_lp, lines) -> dict:
-    lp = logprobs(model, tokens)
-    target = tokens[:, 1:].unsqueeze(-1)
-    nll = -lp.gather(-1, target).mean().item()
-    kl = (base_lp.exp() * (base_lp - lp)).sum(-1).mean().item()
-    top1 = (base_lp.argmax(-1) == lp.argmax(-1)).float().mean().item()
-    return {"ppl": math.exp(nll), "kl": kl, "top1": top1, "nextline_em": nextline_greedy_match(model, lines)}
+    """The pipeline's own proxies (quant.evaluate) against bf16, plus next-line exact match."""
+    p = proxies(base_lp, logprobs(model, tokens, 16, "cpu"), tokens)
+    return {"ppl": p["perplexity"]["quantized"], "kl": p["kl"]["quantized"], "top1": p["top1_agreement"]["quantized"],
+            "nextline_em": nextline_greedy_match(model, lines)}
 
 
 def run(seeds: list[int], out: Path, n_lines: int) -> dict:
@@ -147,7 +126,7 @@ def run(seeds: list[int], out: Path, n_lines: int) -> dict:
     samples = nextline_samples(tok, heldout_code_docs(), n_lines, seed=0, max_context=256, max_line_tokens=48)
     lines = nextline_batch(tok, samples[:n_lines])
     base = load_model(src.path)
-    base_lp = logprobs(base, eval_tokens)
+    base_lp = logprobs(base, eval_tokens, 16, "cpu")
     results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     bits: dict[str, float] = {}
     bf16 = metrics(base, eval_tokens, base_lp, lines)

@@ -61,7 +61,7 @@ def servable_checkpoint(checkpoint: Path, plan: BitPlan, source: ModelSource):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _logprobs(model, tokens: torch.Tensor, batch: int, device) -> torch.Tensor:
+def logprobs(model, tokens: torch.Tensor, batch: int, device) -> torch.Tensor:
     """Next-token log-probabilities ``[N, S-1, V]`` (float32 on CPU)."""
     out = []
     with torch.no_grad():
@@ -139,11 +139,11 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(source.path)
     tokens = build_calibration(p.dataset, tok, p.n_samples, p.seq_len, seed=0).tokens
     base = _load(source.path, dtype, device)
-    base_lp = _logprobs(base, tokens, recipe.eval.batch_size, device)
+    base_lp = logprobs(base, tokens, recipe.eval.batch_size, device)
     del base
     with servable_checkpoint(run_dir / "checkpoint", plan, source) as (path, loader):
         quant = _load(path, dtype, device)
-        proxy = proxies(base_lp, _logprobs(quant, tokens, recipe.eval.batch_size, device), tokens)
+        proxy = proxies(base_lp, logprobs(quant, tokens, recipe.eval.batch_size, device), tokens)
         del quant
         tasks = _run_tasks(recipe, source, path, device) if recipe.eval.tasks else {}
     gates = gate_results(recipe, proxy, tasks)

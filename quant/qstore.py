@@ -64,3 +64,18 @@ def read_params(path: Path, device: str | torch.device = "cpu") -> dict[str, tor
     """The changed kept parameters stored with a layer (in-memory names), possibly empty."""
     with safe_open(str(path), "pt", device=str(device)) as f:
         return {k[len(PARAM_PREFIX):]: f.get_tensor(k) for k in f.keys() if k.startswith(PARAM_PREFIX)}
+
+
+def load_into_layer(source, layer, idx: int, path: Path, device: str | torch.device = "cpu"):
+    """Write a stored layer's dequantized weights and changed kept parameters into decoder layer ``idx`` (a
+    materialized layer, or ``model.model.layers[idx]`` of a full transformers model). Returns (stored, params)."""
+    from quant.models.layers import layer_weights
+
+    stored, params = read_layer(path, device), read_params(path, device)
+    weights = layer_weights(source, layer, idx)
+    for name, qw in stored.items():
+        weights[name].copy_(dequantize_2d(qw))
+    state = dict(layer.named_parameters())
+    for name, t in params.items():
+        state[name].data.copy_(t)
+    return stored, params

@@ -28,12 +28,11 @@ from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
 from quant.plan import BitPlan, ModulePlan
-from quant.qstore import dequantize_2d, layer_file, read_layer, read_params, write_layer
+from quant.qstore import layer_file, load_into_layer, write_layer
 from quant.recipe import QuantizeSpec
 from quant.smooth import run_awq
 
 log = logging.getLogger(__name__)
-PROJ_ROWS = {"gate": (0, 1), "up": (1, 2)}  # halves of gate_up_proj [E, 2I, D]
 
 
 def _solve_rtn(w, H, spec, scale_dtype, q: QuantizeSpec) -> tuple[QuantizedWeight, list[tuple[int, str]]]:
@@ -245,26 +244,8 @@ class _LayerJob:
 
 def _apply_stored(job: _LayerJob, path: Path, device) -> None:
     """Put previously stored dequantized weights (and changed kept parameters) into the layer (resume path)."""
-    stored = read_layer(path, device)
-    I = job.view.intermediate if job.view is not None else 0
-    for name, qw in stored.items():
-        deq = dequantize_2d(qw)
-        if name in job.linears:
-            job.linears[name].weight.data.copy_(deq)
-            continue
-        e, proj = int(name.split(".")[3]), name.split(".")[4]
-        if proj == "down":
-            job.view.down.data[e].copy_(deq)
-        else:
-            lo, hi = PROJ_ROWS[proj]
-            job.view.gate_up.data[e, lo * I : hi * I].copy_(deq)
-    params = read_params(path, device)
-    state = dict(job.layer.named_parameters())
-    for name, t in params.items():
-        state[name].data.copy_(t.to(state[name].device))
-    job.params = params
-    job.results = stored
-    missing = set(job.mods) - set(stored)
+    job.results, job.params = load_into_layer(job.source, job.layer, job.idx, path, device)
+    missing = set(job.mods) - set(job.results)
     if missing:
         raise QuantError(f"stored layer {job.idx} lacks {sorted(missing)[:3]}; remove it and rerun with --force quantize")
 

@@ -155,6 +155,20 @@ def experts_of(layer: nn.Module) -> ExpertsView | None:
     return ExpertsView(experts, experts.gate_up_proj, experts.down_proj)
 
 
+def layer_weights(source: ModelSource, layer: nn.Module, idx: int) -> dict[str, torch.Tensor]:
+    """Every quantizable weight of decoder layer ``idx`` by canonical name, as in-memory tensors (expert
+    projections are views into the fused ``gate_up_proj`` / ``down_proj``), so writing into one updates the layer."""
+    out = {name: mod.weight.data for name, mod in linears_of(source, layer, idx).items()}
+    view = experts_of(layer)
+    if view is not None:
+        I = view.intermediate
+        for e in range(view.n_experts):
+            out[f"layers.{idx}.experts.{e}.gate"] = view.gate_up.data[e, :I]
+            out[f"layers.{idx}.experts.{e}.up"] = view.gate_up.data[e, I:]
+            out[f"layers.{idx}.experts.{e}.down"] = view.down.data[e]
+    return out
+
+
 def linears_of(source: ModelSource, layer: nn.Module, idx: int) -> dict[str, nn.Linear]:
     """Every nn.Linear of a decoder layer by canonical name (attention, dense MLP, shared experts)."""
     out = {}

@@ -8,7 +8,7 @@ import torch
 
 from quant.models import BUILTINS, resolve_model
 from quant.pipeline import STAGES, run
-from quant.qstore import dequantize_2d, layer_file, read_layer
+from quant.qstore import dequantize_2d, layer_file, load_into_layer, read_layer
 from quant.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,21 +93,9 @@ def test_per_layer_plan_loads_in_transformers_and_matches_fake_quant(tmp_path, n
 
 
 def _apply_dequantized(model, src, qdir: Path) -> None:
-    sd = model.state_dict()
+    """The pipeline's dequantized weights (and AWQ-changed norms/routers) written into a full model."""
     for layer in range(src.n_layers):
-        for cname, qw in read_layer(layer_file(qdir, layer)).items():
-            w = dequantize_2d(qw)
-            parts = cname.split(".")
-            if parts[2] == "experts":
-                e, proj = int(parts[3]), parts[4]
-                if proj == "down":
-                    sd[f"model.layers.{layer}.mlp.experts.down_proj"][e].copy_(w)
-                else:
-                    half = sd[f"model.layers.{layer}.mlp.experts.gate_up_proj"].shape[1] // 2
-                    rows = slice(0, half) if proj == "gate" else slice(half, 2 * half)
-                    sd[f"model.layers.{layer}.mlp.experts.gate_up_proj"][e, rows].copy_(w)
-            else:
-                sd[src.modules[cname].disk_prefix + ".weight"].copy_(w)
+        load_into_layer(src, model.model.layers[layer], layer, layer_file(qdir, layer))
 
 
 def test_transformers_cannot_serve_mixed_expert_bits(family_runs):
@@ -148,10 +136,6 @@ def test_awq_folds_ship_in_the_checkpoint(tmp_path, name):
     quant = AutoModelForCausalLM.from_pretrained(d / "checkpoint", dtype=torch.bfloat16)
     fake = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.bfloat16)
     _apply_dequantized(fake, src, d / "quantized")
-    sd = fake.state_dict()
-    for layer in range(src.n_layers):
-        for local, t in read_params(layer_file(d / "quantized", layer)).items():
-            sd[f"model.layers.{layer}.{local}"].copy_(t)
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b, base = quant(ids).logits.float(), fake(ids).logits.float(), \
