@@ -143,8 +143,8 @@ def calibration(n: int, seqlen: int, vocab: int, seed: int) -> CalibrationSet:
 
 
 def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, batch: int, quant_all: bool,
-              solve_budget_gb: float = 6.0) -> dict:
-    """Profile + quantize with quant's engine; export compressed-tensors; timings per layer."""
+              solve_budget_gb: float | None = None) -> dict:
+    """Profile + quantize with quant's engine; export compressed-tensors; timings per layer and end to end."""
     from quant.export.compressed_tensors import write_compressed_tensors
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,7 +158,8 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=128, symmetric=sym,
                     protect={"attention": 4 if quant_all else "keep", "shared_experts": 4, "dense_mlp": 4})
     plan = plan_bits(prof, src.modules, spec, algo, src.n_layers)
-    qspec = QuantizeSpec(algorithm=algo, device=dev, batch_size=batch, solve_budget_gb=solve_budget_gb)
+    budget = {} if solve_budget_gb is None else {"solve_budget_gb": solve_budget_gb}
+    qspec = QuantizeSpec(algorithm=algo, device=dev, batch_size=batch, **budget)
     qdir = work / f"q-{algo}"
     shutil.rmtree(qdir, ignore_errors=True)
     reset_peak()
@@ -174,8 +175,12 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
            "solve_s_per_layer": sum(r.solve_seconds for r in reports) / len(reports),
            "forward_s_per_layer": sum(r.forward_seconds for r in reports) / len(reports),
            "peak_gpu_gb": peak, "repairs": sum(len(r.repairs) for r in reports)}
-    if not isinstance(src, TiledSource):
-        out["checkpoint"] = str(write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}", 20 << 30))
+    t0 = time.perf_counter()
+    ckpt = write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}", 20 << 30)
+    out["export_s"] = time.perf_counter() - t0
+    out["end_to_end_s"] = prof_s + total + out["export_s"]
+    if not isinstance(src, TiledSource):  # the layer-error check reads the base model's real layers
+        out["checkpoint"] = str(ckpt)
     return out
 
 
@@ -247,7 +252,7 @@ def main() -> None:
     ap.add_argument("--llmcompressor", default="", help="comma list: gptq,awq")
     ap.add_argument("--error-samples", type=int, default=16)
     ap.add_argument("--keep-attention", action="store_true", help="quantize experts only")
-    ap.add_argument("--solve-budget-gb", type=float, default=6.0)
+    ap.add_argument("--solve-budget-gb", type=float, default=None, help="default: quantize.solve_budget_gb's")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -286,6 +291,10 @@ def main() -> None:
               f"{r['peak_gpu_gb']:8.1f} {r.get('mean_rel_layer_error', float('nan')):8.4f}")
     if "profile_tokens_per_s" in (rows[0] if rows else {}):
         print(f"profile throughput: {rows[0]['profile_tokens_per_s']:.0f} tokens/s ({a.samples}x{a.seqlen} tokens)")
+    for r in rows:
+        if "end_to_end_s" in r:
+            print(f"{r['algo']} end to end, {r['layers']} layers: profile {r['profile_s']:.1f} s + quantize "
+                  f"{r['quantize_s']:.1f} s + export {r['export_s']:.1f} s = {r['end_to_end_s']:.1f} s")
 
 
 if __name__ == "__main__":

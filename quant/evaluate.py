@@ -35,10 +35,10 @@ log = logging.getLogger(__name__)
 PROXY_METRICS = ("perplexity", "kl", "top1_agreement")
 
 
-def _load(path: Path, dtype, device):
+def _load(path: Path, dtype, device, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device).eval()
 
 
@@ -94,7 +94,7 @@ def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device) -> 
 
     e = recipe.eval
     kw = dict(limit=e.limit, num_fewshot=e.num_fewshot, batch_size=e.batch_size, seed=1234, device=str(device),
-              backend=e.backend, max_gen_toks=e.max_gen_toks)
+              backend=e.backend, max_gen_toks=e.max_gen_toks, trust_remote_code=source.trust_remote_code)
     cache = cache_root() / "eval" / f"base-{_task_cache_key(source, recipe)}.json"
     if cache.is_file():
         base = json.loads(cache.read_text())
@@ -136,13 +136,13 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     device = pick_device(recipe.eval.device)
     dtype = DTYPES[recipe.model.dtype]
     p = recipe.eval.perplexity
-    tok = AutoTokenizer.from_pretrained(source.path)
+    tok = AutoTokenizer.from_pretrained(source.path, trust_remote_code=source.trust_remote_code)
     tokens = build_calibration(p.dataset, tok, p.n_samples, p.seq_len, seed=0).tokens
-    base = _load(source.path, dtype, device)
+    base = _load(source.path, dtype, device, source.trust_remote_code)
     base_lp = logprobs(base, tokens, recipe.eval.batch_size, device)
     del base
     with servable_checkpoint(run_dir / "checkpoint", plan, source) as (path, loader):
-        quant = _load(path, dtype, device)
+        quant = _load(path, dtype, device, source.trust_remote_code)
         proxy = proxies(base_lp, logprobs(quant, tokens, recipe.eval.batch_size, device), tokens)
         del quant
         tasks = _run_tasks(recipe, source, path, device) if recipe.eval.tasks else {}

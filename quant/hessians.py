@@ -2,8 +2,8 @@
 
 ``H = mean over tokens of x xᵀ`` (fp32) per input: one per nn.Linear, and per expert for the fused experts —
 ``gate_up [E, D, D]`` (gate and up share an input, so one Hessian serves both) and ``down [E, I, I]``.
-Expert statistics are batched: routed tokens are grouped into padded ``[E, C, ·]`` blocks and reduced with
-``bmm``. Options: gate-weighted (each routed token weighted by its routing weight, MoEQuant's AGQ) and
+Expert statistics are batched: routed tokens are grouped into buckets of experts with similar load, padded
+to ``[n, C, ·]`` (routing skew costs at most 1.5x padding) and reduced with ``bmm``. Options: gate-weighted (each routed token weighted by its routing weight, MoEQuant's AGQ) and
 all-experts (every token through every expert; routed outputs are unaffected because only the statistics
 see the extra tokens).
 """
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from quant.models.layers import ExpertsView
-from quant.routing import chunk_budget, expert_intermediate, group_tokens, token_chunks
+from quant.routing import Bucket, chunk_budget, expert_intermediate, load_buckets
 
 
 @contextlib.contextmanager
@@ -35,29 +35,87 @@ def _low_precision(x: torch.Tensor) -> bool:
     return x.dtype in (torch.bfloat16, torch.float16)
 
 
-class LinearStats:
-    """Running ``Σ x xᵀ`` and token count of one nn.Linear's input."""
+def _gram(rows: torch.Tensor) -> torch.Tensor:
+    """``rows [n, C, d]`` -> ``rowsᵀ rows [n, d, d]`` in fp32."""
+    if rows.dtype == torch.float32:
+        return torch.bmm(rows.transpose(1, 2), rows)
+    return torch.bmm(rows.transpose(1, 2), rows, out_dtype=torch.float32)
 
-    def __init__(self, module: nn.Linear):
+
+def _add_gram(acc: torch.Tensor, b: Bucket, rows: torch.Tensor, temp_bytes: int = 1 << 30) -> None:
+    """``acc[e] += rowsᵀ rows`` for the bucket's experts: in place over a contiguous id range, else through
+    an fp32 temporary of at most ``temp_bytes`` at a time."""
+    if b.span is not None:
+        view = acc[b.span]
+        if rows.dtype == torch.float32:
+            view.baddbmm_(rows.transpose(1, 2), rows)
+        else:
+            torch.baddbmm(view, rows.transpose(1, 2), rows, out_dtype=torch.float32, out=view)
+        return
+    d = rows.shape[-1]
+    step = max(1, temp_bytes // (4 * d * d))
+    for s in range(0, rows.shape[0], step):
+        acc.index_add_(0, b.experts[s : s + step], _gram(rows[s : s + step]))
+
+
+class LinearStats:
+    """Running ``Σ x xᵀ`` and token count of one nn.Linear's input.
+
+    Linears that are called on the very same input tensor (q/k/v, MLA's q_a and kv_a, a shared expert's gate
+    and up) share one accumulator when their stats are made by :func:`linear_stats`: the first module to see an
+    input accumulates it and the others follow it, checked on every call."""
+
+    def __init__(self, module: nn.Linear, name: str = "", last: list | None = None):
         n = module.in_features
+        self.name = name
         self.sum = torch.zeros(n, n, dtype=torch.float32, device=module.weight.device)
         self.abs_sum = torch.zeros(n, dtype=torch.float32, device=module.weight.device)
         self.n = 0
+        self.leader: LinearStats | None = None
+        self._last = last if last is not None else [None, None]  # [input tensor, the stats that took it]
         self.handle = module.register_forward_pre_hook(self._hook)
 
     def _hook(self, _m, args) -> None:
-        x = args[0].reshape(-1, args[0].shape[-1])
-        with exact_tf32(_low_precision(x)):
-            xf = x.float()
-            self.sum.addmm_(xf.T, xf)
-        self.abs_sum += xf.abs().sum(dim=0)
+        x = args[0]
+        seen, owner = self._last
+        if seen is x and owner is not self:
+            if self.leader is None and self.n == 0:
+                self.leader = owner
+            if self.leader is not owner:
+                raise RuntimeError(f"{self.name}: shares its input with {owner.name} on some calls only")
+            return
+        if self.leader is not None:
+            raise RuntimeError(f"{self.name}: stopped sharing its input with {self.leader.name}")
+        self._last[0], self._last[1] = x, self
+        x = x.reshape(-1, x.shape[-1])
+        if x.is_cuda and _low_precision(x):
+            torch.addmm(self.sum, x.T, x, out_dtype=torch.float32, out=self.sum)
+        else:
+            with exact_tf32(_low_precision(x)):
+                xf = x.float()
+                self.sum.addmm_(xf.T, xf)
+        self.abs_sum += x.abs().sum(dim=0, dtype=torch.float32)
         self.n += x.shape[0]
 
+    def remove(self) -> None:
+        self.handle.remove()
+        self._last[0] = self._last[1] = None
+
     def hessian(self) -> torch.Tensor:
+        if self.leader is not None:
+            return self.leader.hessian()
         return self.sum / max(self.n, 1)
 
     def mean_abs(self) -> torch.Tensor:
+        if self.leader is not None:
+            return self.leader.mean_abs()
         return self.abs_sum / max(self.n, 1)
+
+
+def linear_stats(modules: dict[str, nn.Linear]) -> dict[str, LinearStats]:
+    """Statistics for several linears of one layer, modules fed the same input tensor sharing one sum."""
+    last: list = [None, None]
+    return {name: LinearStats(m, name, last) for name, m in modules.items()}
 
 
 class ExpertStats:
@@ -80,7 +138,7 @@ class ExpertStats:
         self.abs_down = torch.zeros(E, I, dtype=torch.float32, device=dev)
         self.weight_sum = torch.zeros(E, dtype=torch.float64, device=dev)
         self.counts = torch.zeros(E, dtype=torch.long, device=dev)
-        self.handle = view.module.register_forward_pre_hook(self._hook)
+        self.handle = view.on_route(lambda x, idx, w: self._hook(view.module, (x, idx, w)))
 
     def _hook(self, _m, args) -> None:
         x, idx, w = args[0], args[1], args[2]
@@ -89,27 +147,37 @@ class ExpertStats:
         if self.all_experts:
             idx = torch.arange(self.first, self.first + self.count, device=idx.device).expand(x.shape[0], self.count)
             w = torch.ones(idx.shape, dtype=x.dtype, device=x.device)
-        k_eff = max(1, idx.shape[1] * self.count // E) if not self.all_experts else idx.shape[1]
-        step = token_chunks(x.shape[0], k_eff, self.count, max(self.view.gate_up.shape[1:]),
-                            chunk_budget(x.device))
-        with exact_tf32(_low_precision(x) and not self.gate_weighted):
-            for t0 in range(0, x.shape[0], step):
-                self._accumulate(x[t0 : t0 + step], idx[t0 : t0 + step], w[t0 : t0 + step])
+        width = max(self.view.gate_up.shape[1:])
+        _, buckets = load_buckets(idx, w, self.count, self.first, width=width, max_elems=chunk_budget(x.device))
+        for bucket in buckets:
+            self._accumulate(x, bucket)
 
-    def _accumulate(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
-        g = group_tokens(idx, w, self.count, self.first)
-        xg = g.gather(x)
-        row_w = g.weight.float() if self.gate_weighted else g.mask.float()
-        self.weight_sum += row_w.sum(dim=1).double()
-        sqrt_w = row_w.sqrt().unsqueeze(-1)
-        xs = xg.float() * sqrt_w
-        self.sum_gu.baddbmm_(xs.transpose(1, 2), xs)
-        self.abs_gu += xs.abs().sum(dim=1)
+    def _accumulate(self, x: torch.Tensor, b: Bucket) -> None:
+        """Add one bucket's ``Σ x xᵀ`` (and the down input's) to its experts' sums.
+
+        bf16/fp16 activations on a GPU are multiplied as they are with fp32 output (products of 8/11-bit
+        significands are exact in fp32), so nothing is converted or copied to fp32 first; gate-weighted rows are
+        scaled by √w in fp32 and reduced in full fp32."""
+        xg = b.gather(x)
+        row_w = b.weight.float() if self.gate_weighted else b.mask.float()
+        self.weight_sum.index_add_(0, b.experts, row_w.sum(dim=1).double())
+        a = None
         if self.need_down:
-            gate_up = self.view.gate_up[self.first : self.first + self.count]
-            a = expert_intermediate(xg, gate_up, self.view.act).float() * sqrt_w
-            self.sum_down.baddbmm_(a.transpose(1, 2), a)
-            self.abs_down += a.abs().sum(dim=1)
+            f = self.first
+            gate_up = (self.view.gate_up[b.span.start + f : b.span.stop + f] if b.span is not None
+                       else self.view.gate_up[b.experts + f])
+            a = expert_intermediate(xg, gate_up, self.view.act)
+        native = x.is_cuda and _low_precision(x) and not self.gate_weighted
+        if not native:
+            sqrt_w = row_w.sqrt().unsqueeze(-1)
+            xg = xg.float() * sqrt_w
+            a = None if a is None else a.float() * sqrt_w
+        with exact_tf32(_low_precision(x) and not self.gate_weighted):
+            _add_gram(self.sum_gu, b, xg)
+            self.abs_gu.index_add_(0, b.experts, xg.abs().sum(dim=1, dtype=torch.float32))
+            if a is not None:
+                _add_gram(self.sum_down, b, a)
+                self.abs_down.index_add_(0, b.experts, a.abs().sum(dim=1, dtype=torch.float32))
 
     def mean_abs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """mean |x| per input channel, per expert: gate/up input ``[E, D]``, down input ``[E, I]``."""

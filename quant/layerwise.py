@@ -119,3 +119,14 @@ class Layerwise:
     def logits_fn(self) -> tuple[nn.Module, nn.Module]:
         """Final norm and lm_head on the device (for layerwise perplexity)."""
         return load_head(self.source, self.model, self.device, self.dtype)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full-model logits ``[N, S, V]`` computed one decoder layer at a time (for small token sets: every
+        position's logits are returned)."""
+        hidden = self.embed(tokens)
+        for idx in range(self.source.n_layers):
+            with self.layer(idx) as layer:
+                hidden = self.forward(layer, hidden, out=hidden)
+        norm, head = self.logits_fn()
+        with torch.no_grad():
+            return head(norm(hidden.to(self.device)))

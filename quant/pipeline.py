@@ -55,7 +55,7 @@ class Run:
 
     @cached_property
     def source(self) -> ModelSource:
-        return resolve_model(self.recipe.model.path)
+        return resolve_model(self.recipe.model.path, trust_remote_code=self.recipe.model.trust_remote_code)
 
     def identity(self) -> dict:
         return {"recipe": self.recipe.name, "model": self.recipe.model.path,

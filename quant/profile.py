@@ -2,8 +2,9 @@
 
 Per MoE layer × expert: routed token count, routing-weight mass (the normalized gate weights actually applied),
 top-1 count, max |activation| at the down-projection input and output (the super-expert detector), and the
-counts per calibration domain. Collected with a pre-hook on the fused experts module, which every supported
-family calls as ``experts(hidden [T, D], top_k_index [T, k], top_k_weights [T, k])``.
+counts per calibration domain. Collected through ``ExpertsView.on_route``, which hands over the tokens entering the
+experts and the routing the MoE block applies, ``(x [T, D], top_idx [T, k], top_w [T, k])``, in either experts
+layout (transformers' fused experts or a remote-code per-expert ModuleList).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from quant.errors import ModelError
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of
-from quant.routing import chunk_budget, expert_intermediate, expert_output, group_tokens, token_chunks
+from quant.routing import chunk_budget, expert_intermediate, expert_output, load_buckets
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
@@ -138,7 +139,7 @@ def _spearman(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 class _LayerStats:
-    """Accumulates one MoE layer's statistics from the experts pre-hook."""
+    """Accumulates one MoE layer's statistics from the layer's routing callback."""
 
     def __init__(self, n_experts: int, domains: list[str], device):
         z = lambda: torch.zeros(n_experts, dtype=torch.float64, device=device)  # noqa: E731
@@ -160,7 +161,7 @@ class _LayerStats:
         return self._probe
 
     def update(self, view: ExpertsView, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
-        E, k = view.n_experts, idx.shape[1]
+        E = view.n_experts
         s = self.stats
         s["counts"] += torch.bincount(idx.reshape(-1), minlength=E).double()
         s["weight_mass"].index_add_(0, idx.reshape(-1), w.reshape(-1).double())
@@ -169,18 +170,19 @@ class _LayerStats:
             for d_i, name in enumerate(self.domains):
                 sel = idx[self.token_domain == d_i].reshape(-1)
                 self.domain[name] += torch.bincount(sel, minlength=E).double()
-        step = token_chunks(x.shape[0], k, E, max(view.gate_up.shape[1], view.gate_up.shape[2]), chunk_budget(x.device))
-        for t0 in range(0, x.shape[0], step):
-            g = group_tokens(idx[t0 : t0 + step], w[t0 : t0 + step], E)
-            xg = g.gather(x[t0 : t0 + step])
-            a = expert_intermediate(xg, view.gate_up, view.act)
-            y = expert_output(a, view.down)
-            gu_q, down_q = self._probe_weights(view)
-            y_q = expert_output(expert_intermediate(xg, gu_q, view.act), down_q)
-            err = (y.float() - y_q.float()).pow(2).sum(dim=-1) * g.weight.float().pow(2)
-            self.sensitivity += err.sum(dim=1).double()
-            s["down_in_absmax"] = torch.maximum(s["down_in_absmax"], a.abs().amax(dim=(1, 2)).double())
-            s["down_out_absmax"] = torch.maximum(s["down_out_absmax"], y.abs().amax(dim=(1, 2)).double())
+        width = max(view.gate_up.shape[1], view.gate_up.shape[2])
+        _, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device))
+        gu_q, down_q = self._probe_weights(view)
+        for b in buckets:
+            pick = (lambda t, b=b: t[b.span]) if b.span is not None else (lambda t, b=b: t[b.experts])
+            xg = b.gather(x)
+            a = expert_intermediate(xg, pick(view.gate_up), view.act)
+            y = expert_output(a, pick(view.down))
+            y_q = expert_output(expert_intermediate(xg, pick(gu_q), view.act), pick(down_q))
+            err = (y.float() - y_q.float()).pow(2).sum(dim=-1) * b.weight.float().pow(2)
+            self.sensitivity.index_add_(0, b.experts, err.sum(dim=1).double())
+            for key, t in (("down_in_absmax", a), ("down_out_absmax", y)):
+                s[key][b.experts] = torch.maximum(s[key][b.experts], t.abs().amax(dim=(1, 2)).double())
 
 
 def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise) -> RoutingProfile:
@@ -193,18 +195,17 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise) -
     moe_layers = set(source.moe_layers())
     for idx in range(source.n_layers):
         with lw.layer(idx) as layer:
-            view = experts_of(layer)
+            view = experts_of(source, layer, idx)
             if view is None and idx in moe_layers:
                 raise ModelError(
-                    f"{source.path}: layer {idx} has routed experts on disk but its transformers module does not fuse "
-                    "them (per-expert Linear layout, e.g. remote code); quant needs transformers' fused experts"
+                    f"{source.path}: layer {idx} has routed experts on disk but quant does not recognise its experts "
+                    f"module ({type(layer).__name__}); supported: transformers' fused experts or a per-expert "
+                    "nn.ModuleList of Linear MLPs"
                 )
             handle, acc = None, None
             if view is not None:
                 acc = per_layer[idx] = _LayerStats(view.n_experts, domains, lw.device)
-                handle = view.module.register_forward_pre_hook(
-                    lambda _m, args, acc=acc, view=view: acc.update(view, *args[:3])
-                )
+                handle = view.on_route(lambda x, top_idx, top_w, acc=acc, view=view: acc.update(view, x, top_idx, top_w))
 
             def before(rows: slice, acc=acc) -> None:
                 if acc is not None:

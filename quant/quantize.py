@@ -23,7 +23,7 @@ from quant.algos.grid import QuantizedWeight, QuantSpec
 from quant.algos.rtn import rtn
 from quant.calibration import CalibrationSet
 from quant.errors import QuantError
-from quant.hessians import ExpertStats, LinearStats
+from quant.hessians import ExpertStats, linear_stats
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
@@ -98,7 +98,7 @@ class _LayerJob:
         prefix = f"layers.{idx}."
         self.mods = {n: p for n, p in plan.quantized().items() if n.startswith(prefix)}
         self.linears = {n: m for n, m in linears_of(source, layer, idx).items() if n in self.mods}
-        self.view: ExpertsView | None = experts_of(layer)
+        self.view: ExpertsView | None = experts_of(source, layer, idx)
         self.results: dict[str, QuantizedWeight] = {}
         self.report = LayerReport(idx)
 
@@ -118,7 +118,7 @@ class _LayerJob:
         Solving a chunk changes only those experts, which neither feed the next chunk's gate/up input (the
         post-attention norm output) nor its down input (its own gate/up), so later passes stay exact.
         """
-        lin_stats = {n: LinearStats(m) for n, m in self.linears.items()}
+        lin_stats = linear_stats(self.linears)
         chunks = self.expert_chunks() if self.view is not None and self.experts_planned() else [(0, 0)]
         for i, (first, count) in enumerate(chunks):
             exp_stats = None
@@ -128,7 +128,7 @@ class _LayerJob:
                 lw.run(self.layer, hidden)
             if i == 0:
                 for st in lin_stats.values():
-                    st.handle.remove()
+                    st.remove()
             if exp_stats is not None:
                 exp_stats.remove()
                 with _timed(self.report, "solve_seconds", lw.device):

@@ -138,7 +138,7 @@ class QuantizeSpec(_Strict):
     awq_grid: int = Field(20, ge=2)
     batch_size: int = Field(8, ge=1)
     hessian_budget_gb: float = Field(16.0, gt=0.0)
-    solve_budget_gb: float = Field(6.0, gt=0.0)
+    solve_budget_gb: float = Field(3.0, gt=0.0)
 
 
 class ExportSpec(_Strict):

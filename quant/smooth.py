@@ -21,7 +21,7 @@ import torch
 
 from quant.algos.awq import AWQExtra, awq_search
 from quant.algos.grid import QuantSpec
-from quant.hessians import ExpertStats, LinearStats
+from quant.hessians import ExpertStats, LinearStats, linear_stats
 from quant.models.layers import smoothing_sites
 
 
@@ -128,11 +128,11 @@ def _smooth_linears(job, names: list[str], lin_stats: dict[str, LinearStats], s:
 def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
     """AWQ for the planned modules of ``job``'s layer; returns the changed kept parameters."""
     sites = smoothing_sites(job.source, job.layer, job.idx, set(job.mods))
-    lin_stats = {n: LinearStats(m) for n, m in job.linears.items()}
+    lin_stats = linear_stats(job.linears)
     stats = ExpertStats(job.view, False, job.spec.all_experts) if job.view is not None and job.experts_planned() else None
     lw.run(job.layer, hidden)
     for st in lin_stats.values():
-        st.handle.remove()
+        st.remove()
     params: dict[str, torch.Tensor] = {}
     if stats is not None:
         stats.remove()

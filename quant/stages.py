@@ -37,7 +37,7 @@ def dataset_hash(dataset: str) -> str:
 def tokenizer_for(source: ModelSource):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.path, trust_remote_code=False)
+    return AutoTokenizer.from_pretrained(source.path, trust_remote_code=source.trust_remote_code)
 
 
 def save_calibration(calib: CalibrationSet, run_dir: Path) -> None:

@@ -1,8 +1,11 @@
-"""Shared fixtures: an isolated builtin-model cache per test session, offline hub settings, CLI runner."""
+"""Shared fixtures: an isolated builtin-model cache per test session, offline hub settings, CLI runner, a
+remote-code (per-expert Linear) copy of builtin:qwen3-moe-tiny."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +37,28 @@ def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None =
 @pytest.fixture
 def cli():
     return run_cli
+
+
+PER_EXPERT_CODE = REPO / "tests" / "fixtures" / "modeling_qwen3_moe_perexpert.py"
+
+
+def make_per_expert_model(dst: Path) -> Path:
+    """builtin:qwen3-moe-tiny's weights, tokenizer and config under remote code (``auto_map`` to
+    tests/fixtures/modeling_qwen3_moe_perexpert.py) whose MoE blocks keep a per-expert nn.ModuleList of Linear
+    MLPs; ``model_type`` qwen3_moe_perexpert. The safetensors file is the builtin's, byte for byte."""
+    from quant.models.builtin import builtin_path
+
+    shutil.copytree(builtin_path("qwen3-moe-tiny"), dst)
+    shutil.copy2(PER_EXPERT_CODE, dst / PER_EXPERT_CODE.name)
+    module = PER_EXPERT_CODE.stem
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(model_type="qwen3_moe_perexpert", architectures=["Qwen3MoePerExpertForCausalLM"],
+               auto_map={"AutoConfig": f"{module}.Qwen3MoePerExpertConfig",
+                         "AutoModelForCausalLM": f"{module}.Qwen3MoePerExpertForCausalLM"})
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+@pytest.fixture(scope="session")
+def per_expert_model(quant_cache, tmp_path_factory) -> Path:
+    return make_per_expert_model(tmp_path_factory.mktemp("remote") / "qwen3-moe-tiny-perexpert")

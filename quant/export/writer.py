@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from quant.models import ModelSource
+from quant.models.source import remote_code_files
 from quant.plan import BitPlan
 from quant.qstore import layer_file, read_layer, read_params
 
@@ -70,9 +71,13 @@ class ShardWriter:
 
 
 def copy_side_files(src: Path, dst: Path) -> None:
+    """Tokenizer, generation and license files, and the model's own Python that config.json's ``auto_map`` names
+    (a remote-code model's checkpoint needs it to load)."""
     for name in SIDE_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
+    for code in remote_code_files(src):
+        shutil.copy2(code, dst / code.name)
 
 
 def sha256_file(path: Path) -> str:

@@ -11,24 +11,27 @@ from quant.models.source import ModelSource, ModuleInfo
 __all__ = ["BUILTINS", "DEFAULT_BUILTIN", "ModuleInfo", "ModelSource", "resolve_model"]
 
 
-def resolve_model(spec: str) -> ModelSource:
-    """``builtin:NAME`` or a local folder -> ModelSource. Hub ids are resolved to the local HF cache only."""
+def resolve_model(spec: str, trust_remote_code: bool = False) -> ModelSource:
+    """``builtin:NAME`` or a local folder -> ModelSource. Hub ids are resolved to the local HF cache only.
+    ``trust_remote_code`` (the recipe's ``model.trust_remote_code``) lets the folder's own Python run."""
     if spec.startswith("builtin:"):
         name = spec.split(":", 1)[1]
-        return ModelSource(builtin_path(name), display_name=spec)
+        return ModelSource(builtin_path(name), display_name=spec, trust_remote_code=trust_remote_code)
     path = Path(spec).expanduser()
     if path.exists():
-        return ModelSource(path, display_name=spec)
+        return ModelSource(path, display_name=spec, trust_remote_code=trust_remote_code)
     if spec.count("/") == 1 and not spec.startswith((".", "/")):
-        return ModelSource(_hub_snapshot(spec), display_name=spec)
+        return ModelSource(_hub_snapshot(spec, trust_remote_code), display_name=spec, trust_remote_code=trust_remote_code)
     raise ModelError(f"model path does not exist: {spec} (use a folder, a hub id, or builtin:NAME)")
 
 
-def _hub_snapshot(repo_id: str) -> Path:
-    """Download (or find in the local cache) a hub model's safetensors and config; used on clusters."""
+def _hub_snapshot(repo_id: str, with_code: bool) -> Path:
+    """Download (or find in the local cache) a hub model's safetensors and config (and its ``*.py`` remote code
+    when ``with_code``); used on clusters."""
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        patterns = ["*.json", "*.safetensors", "*.model", "*.txt"] + (["*.py"] if with_code else [])
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # noqa: BLE001 - any hub failure is the same user-facing problem
         raise ModelError(f"model '{repo_id}' is not a local folder and could not be fetched from the hub: {e}") from None

@@ -7,6 +7,8 @@ Canonical names (used everywhere outside ``models/``):
 
 On disk transformers 5 keeps per-expert tensors (``model.layers.0.mlp.experts.0.gate_proj.weight``) and fuses
 them in memory into ``mlp.experts.gate_up_proj [E, 2I, D]`` (gate rows first) and ``down_proj [E, D, I]``.
+Remote-code models (``trust_remote_code``) keep the same on-disk names and a per-expert ``nn.ModuleList`` in memory
+(see ``models/experts.py``); their own ``model_type`` maps to a family through ``REMOTE_MODEL_TYPES``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ class FamilySpec:
     shared_attr: str | None = None
     attn_norm_fed: tuple[str, ...] = ("q", "k", "v")  # canonical attention leaves reading input_layernorm
     dense_proj: dict[str, str] = field(default_factory=lambda: {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+    # Routing of a per-expert (remote-code) MoE block whose router is a plain nn.Linear producing logits [T, E]:
+    # softmax over experts (fp32) -> top-k -> renormalize the k weights to sum 1 when ``renormalize`` (None: when
+    # the config's ``norm_topk_prob`` is true) -> cast to the logits' dtype, as transformers 4.x Mixtral, Qwen-MoE
+    # and OLMoE do. ``logit_routing=False``: the family routes otherwise (DeepSeek-V3's grouped sigmoid with score
+    # correction), so its gate must return ``(topk_idx, topk_weight, ...)`` itself.
+    logit_routing: bool = True
+    renormalize: bool | None = None
 
     def rules(self) -> list[tuple[re.Pattern, str]]:
         """(regex over an on-disk weight key, canonical template) pairs, first match wins."""
@@ -109,11 +118,20 @@ FAMILIES: dict[str, FamilySpec] = {
     "qwen3_moe": FamilySpec("qwen3_moe", ("qwen3_moe",)),
     "qwen2_moe": FamilySpec("qwen2_moe", ("qwen2_moe",), shared_attr="shared_expert"),
     "deepseek_v3": FamilySpec("deepseek_v3", ("deepseek_v3",), shared_attr="shared_experts",
-                              attn_norm_fed=("q_a", "kv_a_proj_with_mqa")),
+                              attn_norm_fed=("q_a", "kv_a_proj_with_mqa"), logit_routing=False),
     "mixtral": FamilySpec(
-        "mixtral", ("mixtral",), disk_moe="block_sparse_moe", expert_proj={"gate": "w1", "up": "w3", "down": "w2"}
+        "mixtral", ("mixtral",), disk_moe="block_sparse_moe", expert_proj={"gate": "w1", "up": "w3", "down": "w2"},
+        renormalize=True,
     ),
     "olmoe": FamilySpec("olmoe", ("olmoe",)),
+}
+
+
+# model_type of a remote-code model (defined by the model folder's own Python, not by transformers) -> the family
+# whose checkpoint names and weights it shares. Only types known to match exactly; anything else stays unsupported.
+REMOTE_MODEL_TYPES: dict[str, str] = {
+    "kimi_k2": "deepseek_v3",  # Kimi-K2: DeepSeek-V3 architecture and key names, its own modeling_deepseek.py
+    "qwen3_moe_perexpert": "qwen3_moe",  # quant's own fixture: Qwen3-MoE with a per-expert ModuleList (tests/)
 }
 
 
@@ -121,4 +139,10 @@ def family_for(model_type: str) -> FamilySpec | None:
     for spec in FAMILIES.values():
         if model_type in spec.model_types:
             return spec
-    return None
+    alias = REMOTE_MODEL_TYPES.get(model_type)
+    return FAMILIES[alias] if alias is not None else None
+
+
+def is_remote_model_type(model_type: str) -> bool:
+    """True when ``model_type`` exists only as remote code (the model folder's own Python)."""
+    return model_type in REMOTE_MODEL_TYPES

@@ -1,8 +1,10 @@
 """transformers modules for one model, materialized one decoder layer at a time.
 
-The skeleton is the real transformers model built on the meta device, so forward semantics are exactly the
-library's. A layer is materialized by loading its tensors from safetensors (per-expert on disk, fused
-``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]`` in memory) and released back to meta afterwards.
+The skeleton is the real transformers model built on the meta device (the folder's own code when
+``trust_remote_code``), so forward semantics are exactly the model's. A layer is materialized by loading its tensors
+from safetensors (per-expert on disk, fused ``gate_up [E, 2I, D]`` / ``down [E, D, I]`` in memory: transformers'
+own parameters, or for a per-expert ``nn.ModuleList`` fused storage the expert Linears view, see ``experts.py``)
+and released back to meta afterwards.
 """
 
 from __future__ import annotations
@@ -14,30 +16,12 @@ import torch
 from torch import nn
 
 from quant.errors import ModelError
+from quant.models.experts import ExpertsView, experts_view, moe_block, per_expert_layout
+from quant.models.families import module_kind
 from quant.models.source import ModelSource
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _KEEP_FP32 = ("e_score_correction_bias",)
-
-
-@dataclass
-class ExpertsView:
-    """The fused experts of one MoE layer: ``gate_up [E, 2I, D]`` (gate rows first), ``down [E, D, I]``."""
-
-    module: nn.Module
-    gate_up: nn.Parameter
-    down: nn.Parameter
-
-    @property
-    def n_experts(self) -> int:
-        return self.gate_up.shape[0]
-
-    @property
-    def intermediate(self) -> int:
-        return self.gate_up.shape[1] // 2
-
-    def act(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module.act_fn(x)
 
 
 def build_skeleton(source: ModelSource, dtype: torch.dtype) -> nn.Module:
@@ -47,7 +31,7 @@ def build_skeleton(source: ModelSource, dtype: torch.dtype) -> nn.Module:
     config = source.config
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, trust_remote_code=source.trust_remote_code)
     return model.eval()
 
 
@@ -55,8 +39,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.model.layers
 
 
-def _layer_state(source: ModelSource, idx: int, device) -> dict[str, torch.Tensor]:
-    """On-disk tensors of layer ``idx`` renamed to the in-memory decoder layer's state-dict keys."""
+def _layer_state(source: ModelSource, idx: int, device, moe_attr: str):
+    """On-disk tensors of layer ``idx`` renamed to the in-memory decoder layer's state-dict keys (the MoE block
+    under ``moe_attr``), with the routed experts stacked apart: (state, (gate_up [E, 2I, D], down [E, D, I]) or None)."""
     prefix = f"model.layers.{idx}."
     fam = source.family
     keys = [k for k in source.weight_map if k.startswith(prefix)]
@@ -72,27 +57,33 @@ def _layer_state(source: ModelSource, idx: int, device) -> dict[str, torch.Tenso
             experts[inv[m.group(2)]][int(m.group(1))] = tensor
             continue
         if local.startswith(fam.disk_moe + "."):
-            local = "mlp." + local[len(fam.disk_moe) + 1:]
+            local = moe_attr + "." + local[len(fam.disk_moe) + 1:]
         state[local] = tensor
-    if experts["gate"]:
-        n = len(experts["gate"])
-        if any(sorted(experts[p]) != list(range(n)) for p in experts):
-            raise ModelError(f"{source.path}: layer {idx} has an incomplete set of expert tensors")
-        state["mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([experts["gate"][e], experts["up"][e]], dim=0) for e in range(n)]
-        )
-        state["mlp.experts.down_proj"] = torch.stack([experts["down"][e] for e in range(n)])
-    return state
+    if not experts["gate"]:
+        return state, None
+    n = len(experts["gate"])
+    if any(sorted(experts[p]) != list(range(n)) for p in experts):
+        raise ModelError(f"{source.path}: layer {idx} has an incomplete set of expert tensors")
+    gate_up = torch.stack([torch.cat([experts["gate"][e], experts["up"][e]], dim=0) for e in range(n)])
+    return state, (gate_up, torch.stack([experts["down"][e] for e in range(n)]))
 
 
 def load_layer(source: ModelSource, model: nn.Module, idx: int, device, dtype: torch.dtype) -> nn.Module:
     """Materialize decoder layer ``idx`` of the meta skeleton on ``device`` with its checkpoint weights."""
     layer = decoder_layers(model)[idx]
-    state = {
-        k: (v if k.endswith(_KEEP_FP32) or not v.is_floating_point() else v.to(dtype))
-        for k, v in _layer_state(source, idx, device).items()
-    }
+    found = moe_block(source.family, layer)
+    moe_attr = found[0] if found else "mlp"
+    cast = lambda k, v: v if k.endswith(_KEEP_FP32) or not v.is_floating_point() else v.to(dtype)  # noqa: E731
+    raw, fused = _layer_state(source, idx, device, moe_attr)
+    state = {k: cast(k, v) for k, v in raw.items()}
+    per_expert = per_expert_layout(source.family, layer, idx)
+    if fused is not None and per_expert is not None:
+        per_expert.attach(*(cast("", t) for t in fused))
+    elif fused is not None:
+        state[f"{moe_attr}.experts.gate_up_proj"], state[f"{moe_attr}.experts.down_proj"] = (cast("", t) for t in fused)
     missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
+    if per_expert is not None:
+        missing = [k for k in missing if not k.startswith(per_expert.prefix + ".")]
     if missing or unexpected:
         raise ModelError(
             f"{source.path}: layer {idx} does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})"
@@ -130,6 +121,11 @@ class LayerRunner:
 
     def __init__(self, model: nn.Module, device, dtype: torch.dtype):
         self.model = model
+        if not isinstance(getattr(model.model, "rotary_emb", None), nn.Module):
+            raise ModelError(
+                f"{type(model).__name__} has no model.rotary_emb: quant runs decoder layers the transformers 5 way "
+                "(position_embeddings passed in), which this (remote) model code does not support"
+            )
         rotary_cls = type(model.model.rotary_emb)
         self.rotary = rotary_cls(config=model.config).to(device)
         self.device, self.dtype = device, dtype
@@ -147,19 +143,17 @@ class LayerRunner:
         return out[0] if isinstance(out, tuple) else out
 
 
-def experts_of(layer: nn.Module) -> ExpertsView | None:
-    """The fused experts of a decoder layer, or None for a dense layer."""
-    experts = getattr(getattr(layer, "mlp", None), "experts", None)
-    if experts is None or not hasattr(experts, "gate_up_proj"):
-        return None
-    return ExpertsView(experts, experts.gate_up_proj, experts.down_proj)
+def experts_of(source: ModelSource, layer: nn.Module, idx: int) -> ExpertsView | None:
+    """The routed experts of decoder layer ``idx`` as fused tensors (either in-memory layout), or None for a dense
+    layer. A per-expert layout not materialized by ``load_layer`` (a full model) gets fused storage here, once."""
+    return experts_view(source.family, source.config, source.top_k, layer, idx)
 
 
 def layer_weights(source: ModelSource, layer: nn.Module, idx: int) -> dict[str, torch.Tensor]:
     """Every quantizable weight of decoder layer ``idx`` by canonical name, as in-memory tensors (expert
-    projections are views into the fused ``gate_up_proj`` / ``down_proj``), so writing into one updates the layer."""
+    projections are views into the fused ``gate_up`` / ``down``), so writing into one updates the layer."""
     out = {name: mod.weight.data for name, mod in linears_of(source, layer, idx).items()}
-    view = experts_of(layer)
+    view = experts_of(source, layer, idx)
     if view is not None:
         I = view.intermediate
         for e in range(view.n_experts):
@@ -170,12 +164,13 @@ def layer_weights(source: ModelSource, layer: nn.Module, idx: int) -> dict[str, 
 
 
 def linears_of(source: ModelSource, layer: nn.Module, idx: int) -> dict[str, nn.Linear]:
-    """Every nn.Linear of a decoder layer by canonical name (attention, dense MLP, shared experts)."""
+    """Every nn.Linear of a decoder layer by canonical name (attention, dense MLP, shared experts, a Linear router);
+    routed experts are not listed even when they are Linears (per-expert layout): they belong to ``experts_of``."""
     out = {}
     for name, mod in layer.named_modules():
         if isinstance(mod, nn.Linear):
             canonical = source.family.canonical(f"model.layers.{idx}.{name}.weight")
-            if canonical is not None:
+            if canonical is not None and module_kind(canonical) != "expert":
                 out[canonical] = mod
     return out
 
@@ -201,11 +196,11 @@ def smoothing_sites(source: ModelSource, layer: nn.Module, idx: int, quantized: 
     returned in ``kept_mlp_inputs`` (their columns must absorb s too)."""
     fam = source.family
     readers = []
-    mlp = layer.mlp
+    mlp_attr, mlp = moe_block(fam, layer)
     for attr in ("gate", "shared_expert_gate"):
         mod = getattr(mlp, attr, None)
         if mod is not None and isinstance(getattr(mod, "weight", None), nn.Parameter) and hasattr(mlp, "experts"):
-            readers.append((f"mlp.{attr}.weight", mod.weight))
+            readers.append((f"{mlp_attr}.{attr}.weight", mod.weight))
     return SmoothingSites(
         attn_norm=("input_layernorm.weight", layer.input_layernorm),
         attn_linears=tuple(f"layers.{idx}.attn.{leaf}" for leaf in fam.attn_norm_fed),

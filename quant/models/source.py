@@ -15,7 +15,14 @@ from pathlib import Path
 from safetensors import safe_open
 
 from quant.errors import ModelError
-from quant.models.families import FamilySpec, expert_of, family_for, layer_of, module_kind
+from quant.models.families import (
+    FamilySpec,
+    expert_of,
+    family_for,
+    is_remote_model_type,
+    layer_of,
+    module_kind,
+)
 
 
 @dataclass(frozen=True)
@@ -54,11 +61,16 @@ def _read_index(path: Path) -> dict[str, str]:
 
 
 class ModelSource:
-    """A local model folder (builtin models are materialized to one first)."""
+    """A local model folder (builtin models are materialized to one first).
 
-    def __init__(self, path: Path, display_name: str | None = None):
+    ``trust_remote_code``: let transformers run the folder's own Python (``auto_map`` in config.json) for the config
+    and the model skeleton; required for a remote-only ``model_type`` (``families.REMOTE_MODEL_TYPES``).
+    """
+
+    def __init__(self, path: Path, display_name: str | None = None, trust_remote_code: bool = False):
         self.path = Path(path)
         self.display_name = display_name or str(path)
+        self.trust_remote_code = trust_remote_code
         if not self.path.exists():
             raise ModelError(f"model path does not exist: {self.path}")
         if not (self.path / "config.json").is_file():
@@ -74,6 +86,11 @@ class ModelSource:
                 f"{self.path} is {kind} (model_type '{model_type}'); quant quantizes Mixture-of-Experts models: "
                 f"{', '.join(FAMILIES)}"
             )
+        if is_remote_model_type(model_type) and not trust_remote_code:
+            raise ModelError(
+                f"{self.path} (model_type '{model_type}') is defined by its own Python code (config.json auto_map); "
+                "set model.trust_remote_code: true to run it"
+            )
         self.family: FamilySpec = family
         self.weight_map = _read_index(self.path)
 
@@ -81,7 +98,11 @@ class ModelSource:
     def config(self):
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.path, trust_remote_code=False)
+        return AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+
+    def code_files(self) -> list[Path]:
+        """The folder's own Python files that ``auto_map`` names (run only with ``trust_remote_code``)."""
+        return remote_code_files(self.path)
 
     def read_tensors(self, keys: list[str], device="cpu") -> dict:
         """Named tensors from the safetensors shards (one open per shard), on ``device``."""
@@ -140,12 +161,15 @@ class ModelSource:
 
     @cached_property
     def fingerprint(self) -> str:
-        """sha256 over config.json, every tensor's name/shape/dtype header and each shard's size and edges.
+        """sha256 over config.json, the model's own Python when ``trust_remote_code`` (it defines the forward), every
+        tensor's name/shape/dtype header and each shard's size and edges.
 
         Cheap for huge models (reads headers and 1 MiB at both ends of each shard), and changes when weights are
         replaced by a different checkpoint of the same architecture.
         """
         h = hashlib.sha256((self.path / "config.json").read_bytes())
+        for code in self.code_files() if self.trust_remote_code else []:  # remote code is part of the model
+            h.update(code.name.encode() + code.read_bytes())
         for file in sorted(set(self.weight_map.values())):
             p = self.path / file
             size = p.stat().st_size
@@ -155,6 +179,20 @@ class ModelSource:
                 f.seek(max(0, size - (1 << 20)))
                 h.update(f.read(1 << 20))
         return h.hexdigest()[:16]
+
+
+def remote_code_files(path: Path) -> list[Path]:
+    """``*.py`` files in ``path`` that config.json's or tokenizer_config.json's ``auto_map`` names (entries like
+    ``modeling_x.Cls``; ``repo--module.Cls`` entries pointing at another repository are not local and skipped)."""
+    names: set[str] = set()
+    for cfg in ("config.json", "tokenizer_config.json"):
+        f = path / cfg
+        auto_map = json.loads(f.read_text()).get("auto_map", {}) if f.is_file() else {}
+        for ref in auto_map.values():
+            for r in ref if isinstance(ref, list) else [ref]:
+                if isinstance(r, str) and "--" not in r and "." in r:
+                    names.add(r.rsplit(".", 1)[0] + ".py")
+    return sorted(path / n for n in names if (path / n).is_file())
 
 
 def _order(m: ModuleInfo) -> tuple:

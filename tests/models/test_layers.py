@@ -15,13 +15,7 @@ def test_layerwise_equals_full_model(name):
 
     src = resolve_model(f"builtin:{name}")
     tokens = torch.randint(0, 1000, (3, 20), generator=torch.Generator().manual_seed(1))
-    lw = Layerwise(src, "float32", "cpu", batch_size=2)
-    hidden = lw.embed(tokens)
-    for idx in range(src.n_layers):
-        with lw.layer(idx) as layer:
-            hidden = lw.forward(layer, hidden)
-    norm, head = lw.logits_fn()
-    logits = head(norm(hidden))
+    logits = Layerwise(src, "float32", "cpu", batch_size=2).logits(tokens)
     full = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32)
     with torch.no_grad():
         ref = full(tokens).logits
@@ -83,3 +77,14 @@ def test_reference_moe_ships_and_has_language_ability():
     with torch.no_grad():
         loss = model(ids, labels=ids).loss.item()
     assert torch.exp(torch.tensor(loss)) < 60  # measured ~20 on this file; uniform would be 8192
+
+
+def test_decoder_layers_without_transformers5_rotary_are_refused():
+    from torch import nn
+
+    from quant.models.layers import LayerRunner
+
+    model = nn.Module()
+    model.model = nn.Module()  # remote code computing rotary inside its attention (transformers 4.x style)
+    with pytest.raises(ModelError, match="no model.rotary_emb"):
+        LayerRunner(model, "cpu", torch.float32)

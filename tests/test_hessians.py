@@ -1,0 +1,165 @@
+"""Statistics the solvers see: per-expert Hessians against an fp64 reference, load buckets, shared inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from quant.hessians import ExpertStats, linear_stats
+from quant.models.experts import ExpertsView, fused_view
+from quant.routing import load_buckets
+
+E, D, I, K, T = 8, 32, 16, 2, 300
+
+
+def _skewed_routing(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K routing where expert 0 is far busier than the rest and expert 7 gets no token."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.tensor([40.0, 8, 4, 3, 2, 1, 0.5, 0.0])
+    idx = torch.multinomial(probs.expand(T, E), K, generator=g)
+    w = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
+    return idx, w
+
+
+@pytest.fixture(scope="module")
+def experts() -> ExpertsView:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K)
+    torch.manual_seed(0)
+    mod = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        mod.gate_up_proj.normal_(0, 0.3)
+        mod.down_proj.normal_(0, 0.3)
+    return fused_view(mod)
+
+
+def _reference(view: ExpertsView, x, idx, w, gate_weighted: bool, all_experts: bool):
+    x64 = x.double()
+    gu = view.gate_up.detach().double()
+    H_gu, H_down = [], []
+    for e in range(view.n_experts):
+        if all_experts:
+            rows, wt = torch.arange(x.shape[0]), torch.ones(x.shape[0], dtype=torch.float64)
+        else:
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            rows = tok
+            wt = w[tok, slot].double() if gate_weighted else torch.ones(len(tok), dtype=torch.float64)
+        xe = x64[rows]
+        h = xe @ gu[e].T
+        a = view.act(h[:, :I]) * h[:, I:]
+        denom = wt.sum().clamp_min(1e-12)
+        H_gu.append((xe * wt[:, None]).T @ xe / denom)
+        H_down.append((a * wt[:, None]).T @ a / denom)
+    return torch.stack(H_gu), torch.stack(H_down)
+
+
+@pytest.mark.parametrize("gate_weighted,all_experts", [(False, False), (True, False), (False, True)])
+def test_expert_hessians_equal_fp64_reference_under_skewed_routing(experts, gate_weighted, all_experts):
+    idx, w = _skewed_routing()
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(1))
+    stats = ExpertStats(experts, gate_weighted, all_experts)
+    with torch.no_grad():
+        for s in range(0, T, 100):  # several calibration batches
+            experts.module(x[s : s + 100], idx[s : s + 100], w[s : s + 100])
+    stats.remove()
+    H_gu, H_down = stats.hessians()
+    ref_gu, ref_down = _reference(experts, x, idx, w, gate_weighted, all_experts)
+    assert stats.counts.tolist() == torch.bincount(idx.reshape(-1), minlength=E).tolist()
+    torch.testing.assert_close(H_gu.double(), ref_gu, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(H_down.double(), ref_down, rtol=1e-5, atol=1e-6)
+    if not all_experts:
+        assert H_gu[7].abs().sum() == 0  # the expert no token reached
+
+
+def test_expert_hessians_of_a_chunk_equal_the_full_pass(experts):
+    idx, w = _skewed_routing(3)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(4))
+    full, part = ExpertStats(experts, False, False), ExpertStats(experts, False, False, first=2, count=3)
+    with torch.no_grad():
+        experts.module(x, idx, w)
+    full.remove(), part.remove()
+    for a, b in zip(full.hessians(), part.hessians(), strict=True):
+        torch.testing.assert_close(a[2:5], b)
+
+
+def test_load_buckets_cover_every_assignment_once_and_bound_padding():
+    idx, w = _skewed_routing(5)
+    counts, buckets = load_buckets(idx, w, E, width=D, max_waste=1.5)
+    assert counts.tolist() == torch.bincount(idx.reshape(-1), minlength=E).tolist()
+    seen = []
+    for b in buckets:
+        rows = int(b.mask.sum())
+        assert b.mask.numel() <= 1.5 * rows or len(b.experts) == 1
+        if b.span is not None:
+            assert b.experts.tolist() == list(range(b.span.start, b.span.stop))
+        for j, e in enumerate(b.experts.tolist()):
+            toks = b.token[j][b.mask[j]].tolist()
+            assert (b.token[j][~b.mask[j]] == T).all() and (b.weight[j][~b.mask[j]] == 0).all()
+            assert toks == sorted(toks)
+            seen += [(t, e, float(b.weight[j][m])) for m, t in zip(b.mask[j].nonzero().flatten().tolist(), toks,
+                                                                     strict=True)]
+    expect = [(t, int(idx[t, s]), float(w[t, s])) for t in range(T) for s in range(K)]
+    assert sorted(seen) == sorted(expect)
+    assert 7 not in [e for b in buckets for e in b.experts.tolist()]
+    # a subset of experts and a tight block budget: still every assignment of the subset, one per slot
+    _, small = load_buckets(idx, w, 3, first_expert=1, width=D, max_elems=40 * D)
+    assert sum(int(b.mask.sum()) for b in small) == int(((idx >= 1) & (idx < 4)).sum())
+    assert all(b.mask.shape[0] * b.mask.shape[1] <= 40 or b.mask.shape[0] == 1 for b in small)
+
+
+class _Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        return self.o(self.q(x) * self.k(x) + self.v(x))
+
+
+def test_linear_stats_share_one_sum_for_one_input_and_match_separate_sums():
+    torch.manual_seed(0)
+    attn = _Attn()
+    mods = {"q": attn.q, "k": attn.k, "v": attn.v, "o": attn.o}
+    stats = linear_stats(mods)
+    xs = [torch.randn(5, 7, D) for _ in range(3)]
+    inputs: dict[str, list] = {n: [] for n in mods}
+    hooks = [m.register_forward_pre_hook(lambda _m, a, n=n: inputs[n].append(a[0].reshape(-1, D))) for n, m in mods.items()]
+    with torch.no_grad():
+        for x in xs:
+            attn(x)
+    for h in hooks:
+        h.remove()
+    for st in stats.values():
+        st.remove()
+    assert stats["k"].leader is stats["q"] and stats["v"].leader is stats["q"]
+    assert stats["q"].leader is None and stats["o"].leader is None
+    for n in mods:
+        X = torch.cat(inputs[n]).double()
+        torch.testing.assert_close(stats[n].hessian().double(), X.T @ X / X.shape[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(stats[n].mean_abs().double(), X.abs().mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_linear_stats_refuse_inputs_shared_on_some_calls_only():
+    a, b = nn.Linear(D, D), nn.Linear(D, D)
+    stats = linear_stats({"a": a, "b": b})
+    x = torch.randn(4, D)
+    with torch.no_grad():
+        a(x), b(x)  # b follows a
+        a(x)
+        with pytest.raises(RuntimeError, match="b: stopped sharing its input with a"):
+            b(torch.randn(4, D))
+    for st in stats.values():
+        st.remove()
+
+
+def test_near_uniform_routing_is_bucketed_in_contiguous_ranges():
+    n = 296
+    idx = torch.stack([torch.arange(n) % E, (torch.arange(n) + 3) % E], dim=1)  # every expert 2n/E = 74 tokens
+    w = torch.full((n, K), 0.5)
+    _, buckets = load_buckets(idx, w, E, width=D)
+    assert [b.span for b in buckets] == [slice(0, E)]
+    _, split = load_buckets(idx, w, E, width=D, max_elems=3 * 74 * D)  # 3 experts per block
+    assert [b.span for b in split] == [slice(0, 3), slice(3, 6), slice(6, 8)]
