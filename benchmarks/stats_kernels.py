@@ -102,7 +102,7 @@ def main() -> None:
     zipf = 1.0 / torch.arange(1, E + 1, device="cuda", dtype=torch.float32) ** 0.8
     g = torch.Generator(device="cuda").manual_seed(0)
     idx_s = torch.multinomial(zipf.expand(x.shape[0], E), idx_u.shape[1], generator=g)
-    from quant.routing import expert_intermediate, group_tokens
+    from quant.routing import expert_intermediate, load_buckets
 
     def ref(idx, e: int):
         rows_e = (idx == e).any(dim=1)
@@ -112,7 +112,7 @@ def main() -> None:
 
     def padded_to_busiest(acc_gu, acc_dn, idx, w):
         """The previous scheme: one [E, C_max, D] block per batch (bf16 in, fp32 out)."""
-        g = group_tokens(idx, w, E)
+        _, (g,) = load_buckets(idx, w, E, max_elems=1 << 62, max_waste=float("inf"))
         xg = g.gather(x)
         torch.baddbmm(acc_gu, xg.transpose(1, 2), xg, out_dtype=torch.float32, out=acc_gu)
         a = expert_intermediate(xg, gu, view.act)

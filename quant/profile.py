@@ -166,10 +166,11 @@ class _LayerStats:
         s["counts"] += torch.bincount(idx.reshape(-1), minlength=E).double()
         s["weight_mass"].index_add_(0, idx.reshape(-1), w.reshape(-1).double())
         s["top1"] += torch.bincount(idx.gather(1, w.argmax(dim=1, keepdim=True)).reshape(-1), minlength=E).double()
-        if self.token_domain is not None:
+        if self.token_domain is not None:  # one bincount over (domain, expert) pairs, no host sync
+            pair = (self.token_domain[:, None] * E + idx).reshape(-1)
+            per = torch.bincount(pair, minlength=len(self.domains) * E).view(len(self.domains), E).double()
             for d_i, name in enumerate(self.domains):
-                sel = idx[self.token_domain == d_i].reshape(-1)
-                self.domain[name] += torch.bincount(sel, minlength=E).double()
+                self.domain[name] += per[d_i]
         width = max(view.gate_up.shape[1], view.gate_up.shape[2])
         _, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device))
         gu_q, down_q = self._probe_weights(view)
@@ -179,10 +180,12 @@ class _LayerStats:
             a = expert_intermediate(xg, pick(view.gate_up), view.act)
             y = expert_output(a, pick(view.down))
             y_q = expert_output(expert_intermediate(xg, pick(gu_q), view.act), pick(down_q))
-            err = (y.float() - y_q.float()).pow(2).sum(dim=-1) * b.weight.float().pow(2)
+            # the difference in the activation dtype (rounding 2^-9 relative: a ranking signal), squared in fp32
+            err = torch.linalg.vector_norm(y - y_q, dim=-1, dtype=torch.float32).pow(2) * b.weight.float().pow(2)
             self.sensitivity.index_add_(0, b.experts, err.sum(dim=1).double())
             for key, t in (("down_in_absmax", a), ("down_out_absmax", y)):
-                s[key][b.experts] = torch.maximum(s[key][b.experts], t.abs().amax(dim=(1, 2)).double())
+                peak = torch.maximum(t.amax(dim=(1, 2)), -t.amin(dim=(1, 2))).double()
+                s[key][b.experts] = torch.maximum(s[key][b.experts], peak)
 
 
 def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise) -> RoutingProfile:

@@ -11,7 +11,7 @@ from quant.models import BUILTINS, resolve_model
 from quant.plan import plan_bits
 from quant.profile import RoutingProfile, profile_routing
 from quant.recipe import PlanSpec
-from quant.routing import expert_intermediate, expert_output, group_tokens
+from quant.routing import expert_intermediate, expert_output, load_buckets
 
 
 @pytest.fixture(scope="module")
@@ -75,26 +75,73 @@ def test_super_expert_detection():
     assert prof.super_experts(500.0) == []
 
 
-def test_grouped_expert_ops_match_per_expert_loop():
+def test_bucketed_expert_ops_match_per_expert_loop():
     g = torch.Generator().manual_seed(0)
     T, k, E, D, I = 50, 3, 6, 16, 8
     x = torch.randn(T, D, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     w = torch.rand(T, k, generator=g)
     gate_up, down = torch.randn(E, 2 * I, D, generator=g), torch.randn(E, D, I, generator=g)
-    grp = group_tokens(idx, w, E)
-    a = expert_intermediate(grp.gather(x), gate_up, torch.nn.functional.silu)
-    y = expert_output(a, down)
+    counts, buckets = load_buckets(idx, w, E, width=D, max_elems=3 * 30 * D)
+    assert len(buckets) > 1
+    for b in buckets:
+        y = expert_output(expert_intermediate(b.gather(x), gate_up[b.experts], torch.nn.functional.silu),
+                          down[b.experts])
+        for j, e in enumerate(b.experts.tolist()):
+            tok, slot = torch.where(idx == e)
+            n = len(tok)
+            assert counts[e] == n and b.mask[j].sum() == n
+            assert torch.equal(b.token[j, :n], tok)
+            assert torch.allclose(b.weight[j, :n], w[tok, slot])
+            gate, up = (x[tok] @ gate_up[e].T).chunk(2, dim=-1)
+            ref = (torch.nn.functional.silu(gate) * up) @ down[e].T
+            assert torch.allclose(y[j, :n], ref, atol=1e-5)
+            assert (y[j, n:] == 0).all()
+
+
+def test_layer_statistics_equal_a_per_expert_loop_under_skewed_routing():
+    """Every per-expert statistic of one layer (counts, routing mass, top-1, per-domain counts, down-projection
+    maxima, the W4 sensitivity probe) against a plain loop over experts, with a hot expert and a cold one."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from quant.models.experts import fused_view
+    from quant.profile import _LayerStats
+
+    T, k, E, D, I = 120, 2, 6, 32, 16
+    g = torch.Generator().manual_seed(2)
+    mod = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k))
+    with torch.no_grad():
+        mod.gate_up_proj.copy_(torch.randn(E, 2 * I, D, generator=g) * 0.3)
+        mod.down_proj.copy_(torch.randn(E, D, I, generator=g) * 0.3)
+    view = fused_view(mod)
+    idx = torch.multinomial(torch.tensor([30.0, 5, 3, 2, 1, 0]).expand(T, E), k, generator=g)
+    w = torch.softmax(torch.randn(T, k, generator=g), dim=-1)
+    x = torch.randn(T, D, generator=g)
+    dom = torch.randint(0, 2, (T,), generator=g)
+    acc = _LayerStats(E, ["a", "b"], torch.device("cpu"))
+    for s in (slice(0, 50), slice(50, T)):  # two batches
+        acc.token_domain = dom[s]
+        acc.update(view, x[s], idx[s], w[s])
+    gu_q, down_q = acc._probe_weights(view)
     for e in range(E):
         tok, slot = torch.where(idx == e)
-        n = len(tok)
-        assert grp.counts[e] == n and grp.mask[e].sum() == n
-        assert torch.equal(grp.token[e, :n], tok)
-        assert torch.allclose(grp.weight[e, :n], w[tok, slot])
-        gate, up = (x[tok] @ gate_up[e].T).chunk(2, dim=-1)
-        ref = (torch.nn.functional.silu(gate) * up) @ down[e].T
-        assert torch.allclose(y[e, :n], ref, atol=1e-5)
-        assert (y[e, n:] == 0).all()
+        st = {key: acc.stats[key][e].item() for key in acc.stats}
+        assert st["counts"] == len(tok)
+        assert st["weight_mass"] == pytest.approx(w[tok, slot].double().sum().item())
+        assert st["top1"] == int((idx[torch.arange(T), w.argmax(dim=1)] == e).sum())
+        assert [acc.domain[d][e].item() for d in ("a", "b")] == [int((dom[tok] == i).sum()) for i in (0, 1)]
+        if not len(tok):
+            assert st["down_in_absmax"] == st["down_out_absmax"] == acc.sensitivity[e].item() == 0
+            continue
+        a = view.act(x[tok] @ mod.gate_up_proj[e, :I].T) * (x[tok] @ mod.gate_up_proj[e, I:].T)
+        y = a @ mod.down_proj[e].T
+        a_q = view.act(x[tok] @ gu_q[e, :I].T) * (x[tok] @ gu_q[e, I:].T)
+        y_q = a_q @ down_q[e].T
+        sens = ((y - y_q).pow(2).sum(dim=1) * w[tok, slot].pow(2)).sum().item()
+        assert st["down_in_absmax"] == pytest.approx(a.abs().max().item(), rel=1e-5)
+        assert st["down_out_absmax"] == pytest.approx(y.abs().max().item(), rel=1e-5)
+        assert acc.sensitivity[e].item() == pytest.approx(sens, rel=1e-4)
 
 
 def test_rank_stability_and_cold_experts():
