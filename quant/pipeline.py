@@ -55,7 +55,8 @@ class Run:
 
     @cached_property
     def source(self) -> ModelSource:
-        return resolve_model(self.recipe.model.path, trust_remote_code=self.recipe.model.trust_remote_code)
+        m = self.recipe.model
+        return resolve_model(m.path, trust_remote_code=m.trust_remote_code, family=m.family)
 
     def identity(self) -> dict:
         return {"recipe": self.recipe.name, "model": self.recipe.model.path,

@@ -45,6 +45,9 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     path: str = "builtin:qwen3-moe-tiny"
     trust_remote_code: bool = False
+    # for a remote-code model_type transformers does not define: the family whose checkpoint names and routing
+    # it follows (qwen3_moe, qwen2_moe, deepseek_v3, mixtral, olmoe)
+    family: str | None = None
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
 

@@ -11,17 +11,18 @@ from quant.models.source import ModelSource, ModuleInfo
 __all__ = ["BUILTINS", "DEFAULT_BUILTIN", "ModuleInfo", "ModelSource", "resolve_model"]
 
 
-def resolve_model(spec: str, trust_remote_code: bool = False) -> ModelSource:
+def resolve_model(spec: str, trust_remote_code: bool = False, family: str | None = None) -> ModelSource:
     """``builtin:NAME`` or a local folder -> ModelSource. Hub ids are resolved to the local HF cache only.
-    ``trust_remote_code`` (the recipe's ``model.trust_remote_code``) lets the folder's own Python run."""
+    ``trust_remote_code`` (the recipe's ``model.trust_remote_code``) lets the folder's own Python run; ``family``
+    (``model.family``) names the family a remote ``model_type`` follows."""
+    kw = dict(display_name=spec, trust_remote_code=trust_remote_code, family=family)
     if spec.startswith("builtin:"):
-        name = spec.split(":", 1)[1]
-        return ModelSource(builtin_path(name), display_name=spec, trust_remote_code=trust_remote_code)
+        return ModelSource(builtin_path(spec.split(":", 1)[1]), **kw)
     path = Path(spec).expanduser()
     if path.exists():
-        return ModelSource(path, display_name=spec, trust_remote_code=trust_remote_code)
+        return ModelSource(path, **kw)
     if spec.count("/") == 1 and not spec.startswith((".", "/")):
-        return ModelSource(_hub_snapshot(spec, trust_remote_code), display_name=spec, trust_remote_code=trust_remote_code)
+        return ModelSource(_hub_snapshot(spec, trust_remote_code), **kw)
     raise ModelError(f"model path does not exist: {spec} (use a folder, a hub id, or builtin:NAME)")
 
 

@@ -8,7 +8,7 @@ Canonical names (used everywhere outside ``models/``):
 On disk transformers 5 keeps per-expert tensors (``model.layers.0.mlp.experts.0.gate_proj.weight``) and fuses
 them in memory into ``mlp.experts.gate_up_proj [E, 2I, D]`` (gate rows first) and ``down_proj [E, D, I]``.
 Remote-code models (``trust_remote_code``) keep the same on-disk names and a per-expert ``nn.ModuleList`` in memory
-(see ``models/experts.py``); their own ``model_type`` maps to a family through ``REMOTE_MODEL_TYPES``.
+(see ``models/experts.py``); the recipe's ``model.family`` says which family a remote ``model_type`` follows.
 """
 
 from __future__ import annotations
@@ -127,22 +127,8 @@ FAMILIES: dict[str, FamilySpec] = {
 }
 
 
-# model_type of a remote-code model (defined by the model folder's own Python, not by transformers) -> the family
-# whose checkpoint names and weights it shares. Only types known to match exactly; anything else stays unsupported.
-REMOTE_MODEL_TYPES: dict[str, str] = {
-    "kimi_k2": "deepseek_v3",  # Kimi-K2: DeepSeek-V3 architecture and key names, its own modeling_deepseek.py
-    "qwen3_moe_perexpert": "qwen3_moe",  # quant's own fixture: Qwen3-MoE with a per-expert ModuleList (tests/)
-}
-
-
 def family_for(model_type: str) -> FamilySpec | None:
     for spec in FAMILIES.values():
         if model_type in spec.model_types:
             return spec
-    alias = REMOTE_MODEL_TYPES.get(model_type)
-    return FAMILIES[alias] if alias is not None else None
-
-
-def is_remote_model_type(model_type: str) -> bool:
-    """True when ``model_type`` exists only as remote code (the model folder's own Python)."""
-    return model_type in REMOTE_MODEL_TYPES
+    return None

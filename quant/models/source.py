@@ -19,7 +19,6 @@ from quant.models.families import (
     FamilySpec,
     expert_of,
     family_for,
-    is_remote_model_type,
     layer_of,
     module_kind,
 )
@@ -64,10 +63,13 @@ class ModelSource:
     """A local model folder (builtin models are materialized to one first).
 
     ``trust_remote_code``: let transformers run the folder's own Python (``auto_map`` in config.json) for the config
-    and the model skeleton; required for a remote-only ``model_type`` (``families.REMOTE_MODEL_TYPES``).
+    and the model skeleton; required for a ``model_type`` transformers does not define. ``family``: which family
+    (``FAMILIES``) such a remote ``model_type`` follows in its checkpoint names and routing; a ``model_type``
+    transformers defines already names its family.
     """
 
-    def __init__(self, path: Path, display_name: str | None = None, trust_remote_code: bool = False):
+    def __init__(self, path: Path, display_name: str | None = None, trust_remote_code: bool = False,
+                 family: str | None = None):
         self.path = Path(path)
         self.display_name = display_name or str(path)
         self.trust_remote_code = trust_remote_code
@@ -77,22 +79,36 @@ class ModelSource:
             raise ModelError(f"{self.path} is not a model folder (no config.json)")
         self.config_dict = json.loads((self.path / "config.json").read_text())
         model_type = self.config_dict.get("model_type", "?")
-        family = family_for(model_type)
-        if family is None:
-            from quant.models.families import FAMILIES
+        self.family: FamilySpec = self._family(model_type, family)
+        self.weight_map = _read_index(self.path)
 
-            kind = "a dense model" if not _looks_moe(self.config_dict) else "an MoE family quant does not support"
-            raise ModelError(
-                f"{self.path} is {kind} (model_type '{model_type}'); quant quantizes Mixture-of-Experts models: "
-                f"{', '.join(FAMILIES)}"
-            )
-        if is_remote_model_type(model_type) and not trust_remote_code:
+    def _family(self, model_type: str, declared: str | None) -> FamilySpec:
+        from transformers import CONFIG_MAPPING
+
+        from quant.models.families import FAMILIES
+
+        native = family_for(model_type)
+        remote = model_type not in CONFIG_MAPPING and "auto_map" in self.config_dict
+        if declared is not None and declared not in FAMILIES:
+            raise ModelError(f"model.family '{declared}' is not one of {', '.join(FAMILIES)}")
+        if native is not None and declared is not None and native.name != declared:
+            raise ModelError(f"{self.path} is model_type '{model_type}' (family {native.name}); model.family "
+                             f"'{declared}' contradicts it — leave model.family unset")
+        family = native or (FAMILIES[declared] if declared is not None and remote else None)
+        if remote and not self.trust_remote_code:
             raise ModelError(
                 f"{self.path} (model_type '{model_type}') is defined by its own Python code (config.json auto_map); "
                 "set model.trust_remote_code: true to run it"
             )
-        self.family: FamilySpec = family
-        self.weight_map = _read_index(self.path)
+        if family is None:
+            kind = "a dense model" if not _looks_moe(self.config_dict) else "an MoE family quant does not support"
+            hint = ("; if its checkpoint names and routing follow one of these, set model.family to it"
+                    if remote and _looks_moe(self.config_dict) else "")
+            raise ModelError(
+                f"{self.path} is {kind} (model_type '{model_type}'); quant quantizes Mixture-of-Experts models: "
+                f"{', '.join(FAMILIES)}{hint}"
+            )
+        return family
 
     @cached_property
     def config(self):

@@ -15,7 +15,7 @@ from tests.conftest import REPO, make_per_expert_model, run_cli
 HEADLINE = "recipes/mixed_int8_int4.yaml"
 FAST = ["--set", "calibration.n_samples=8", "--set", "calibration.seq_len=64", "--set", "eval.perplexity.n_samples=2",
         "--set", "eval.perplexity.seq_len=64", "--set", "model.dtype=float32", "--set", "plan.group_size=32"]
-TRUST = ["--set", "model.trust_remote_code=true"]
+TRUST = ["--set", "model.trust_remote_code=true", "--set", "model.family=qwen3_moe"]
 
 
 def _one_line_error(proc, pattern: str) -> None:
@@ -61,6 +61,19 @@ def test_export_and_inspect_equal_native(runs):
 def test_remote_model_type_without_the_flag_is_one_clear_error(per_expert_model, tmp_path):
     p = run_cli("profile", HEADLINE, "--model", str(per_expert_model), "-o", str(tmp_path / "r"), *FAST)
     _one_line_error(p, "set model.trust_remote_code: true")
+
+
+def test_remote_model_type_without_a_family_is_one_clear_error(per_expert_model, tmp_path):
+    p = run_cli("profile", HEADLINE, "--model", str(per_expert_model), "-o", str(tmp_path / "r"), *FAST,
+                "--set", "model.trust_remote_code=true")
+    _one_line_error(p, "set model.family to it")
+
+
+def test_a_family_that_contradicts_the_model_type_is_one_clear_error(tmp_path):
+    p = run_cli("profile", HEADLINE, "-o", str(tmp_path / "r"), *FAST, "--set", "model.family=mixtral")
+    _one_line_error(p, "is model_type 'qwen3_moe' (family qwen3_moe); model.family 'mixtral' contradicts it")
+    p = run_cli("profile", HEADLINE, "-o", str(tmp_path / "r2"), *FAST, "--set", "model.family=qwen9")
+    _one_line_error(p, "model.family 'qwen9' is not one of qwen3_moe")
 
 
 def test_unrecognised_module_list_is_one_clear_error(tmp_path):

@@ -24,7 +24,8 @@ from quant.smooth import run_awq
 
 @pytest.fixture(scope="module")
 def sources(per_expert_model):
-    return resolve_model(str(per_expert_model), trust_remote_code=True), resolve_model("builtin:qwen3-moe-tiny")
+    return (resolve_model(str(per_expert_model), trust_remote_code=True, family="qwen3_moe"),
+            resolve_model("builtin:qwen3-moe-tiny"))
 
 
 @pytest.fixture(scope="module")
