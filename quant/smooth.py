@@ -31,15 +31,25 @@ def rows_from_hessian(H: torch.Tensor) -> torch.Tensor:
     damp = 1e-6 * torch.diagonal(H, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
     L, info = torch.linalg.cholesky_ex(H.float() + damp[:, None, None] * eye)
     if bool((info != 0).any()):  # e.g. all-zero H: no rows, so every α scores 0 and α = 0 (RTN) wins
-        L = torch.where((info != 0)[:, None, None], torch.zeros_like(L), L)
-    return L.transpose(1, 2).contiguous()
+        L.masked_fill_((info != 0)[:, None, None], 0.0)
+    return L.transpose(1, 2)
 
 
 def _search(w, H, means, spec, job, shared=False, extra=None):
     x = rows_from_hessian(H)
     mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+    O, I = w.shape[1], w.shape[2]
+    per_element = 4 * (2 * I * I + O * I + 3 * I * O)  # x / s, rows, Q(W·s), and x Wᵀ / y / diff [I, O]
+    chunk = max(1, int(job.spec.solve_budget_gb * 1e9) // per_element)
     return awq_search(w, x, mask, spec, w.dtype, n_grid=job.spec.awq_grid, share_across_batch=shared,
-                      extra=extra, channel_means=means)
+                      extra=extra, channel_means=means, batch_chunk=chunk)
+
+
+def _take(t: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """``t[sel]`` without a copy when ``sel`` is every index in order."""
+    if sel.numel() == t.shape[0] and bool((sel == torch.arange(t.shape[0], device=sel.device)).all()):
+        return t
+    return t[sel]
 
 
 def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
@@ -51,7 +61,7 @@ def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
         if proj != "down":
             continue
         sel = torch.tensor(experts, device=v.down.device)
-        res = _search(v.down.data[sel], H_down[sel], mean_down[sel], spec, job)
+        res = _search(v.down.data[sel], _take(H_down, sel), mean_down[sel], spec, job)
         v.down.data[sel] = res.weight.dequantize().to(v.down.dtype)
         v.gate_up.data[sel, I:] = (v.gate_up.data[sel, I:].float() / res.scales[:, :, None]).to(v.gate_up.dtype)
         job.record(res.weight, [[(f"layers.{job.idx}.experts.{e}.down", slice(None))] for e in experts])
@@ -60,7 +70,7 @@ def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
 def _experts_gate_up(job, stats: ExpertStats, groups: dict, params: dict) -> torch.Tensor:
     """One s for every routed expert's gate/up (token-weighted), folded into the post-attention norm."""
     v, I = job.view, job.view.intermediate
-    H = stats.hessians()[0] * stats.weight_sum.float()[:, None, None]  # token-weighted sums
+    H = stats.sum_gu  # token-weighted sums (not normalized per expert: the shared search weighs experts by tokens)
     mean = (stats.abs_gu.sum(0) / stats.weight_sum.sum().clamp_min(1e-12).float())[None]
     fused = sorted(((spec, e) for (proj, spec, _f), e in groups.items() if proj == "gate_up"), key=lambda t: -len(t[1]))
     if not fused:
@@ -73,7 +83,7 @@ def _experts_gate_up(job, stats: ExpertStats, groups: dict, params: dict) -> tor
         e_sel = torch.tensor(e_exp, device=sel.device)
         x = rows_from_hessian(H[e_sel])
         extra = AWQExtra(v.gate_up.data[e_sel], x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device), e_spec)
-    res = _search(v.gate_up.data[sel], H[sel], mean, spec, job, shared=True, extra=extra)
+    res = _search(v.gate_up.data[sel], _take(H, sel), mean, spec, job, shared=True, extra=extra)
     s = res.scales
     _write_gate_up(job, experts, res.weight, I)
     if rest:

@@ -83,12 +83,14 @@ def awq_search(
     share_across_batch: bool = False,
     extra: AWQExtra | None = None,
     channel_means: torch.Tensor | None = None,
+    batch_chunk: int | None = None,
 ) -> AWQResult:
     """Search ``s`` for ``w [B, O, I]`` given its input rows ``x [B, C, I]`` (``mask [B, C]`` bool).
 
     ``channel_means [N, I]`` (N = 1 when shared, else B): mean |x| per channel measured elsewhere, for callers
     whose rows are not activations but a square root of their second moment (``x = Lᵀ`` with ``L Lᵀ = Σ x xᵀ``
-    gives the same loss from a Hessian, without keeping activations)."""
+    gives the same loss from a Hessian, without keeping activations). ``batch_chunk``: batch elements whose
+    trial errors are computed at once (bounds the search's working memory; the result does not depend on it)."""
     assert n_grid >= 1, n_grid
     parts = [AWQExtra(w, x, mask, spec)] + ([extra] if extra is not None else [])
     for part in parts:
@@ -99,10 +101,18 @@ def awq_search(
         means = _floor_means(channel_means.float())
     alphas = torch.linspace(0.0, 1.0, n_grid, device=w.device)
     s_grid = torch.stack([_smoothing(means, alpha) for alpha in alphas.tolist()])  # [n_grid, N, I]
-    errors = []  # per part [n_grid, B']; the loop runs over α, each step batched over the whole batch
+    errors = []  # per part [n_grid, B']; the loop runs over α, each step batched over a chunk of the batch
     for part in parts:
-        ref = torch.bmm(part.x.float(), part.w.float().transpose(1, 2))
-        errors.append(torch.stack([_output_error(part, ref, s, scale_dtype) for s in s_grid]))
+        step = batch_chunk or part.w.shape[0]
+        chunks = []
+        for b0 in range(0, part.w.shape[0], step):
+            sl = slice(b0, b0 + step)
+            sub = AWQExtra(part.w[sl], part.x[sl], part.mask[sl], part.spec)
+            ref = torch.bmm(sub.x.float(), sub.w.float().transpose(1, 2))
+            grid = s_grid if share_across_batch else s_grid[:, sl]
+            chunks.append(torch.stack([_output_error(sub, ref, s, scale_dtype) for s in grid]))
+            del ref
+        errors.append(torch.cat(chunks, dim=1))
     objective = sum(e.sum(dim=1, keepdim=True) for e in errors) if share_across_batch else sum(errors)
     best = torch.nan_to_num(objective, nan=float("inf")).argmin(dim=0)  # [N]; ties keep the smaller α
     s = s_grid[best, torch.arange(best.shape[0], device=w.device)]  # [N, I]

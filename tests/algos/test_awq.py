@@ -63,6 +63,17 @@ def test_shared_scale_beats_rtn_in_total() -> None:
     assert per_expert.error.sum() <= result.error.sum()  # sharing can only cost
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_batch_chunks_do_not_change_the_search(shared: bool) -> None:
+    """The trial errors computed a few experts at a time (bounded memory) give the very same result."""
+    w, x, mask = weights(), outlier_activations(), full_mask()
+    whole = awq_search(w, x, mask, SPEC, torch.bfloat16, share_across_batch=shared)
+    for chunk in (1, 2, B + 1):
+        part = awq_search(w, x, mask, SPEC, torch.bfloat16, share_across_batch=shared, batch_chunk=chunk)
+        assert torch.equal(part.scales, whole.scales) and torch.equal(part.weight.q, whole.weight.q)
+        assert torch.equal(part.alpha, whole.alpha) and torch.allclose(part.error, whole.error)
+
+
 def test_alpha_zero_without_outliers_is_rtn() -> None:
     """With the grid reduced to α = 0 the result is exactly round-to-nearest."""
     w, x, mask = weights(), outlier_activations(), full_mask()
