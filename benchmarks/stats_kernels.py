@@ -102,7 +102,7 @@ def main() -> None:
     zipf = 1.0 / torch.arange(1, E + 1, device="cuda", dtype=torch.float32) ** 0.8
     g = torch.Generator(device="cuda").manual_seed(0)
     idx_s = torch.multinomial(zipf.expand(x.shape[0], E), idx_u.shape[1], generator=g)
-    from quant.routing import expert_intermediate, load_buckets
+    from quant.routing import expert_intermediate, load_buckets, with_zero_row
 
     def ref(idx, e: int):
         rows_e = (idx == e).any(dim=1)
@@ -113,7 +113,7 @@ def main() -> None:
     def padded_to_busiest(acc_gu, acc_dn, idx, w):
         """The previous scheme: one [E, C_max, D] block per batch (bf16 in, fp32 out)."""
         _, (g,) = load_buckets(idx, w, E, max_elems=1 << 62, max_waste=float("inf"))
-        xg = g.gather(x)
+        xg = g.gather(with_zero_row(x))
         torch.baddbmm(acc_gu, xg.transpose(1, 2), xg, out_dtype=torch.float32, out=acc_gu)
         a = expert_intermediate(xg, gu, view.act)
         torch.baddbmm(acc_dn, a.transpose(1, 2), a, out_dtype=torch.float32, out=acc_dn)
@@ -127,7 +127,7 @@ def main() -> None:
         es.abs_down = torch.zeros(E, I, device="cuda")
         es.weight_sum = torch.zeros(E, dtype=torch.float64, device="cuda")
         es.counts = torch.zeros(E, dtype=torch.long, device="cuda")
-        es._hook(None, (x, idx, w))
+        es._hook(x, idx, w)
 
     for routing, idx, w in (("uniform", idx_u, w_u), ("zipf 0.8", idx_s, w_u)):
         load = torch.bincount(idx.reshape(-1), minlength=E).float()

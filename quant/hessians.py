@@ -10,47 +10,38 @@ see the extra tokens).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
 from quant.models.layers import ExpertsView
-from quant.routing import Bucket, chunk_budget, expert_intermediate, load_buckets
+from quant.routing import Bucket, chunk_budget, expert_intermediate, load_buckets, with_zero_row
 
 
-@contextlib.contextmanager
-def exact_tf32(enabled: bool):
-    """TF32 tensor-core matmuls for statistics of bf16/fp16 activations: their 8/11-bit significands convert to
-    TF32 exactly and products accumulate in fp32, so the Hessian equals the fp32 one up to summation order."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled or prev
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+def _native(x: torch.Tensor) -> bool:
+    """bf16/fp16 activations on a GPU are multiplied as they are with fp32 output: products of 8/11-bit
+    significands are exact in fp32, so nothing is converted or copied to fp32 first. Elsewhere rows go in fp32."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def _low_precision(x: torch.Tensor) -> bool:
-    return x.dtype in (torch.bfloat16, torch.float16)
+def _fp32_out(rows: torch.Tensor) -> dict:
+    return {} if rows.dtype == torch.float32 else {"out_dtype": torch.float32}
 
 
 def _gram(rows: torch.Tensor) -> torch.Tensor:
     """``rows [n, C, d]`` -> ``rowsᵀ rows [n, d, d]`` in fp32."""
-    if rows.dtype == torch.float32:
-        return torch.bmm(rows.transpose(1, 2), rows)
-    return torch.bmm(rows.transpose(1, 2), rows, out_dtype=torch.float32)
+    return torch.bmm(rows.transpose(1, 2), rows, **_fp32_out(rows))
+
+
+def _gram_into(acc: torch.Tensor, rows: torch.Tensor) -> None:
+    """``acc [n, d, d] += rowsᵀ rows`` in place, for ``rows [n, C, d]``."""
+    torch.baddbmm(acc, rows.transpose(1, 2), rows, out=acc, **_fp32_out(rows))
 
 
 def _add_gram(acc: torch.Tensor, b: Bucket, rows: torch.Tensor, temp_bytes: int = 1 << 30) -> None:
     """``acc[e] += rowsᵀ rows`` for the bucket's experts: in place over a contiguous id range, else through
     an fp32 temporary of at most ``temp_bytes`` at a time."""
     if b.span is not None:
-        view = acc[b.span]
-        if rows.dtype == torch.float32:
-            view.baddbmm_(rows.transpose(1, 2), rows)
-        else:
-            torch.baddbmm(view, rows.transpose(1, 2), rows, out_dtype=torch.float32, out=view)
+        _gram_into(acc[b.span], rows)
         return
     d = rows.shape[-1]
     step = max(1, temp_bytes // (4 * d * d))
@@ -88,12 +79,7 @@ class LinearStats:
             raise RuntimeError(f"{self.name}: stopped sharing its input with {self.leader.name}")
         self._last[0], self._last[1] = x, self
         x = x.reshape(-1, x.shape[-1])
-        if x.is_cuda and _low_precision(x):
-            torch.addmm(self.sum, x.T, x, out_dtype=torch.float32, out=self.sum)
-        else:
-            with exact_tf32(_low_precision(x)):
-                xf = x.float()
-                self.sum.addmm_(xf.T, xf)
+        _gram_into(self.sum[None], (x if _native(x) else x.float())[None])
         self.abs_sum += x.abs().sum(dim=0, dtype=torch.float32)
         self.n += x.shape[0]
 
@@ -138,10 +124,9 @@ class ExpertStats:
         self.abs_down = torch.zeros(E, I, dtype=torch.float32, device=dev)
         self.weight_sum = torch.zeros(E, dtype=torch.float64, device=dev)
         self.counts = torch.zeros(E, dtype=torch.long, device=dev)
-        self.handle = view.on_route(lambda x, idx, w: self._hook(view.module, (x, idx, w)))
+        self.handle = view.on_route(self._hook)
 
-    def _hook(self, _m, args) -> None:
-        x, idx, w = args[0], args[1], args[2]
+    def _hook(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
         E = self.view.n_experts
         self.counts += torch.bincount(idx.reshape(-1), minlength=E)[self.first : self.first + self.count]
         if self.all_experts:
@@ -149,35 +134,26 @@ class ExpertStats:
             w = torch.ones(idx.shape, dtype=x.dtype, device=x.device)
         width = max(self.view.gate_up.shape[1:])
         _, buckets = load_buckets(idx, w, self.count, self.first, width=width, max_elems=chunk_budget(x.device))
+        x_padded = with_zero_row(x)
         for bucket in buckets:
-            self._accumulate(x, bucket)
+            self._accumulate(x_padded, bucket)
 
-    def _accumulate(self, x: torch.Tensor, b: Bucket) -> None:
-        """Add one bucket's ``Σ x xᵀ`` (and the down input's) to its experts' sums.
-
-        bf16/fp16 activations on a GPU are multiplied as they are with fp32 output (products of 8/11-bit
-        significands are exact in fp32), so nothing is converted or copied to fp32 first; gate-weighted rows are
+    def _accumulate(self, x_padded: torch.Tensor, b: Bucket) -> None:
+        """Add one bucket's ``Σ x xᵀ`` (and the down input's) to its experts' sums; gate-weighted rows are
         scaled by √w in fp32 and reduced in full fp32."""
-        xg = b.gather(x)
+        xg = b.gather(x_padded)
         row_w = b.weight.float() if self.gate_weighted else b.mask.float()
         self.weight_sum.index_add_(0, b.experts, row_w.sum(dim=1).double())
-        a = None
-        if self.need_down:
-            f = self.first
-            gate_up = (self.view.gate_up[b.span.start + f : b.span.stop + f] if b.span is not None
-                       else self.view.gate_up[b.experts + f])
-            a = expert_intermediate(xg, gate_up, self.view.act)
-        native = x.is_cuda and _low_precision(x) and not self.gate_weighted
-        if not native:
+        a = expert_intermediate(xg, b.take(self.view.gate_up, self.first), self.view.act) if self.need_down else None
+        if not _native(xg) or self.gate_weighted:
             sqrt_w = row_w.sqrt().unsqueeze(-1)
             xg = xg.float() * sqrt_w
             a = None if a is None else a.float() * sqrt_w
-        with exact_tf32(_low_precision(x) and not self.gate_weighted):
-            _add_gram(self.sum_gu, b, xg)
-            self.abs_gu.index_add_(0, b.experts, xg.abs().sum(dim=1, dtype=torch.float32))
-            if a is not None:
-                _add_gram(self.sum_down, b, a)
-                self.abs_down.index_add_(0, b.experts, a.abs().sum(dim=1, dtype=torch.float32))
+        _add_gram(self.sum_gu, b, xg)
+        self.abs_gu.index_add_(0, b.experts, xg.abs().sum(dim=1, dtype=torch.float32))
+        if a is not None:
+            _add_gram(self.sum_down, b, a)
+            self.abs_down.index_add_(0, b.experts, a.abs().sum(dim=1, dtype=torch.float32))
 
     def mean_abs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """mean |x| per input channel, per expert: gate/up input ``[E, D]``, down input ``[E, I]``."""

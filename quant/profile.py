@@ -23,7 +23,7 @@ from quant.errors import ModelError
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of
-from quant.routing import chunk_budget, expert_intermediate, expert_output, load_buckets
+from quant.routing import chunk_budget, expert_intermediate, expert_output, load_buckets, with_zero_row
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
@@ -163,7 +163,9 @@ class _LayerStats:
     def update(self, view: ExpertsView, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
         E = view.n_experts
         s = self.stats
-        s["counts"] += torch.bincount(idx.reshape(-1), minlength=E).double()
+        width = max(view.gate_up.shape[1], view.gate_up.shape[2])
+        counts, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device))
+        s["counts"] += counts.double()
         s["weight_mass"].index_add_(0, idx.reshape(-1), w.reshape(-1).double())
         s["top1"] += torch.bincount(idx.gather(1, w.argmax(dim=1, keepdim=True)).reshape(-1), minlength=E).double()
         if self.token_domain is not None:  # one bincount over (domain, expert) pairs, no host sync
@@ -171,15 +173,13 @@ class _LayerStats:
             per = torch.bincount(pair, minlength=len(self.domains) * E).view(len(self.domains), E).double()
             for d_i, name in enumerate(self.domains):
                 self.domain[name] += per[d_i]
-        width = max(view.gate_up.shape[1], view.gate_up.shape[2])
-        _, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device))
         gu_q, down_q = self._probe_weights(view)
+        x_padded = with_zero_row(x)
         for b in buckets:
-            pick = (lambda t, b=b: t[b.span]) if b.span is not None else (lambda t, b=b: t[b.experts])
-            xg = b.gather(x)
-            a = expert_intermediate(xg, pick(view.gate_up), view.act)
-            y = expert_output(a, pick(view.down))
-            y_q = expert_output(expert_intermediate(xg, pick(gu_q), view.act), pick(down_q))
+            xg = b.gather(x_padded)
+            a = expert_intermediate(xg, b.take(view.gate_up), view.act)
+            y = expert_output(a, b.take(view.down))
+            y_q = expert_output(expert_intermediate(xg, b.take(gu_q), view.act), b.take(down_q))
             # the difference in the activation dtype (rounding 2^-9 relative: a ranking signal), squared in fp32
             err = torch.linalg.vector_norm(y - y_q, dim=-1, dtype=torch.float32).pow(2) * b.weight.float().pow(2)
             self.sensitivity.index_add_(0, b.experts, err.sum(dim=1).double())

@@ -23,9 +23,22 @@ class Bucket:
     mask: torch.Tensor
     span: slice | None = None
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, D]`` -> ``[n, C, D]`` with zero rows in the padding."""
-        return torch.cat([x, x.new_zeros(1, x.shape[1])])[self.token]
+    def gather(self, x_padded: torch.Tensor) -> torch.Tensor:
+        """``x_padded [T + 1, D]`` (:func:`with_zero_row`, made once for all buckets) -> ``[n, C, D]`` with zero
+        rows in the padding."""
+        return x_padded[self.token]
+
+    def take(self, per_expert: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """The bucket's rows of a per-expert tensor ``[E', ...]`` whose row ``e + offset`` belongs to local expert
+        ``e``: a view over a contiguous id range, else a gathered copy."""
+        if self.span is not None:
+            return per_expert[self.span.start + offset : self.span.stop + offset]
+        return per_expert[self.experts + offset]
+
+
+def with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, D]`` -> ``[T + 1, D]`` whose last row (the padding slots' token index ``T``) is zero."""
+    return torch.cat([x, x.new_zeros(1, x.shape[1])])
 
 
 def _partition(load: list[int], width: int, max_elems: int, max_waste: float) -> list[list[int]]:

@@ -45,11 +45,9 @@ def _search(w, H, means, spec, job, shared=False, extra=None):
                       extra=extra, channel_means=means, batch_chunk=chunk)
 
 
-def _take(t: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-    """``t[sel]`` without a copy when ``sel`` is every index in order."""
-    if sel.numel() == t.shape[0] and bool((sel == torch.arange(t.shape[0], device=sel.device)).all()):
-        return t
-    return t[sel]
+def _take(t: torch.Tensor, experts: list[int]) -> torch.Tensor:
+    """``t[experts]``, without a copy when ``experts`` is every index in order."""
+    return t if experts == list(range(t.shape[0])) else t[torch.tensor(experts, device=t.device)]
 
 
 def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
@@ -61,7 +59,7 @@ def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
         if proj != "down":
             continue
         sel = torch.tensor(experts, device=v.down.device)
-        res = _search(v.down.data[sel], _take(H_down, sel), mean_down[sel], spec, job)
+        res = _search(v.down.data[sel], _take(H_down, experts), mean_down[sel], spec, job)
         v.down.data[sel] = res.weight.dequantize().to(v.down.dtype)
         v.gate_up.data[sel, I:] = (v.gate_up.data[sel, I:].float() / res.scales[:, :, None]).to(v.gate_up.dtype)
         job.record(res.weight, [[(f"layers.{job.idx}.experts.{e}.down", slice(None))] for e in experts])
@@ -83,7 +81,7 @@ def _experts_gate_up(job, stats: ExpertStats, groups: dict, params: dict) -> tor
         e_sel = torch.tensor(e_exp, device=sel.device)
         x = rows_from_hessian(H[e_sel])
         extra = AWQExtra(v.gate_up.data[e_sel], x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device), e_spec)
-    res = _search(v.gate_up.data[sel], _take(H, sel), mean, spec, job, shared=True, extra=extra)
+    res = _search(v.gate_up.data[sel], _take(H, experts), mean, spec, job, shared=True, extra=extra)
     s = res.scales
     _write_gate_up(job, experts, res.weight, I)
     if rest:

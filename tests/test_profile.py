@@ -11,7 +11,7 @@ from quant.models import BUILTINS, resolve_model
 from quant.plan import plan_bits
 from quant.profile import RoutingProfile, profile_routing
 from quant.recipe import PlanSpec
-from quant.routing import expert_intermediate, expert_output, load_buckets
+from quant.routing import expert_intermediate, expert_output, load_buckets, with_zero_row
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +85,8 @@ def test_bucketed_expert_ops_match_per_expert_loop():
     counts, buckets = load_buckets(idx, w, E, width=D, max_elems=3 * 30 * D)
     assert len(buckets) > 1
     for b in buckets:
-        y = expert_output(expert_intermediate(b.gather(x), gate_up[b.experts], torch.nn.functional.silu),
-                          down[b.experts])
+        y = expert_output(expert_intermediate(b.gather(with_zero_row(x)), b.take(gate_up), torch.nn.functional.silu),
+                          b.take(down))
         for j, e in enumerate(b.experts.tolist()):
             tok, slot = torch.where(idx == e)
             n = len(tok)
