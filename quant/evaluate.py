@@ -130,14 +130,11 @@ def gate_results(recipe: Recipe, proxy: dict, tasks: dict) -> list[dict]:
 
 
 def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
-    from transformers import AutoTokenizer
-
     plan = BitPlan.load(run_dir / "plan.json")
     device = pick_device(recipe.eval.device)
     dtype = DTYPES[recipe.model.dtype]
     p = recipe.eval.perplexity
-    tok = AutoTokenizer.from_pretrained(source.path, trust_remote_code=source.trust_remote_code)
-    tokens = build_calibration(p.dataset, tok, p.n_samples, p.seq_len, seed=0).tokens
+    tokens = build_calibration(p.dataset, source.tokenizer(), p.n_samples, p.seq_len, seed=0).tokens
     base = _load(source.path, dtype, device, source.trust_remote_code)
     base_lp = logprobs(base, tokens, recipe.eval.batch_size, device)
     del base

@@ -34,12 +34,6 @@ def dataset_hash(dataset: str) -> str:
     return h.hexdigest()[:16]
 
 
-def tokenizer_for(source: ModelSource):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(source.path, trust_remote_code=source.trust_remote_code)
-
-
 def save_calibration(calib: CalibrationSet, run_dir: Path) -> None:
     from safetensors.torch import save_file
 
@@ -65,7 +59,7 @@ def _layerwise(recipe: Recipe, source: ModelSource, batch_size: int) -> Layerwis
 
 def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     c = recipe.calibration
-    calib = build_calibration(c.dataset, tokenizer_for(source), c.n_samples, c.seq_len, c.seed)
+    calib = build_calibration(c.dataset, source.tokenizer(), c.n_samples, c.seq_len, c.seed)
     save_calibration(calib, run_dir)
     return {"n_tokens": int(calib.tokens.numel())}
 

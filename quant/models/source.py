@@ -15,13 +15,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from quant.errors import ModelError
-from quant.models.families import (
-    FamilySpec,
-    expert_of,
-    family_for,
-    layer_of,
-    module_kind,
-)
+from quant.models.families import FAMILIES, FamilySpec, expert_of, family_for, layer_of, module_kind
 
 
 @dataclass(frozen=True)
@@ -85,8 +79,6 @@ class ModelSource:
     def _family(self, model_type: str, declared: str | None) -> FamilySpec:
         from transformers import CONFIG_MAPPING
 
-        from quant.models.families import FAMILIES
-
         native = family_for(model_type)
         remote = model_type not in CONFIG_MAPPING and "auto_map" in self.config_dict
         if declared is not None and declared not in FAMILIES:
@@ -116,9 +108,11 @@ class ModelSource:
 
         return AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
 
-    def code_files(self) -> list[Path]:
-        """The folder's own Python files that ``auto_map`` names (run only with ``trust_remote_code``)."""
-        return remote_code_files(self.path)
+    def tokenizer(self):
+        """The model's own tokenizer (its Python too, with ``trust_remote_code``)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
 
     def read_tensors(self, keys: list[str], device="cpu") -> dict:
         """Named tensors from the safetensors shards (one open per shard), on ``device``."""
@@ -184,7 +178,7 @@ class ModelSource:
         replaced by a different checkpoint of the same architecture.
         """
         h = hashlib.sha256((self.path / "config.json").read_bytes())
-        for code in self.code_files() if self.trust_remote_code else []:  # remote code is part of the model
+        for code in remote_code_files(self.path) if self.trust_remote_code else []:  # it defines the forward
             h.update(code.name.encode() + code.read_bytes())
         for file in sorted(set(self.weight_map.values())):
             p = self.path / file
