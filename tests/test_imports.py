@@ -14,7 +14,7 @@ LAYERS = [
     {"plan"},
     {"profile", "hessians", "smooth"},
     {"layerwise", "calibration", "qstore", "lmeval", "humaneval"},
-    {"sandbox", "routing", "models", "rundir"},
+    {"sandbox", "routing", "models", "rundir", "dist"},
     {"algos"},
     {"recipe"},
     {"errors"},
