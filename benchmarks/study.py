@@ -204,9 +204,20 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--lines", type=int, default=200)
     ap.add_argument("--out", default="study")
+    ap.add_argument("--study", choices=("selection", "servable"), default="selection",
+                    help="selection: expert-selection policies (study.json); servable: one scheme per MoE layer "
+                         "(servable.json, benchmarks/study_servable.py)")
+    ap.add_argument("--jobs", type=int, default=2, help="servable: worker processes")
+    ap.add_argument("--threads", type=int, default=1, help="servable: torch threads per worker")
+    ap.add_argument("--sizes", nargs="+", default=["1x", "4x", "16x"], help="servable: calibration sizes")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.study == "servable":
+        import study_servable
+
+        study_servable.main(a.seeds, out, a.jobs, a.threads, a.lines, a.sizes)
+        return
     data = run(a.seeds, out, a.lines)
     (out / "table.md").write_text(table(data) + "\n")
     plot(data, out / "study_kl.png")

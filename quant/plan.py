@@ -3,7 +3,8 @@
 Expert decisions come from a policy over per-expert scores (routing profile); rules for attention, shared
 experts, dense MLPs, super experts and edge layers override scores; router, embeddings and lm_head are always
 kept. ``per_layer`` granularity projects expert decisions onto whole MoE layers under the same budget, which is
-what vLLM can serve (one scheme per fused MoE layer).
+what vLLM can serve (one scheme per fused MoE layer). Layer policies (``quant.layer_plan.LAYER_POLICIES``:
+``layer_sensitivity``) decide bits and group size per MoE layer directly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from quant.algos.grid import effective_group_size
 from quant.errors import PlanError
+from quant.layer_plan import LAYER_POLICIES
 from quant.models import ModuleInfo
 from quant.profile import RoutingProfile
 from quant.recipe import PlanSpec
@@ -48,6 +50,8 @@ class BitPlan:
     model_fingerprint: str
     schema_version: int = SCHEMA_VERSION
     notes: list[str] = field(default_factory=list)
+    # quant.servable.serving_summary: vLLM/SGLang problems, predicted KL, the best plan they serve (plan stage)
+    serving: dict = field(default_factory=dict)
 
     def quantized(self) -> dict[str, ModulePlan]:
         return {n: p for n, p in self.modules.items() if not p.keep}
@@ -181,15 +185,20 @@ def _rule_bits(m: ModuleInfo, spec: PlanSpec, n_layers: int) -> tuple[int | str 
 def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec, algorithm: str,
               n_layers: int) -> BitPlan:
     """Decide every module's bits from the profile and the plan spec (pure: no I/O, no model)."""
-    high = _high_mask(profile, modules, spec)
+    layer_schemes = LAYER_POLICIES[spec.policy](profile, modules, spec) if spec.policy in LAYER_POLICIES else None
+    high = _high_mask(profile, modules, spec) if layer_schemes is None else None
     supers = set(profile.super_experts(spec.protect.super_expert_ratio)) if spec.protect.super_experts else set()
     out: dict[str, ModulePlan] = {}
     for name, m in modules.items():
         rule = _rule_bits(m, spec, n_layers)
         if rule is None and (m.layer, m.expert) in supers:
             rule = (spec.protect.super_experts, "protect.super_experts")
+        group_size = spec.group_size
         if rule is not None:
             bits, reason = rule
+        elif layer_schemes is not None:
+            bits, group_size = layer_schemes[m.layer]
+            reason = f"{spec.policy}:w{bits}g{group_size}"
         elif high[profile.row(m.layer), m.expert]:
             bits, reason = spec.high_bits, f"{spec.policy}:high"
         else:
@@ -197,10 +206,11 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
         if bits == "keep":
             out[name] = ModulePlan(None, reason=reason)
             continue
-        group = effective_group_size(spec.group_size, m.in_features)
+        group = effective_group_size(group_size, m.in_features)
         if m.in_features % group:
             raise PlanError(
-                f"{name}: in_features {m.in_features} is not divisible by plan.group_size {spec.group_size}; "
+                f"{name}: in_features {m.in_features} is not divisible by "
+                f"{'plan.group_size' if group_size == spec.group_size else 'plan.layer_group_sizes entry'} {group_size}; "
                 f"use a group size dividing {m.in_features} (e.g. 32, 64) or -1 (per channel)"
             )
         out[name] = ModulePlan(int(bits), group, spec.symmetric, reason)

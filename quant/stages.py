@@ -67,6 +67,13 @@ def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
 def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     calib = load_calibration(run_dir)
     profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size))
+    ls = recipe.profile.layer_sensitivity
+    if ls is not None:
+        from quant.layer_damage import measure_layer_damage, spread_rows
+
+        tokens = calib.tokens[spread_rows(calib.tokens.shape[0], ls.n_samples)]
+        lw = Layerwise(source, ls.dtype, recipe.quantize.device, recipe.profile.batch_size)
+        profile.layer_damage = measure_layer_damage(source, tokens, lw, ls.schemes)
     tmp = run_dir / ".profile.json.tmp"
     profile.save(tmp)
     tmp.replace(run_dir / "profile.json")
@@ -75,10 +82,12 @@ def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
 
 def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     from quant.runtimes import check_runtime
+    from quant.servable import serving_summary
 
     profile = RoutingProfile.load(run_dir / "profile.json")
     plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers)
     check_runtime(plan, source, recipe.plan.target_runtime, recipe.export.formats)
+    plan.serving = serving_summary(plan, source, profile, recipe.export.formats)
     summary = summarize(plan, source, profile)
     plan.notes.append(json.dumps(summary["headline"]))
     tmp = run_dir / ".plan.json.tmp"

@@ -42,5 +42,5 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     ev = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").is_file() else None
     for fmt, folder in checkpoint_dirs(recipe).items():
         problems = {rt: problems_for(plan, source, rt, (fmt,)) for rt in RUNTIMES}
-        card = render_card(recipe, source, summary, ev, problems, version("moe-quant"), fmt=fmt)
+        card = render_card(recipe, source, summary, ev, problems, version("moe-quant"), fmt=fmt, serving=plan.serving)
         atomic_write_text(run_dir / folder / CARD, card)
