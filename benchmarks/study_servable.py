@@ -186,7 +186,10 @@ def run(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, size
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(threads, n_lines)) as pool:
         results = pool.starmap(run_task, tasks, chunksize=1)
-    data = {"seeds": seeds, "sizes": sizes, "seq_len": SEQ_LEN, "budget_bits": BUDGET_BITS, "schemes": SCHEMES,
+    import resource
+
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    data = {"seeds": seeds, "sizes": sizes, "cpu_seconds_workers": cpu.ru_utime + cpu.ru_stime, "seq_len": SEQ_LEN, "budget_bits": BUDGET_BITS, "schemes": SCHEMES,
             "damage_samples": DAMAGE_SAMPLES, "jobs": jobs, "threads": threads,
             "wall_seconds": time.perf_counter() - t0, "tasks": results}
     (out / "servable.json").write_text(json.dumps(data, indent=1))
@@ -312,4 +315,5 @@ def report(data: dict, out: Path) -> str:
 def main(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, sizes: list[str]) -> None:
     data = run(seeds, out, jobs, threads, n_lines, {s: SIZES[s] for s in sizes})
     print(report(data, out))
-    print(f"wall time {data['wall_seconds']:.0f} s ({jobs} jobs x {threads} threads)")
+    print(f"wall time {data['wall_seconds']:.0f} s, worker CPU time {data['cpu_seconds_workers']:.0f} s "
+          f"({jobs} jobs x {threads} threads)")

@@ -147,8 +147,10 @@ def serving_lines(serving: dict) -> list[str]:
     lines.append(f"- best plan vLLM/SGLang serve at this size (`plan.policy: layer_sensitivity`): predicted KL "
                  f"{alt['predicted_kl']:.5f} ({alt['expert_storage_bits']:.3f} stored bits); layers {schemes}")
     if blocked and serving["predicted_kl"] is not None:
-        lines.append(f"- price of per-expert bits over that servable plan: {alt['predicted_kl'] - serving['predicted_kl']:+.5f} "
-                     "predicted KL (positive: the servable plan is worse)")
+        d = alt["predicted_kl"] - serving["predicted_kl"]
+        verdict = ("this plan is predicted better by that much: the price of serving it with vLLM/SGLang" if d > 0
+                   else "the servable plan is predicted at least as good")
+        lines.append(f"- servable plan minus this plan, predicted KL: {d:+.5f} ({verdict})")
     return lines + ["", "Calibration proxy: the sum over MoE layers of the KL of the model output when only that "
                     "layer's experts are quantized (round-to-nearest, measured in the profile on calibration "
                     "tokens); experts mixing schemes within a layer are weighted by their share of its W4 error."]

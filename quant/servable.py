@@ -18,28 +18,24 @@ from quant.layer_plan import choose_schemes, storage_bits
 from quant.models import ModelSource
 from quant.plan import BitPlan
 from quant.profile import RoutingProfile
-from quant.recipe import parse_scheme, scheme_name
+from quant.recipe import parse_scheme
 from quant.runtimes import problems_for
 
 SERVING_RUNTIMES = ("vllm", "sglang")
 SERVED_BITS = (4, 8)
 
 
-def _expert_scheme(plan: BitPlan, source: ModelSource, layer: int, expert: int) -> str | None:
-    """The measured-scheme name of one expert (``keep`` when kept), None when its projections disagree."""
-    names = set()
-    for proj in ("gate", "up", "down"):
-        name = f"layers.{layer}.experts.{expert}.{proj}"
-        p = plan.modules[name]
-        names.add("keep" if p.keep else (p.bits, p.group_size, p.symmetric, source.modules[name].in_features))
-    if names == {"keep"}:
+def _expert_scheme(plan: BitPlan, source: ModelSource, layer: int, expert: int, measured: list[str]) -> str | None:
+    """The measured scheme one expert's three projections resolve to (``keep`` when all are kept), else None."""
+    projs = [(plan.modules[n], source.modules[n].in_features)
+             for n in (f"layers.{layer}.experts.{expert}.{p}" for p in ("gate", "up", "down"))]
+    if all(p.keep for p, _ in projs):
         return "keep"
-    bits = {n[0] for n in names if n != "keep"}
-    if len(bits) != 1 or "keep" in names or not all(n[2] for n in names):
-        return None
-    for group in (32, 64, 128, 256, 512, 1024):  # the nominal group whose per-projection resolution matches
-        if all(n[1] == effective_group_size(group, n[3]) for n in names):
-            return scheme_name(bits.pop(), group)
+    for name in measured:
+        bits, group = parse_scheme(name)
+        if all(not p.keep and p.symmetric and p.bits == bits and p.group_size == effective_group_size(group, in_f)
+               for p, in_f in projs):
+            return name
     return None
 
 
@@ -57,11 +53,12 @@ def predicted_kl(plan: BitPlan, source: ModelSource, profile: RoutingProfile) ->
     if damage is None:
         return None
     share = _expert_weights(profile)
+    measured = sorted(damage, key=parse_scheme)
     total = 0.0
     for row, layer in enumerate(profile.layers):
         for e in range(profile.n_experts):
-            s = _expert_scheme(plan, source, layer, e)
-            if s is None or (s != "keep" and s not in damage):
+            s = _expert_scheme(plan, source, layer, e, measured)
+            if s is None:
                 return None
             total += 0.0 if s == "keep" else share[row, e].item() * damage[s][row].item()
     return total

@@ -70,6 +70,10 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
     policy = f"`{p.policy}`"
     if p.policy in ("top_fraction", "random", "inverse"):
         policy += f" ({p.top_fraction:.0%} of experts at high bits; score `{p.score}`, ranking `{p.ranking}`)"
+    elif p.policy == "layer_sensitivity":
+        groups = ", ".join(str(g) for g in (p.group_size, *p.layer_group_sizes))
+        policy += (f" (one scheme per MoE layer, chosen by measured output damage within {p.budget_avg_bits} average "
+                   f"expert bits; group sizes {groups})")
     elif p.policy == "budget":
         policy += f" ({f'{p.budget_avg_bits} average expert bits' if p.budget_avg_bits else f'{p.budget_gb} GB'})"
     group = "per channel" if p.group_size == -1 else f"group size {p.group_size}"
