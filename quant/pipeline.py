@@ -30,7 +30,7 @@ STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "report"
 DEPENDS = {
     "calibrate": (("model", "calibration"), (), ("calibration.safetensors", "calibration.json")),
     "profile": (("model", "profile"), ("calibrate",), ("profile.json",)),
-    "plan": (("plan", "quantize"), ("profile",), ("plan.json",)),
+    "plan": (("plan", "quantize", "export"), ("profile",), ("plan.json",)),  # formats decide group units
     "quantize": (("model", "quantize"), ("calibrate", "plan"), ("quantized",)),
     "export": (("export",), ("plan", "quantize"), ()),  # outputs: one folder per format
     "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
