@@ -28,6 +28,7 @@ from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
 from quant.plan import BitPlan, ModulePlan
+from quant.progress import step
 from quant.qstore import layer_file, load_into_layer, write_layer
 from quant.recipe import QuantizeSpec
 from quant.smooth import run_awq
@@ -258,6 +259,8 @@ def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, sp
     out_dir.mkdir(parents=True, exist_ok=True)
     hidden = lw.embed(calib.tokens)
     reports = []
+    log.info("quantize: %d layers, algorithm %s", source.n_layers, plan.algorithm,
+             extra=step("quantize", 0, source.n_layers))
     for idx in range(source.n_layers):
         t0 = time.perf_counter()
         with lw.layer(idx) as layer:
@@ -288,6 +291,7 @@ def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, sp
                         len(report.rtn_fallbacks))
         log.info("layer %d: %d modules (%d experts), mean %.2f bits, worst rel err %.4f (%s), %.2fs%s",
                  idx, report.n_modules, report.n_experts, report.mean_bits, report.worst_rel_error,
-                 report.worst_module, report.seconds, " (resumed)" if report.resumed else "")
+                 report.worst_module, report.seconds, " (resumed)" if report.resumed else "",
+                 extra=step("quantize", idx + 1, source.n_layers))
     (out_dir / "layers.json").write_text(json.dumps([asdict(r) for r in reports], indent=1))
     return reports

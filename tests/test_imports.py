@@ -6,7 +6,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "quant"
 # a module may import only modules of its own layer or lower layers
 LAYERS = [
-    {"cli"},
+    {"cli", "console"},
     {"pipeline"},
     {"stages"},
     {"report", "export", "publish"},
@@ -14,7 +14,7 @@ LAYERS = [
     {"plan"},
     {"profile", "hessians", "smooth"},
     {"layerwise", "calibration", "qstore", "lmeval", "humaneval"},
-    {"sandbox", "routing", "models", "rundir", "dist"},
+    {"sandbox", "routing", "models", "rundir", "dist", "progress"},
     {"algos"},
     {"recipe"},
     {"errors"},
