@@ -72,6 +72,22 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, model: ModelOpt = None) -> 
 
 
 @app.command()
+def estimate(recipe: RecipeArg, set_: SetOpt = None, model: ModelOpt = None,
+             gpus: Annotated[int, typer.Option("--gpus", help="GPUs of the job (experts divided over ranks)")] = 1,
+             gpu_memory_gb: Annotated[float, typer.Option("--gpu-memory-gb", help="memory of one GPU")] = 80.0) -> None:
+    """Forecast peak GPU/host memory, disk and time per stage from config.json and tensor shapes (no weights);
+    exit 1 if the plan cannot fit."""
+    from quant.estimate import check_fits, forecast, render
+    from quant.models.headers import load_headers
+
+    r = _recipe(recipe, set_, model)
+    source = load_headers(r.model.path, r.model.trust_remote_code, r.model.family)
+    f = forecast(r, source, gpus, gpu_memory_gb)
+    typer.echo(render(f, r))
+    check_fits(f, r)
+
+
+@app.command()
 def inspect(checkpoint: Annotated[Path, typer.Argument(help="a checkpoint folder written by quant")]) -> None:
     """Print the per-module bits table of a checkpoint (compressed-tensors or GPTQ format)."""
     from quant.export.inspect import format_table, read_checkpoint_bits

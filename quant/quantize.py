@@ -79,10 +79,19 @@ def _timed(report: LayerReport, field_name: str, device: torch.device):
     setattr(report, field_name, getattr(report, field_name) + time.perf_counter() - t0)
 
 
+def solve_bytes(out_f: int, in_f: int) -> int:
+    """One expert's estimated fp32 solve working set (weights + ~3 Hessian-sized buffers); quant estimate uses it."""
+    return 4 * (2 * out_f * in_f + 3 * in_f * in_f)
+
+
+def expert_hessian_bytes(hidden: int, intermediate: int) -> int:
+    """fp32 Hessians of one expert: gate/up share ``[D, D]``, down ``[I, I]``."""
+    return 4 * (hidden**2 + intermediate**2)
+
+
 def _sub_batches(experts: list[int], out_f: int, in_f: int, budget_gb: float) -> list[list[int]]:
-    """Split a batch so one solve's fp32 working set (weights + ~3 Hessian-sized buffers) fits the budget."""
-    per_expert = 4 * (2 * out_f * in_f + 3 * in_f * in_f)
-    n = max(1, int(budget_gb * 1e9) // per_expert)
+    """Split a batch so one solve's fp32 working set (``solve_bytes`` per expert) fits the budget."""
+    n = max(1, int(budget_gb * 1e9) // solve_bytes(out_f, in_f))
     return [experts[i : i + n] for i in range(0, len(experts), n)]
 
 
@@ -109,7 +118,7 @@ class _LayerJob:
     def expert_chunks(self) -> list[tuple[int, int]]:
         """(first, count) expert ranges whose fp32 Hessians fit ``hessian_budget_gb`` (one pass each)."""
         v = self.view
-        per_expert = 4 * (v.gate_up.shape[2] ** 2 + v.intermediate ** 2)
+        per_expert = expert_hessian_bytes(v.gate_up.shape[2], v.intermediate)
         count = max(1, min(v.n_experts, int(self.spec.hessian_budget_gb * 1e9) // per_expert))
         return [(f, min(count, v.n_experts - f)) for f in range(0, v.n_experts, count)]
 

@@ -10,13 +10,13 @@ LAYERS = [
     {"pipeline"},
     {"stages"},
     {"report", "export", "publish"},
-    {"quantize", "evaluate", "runtimes", "plan_summary"},
+    {"quantize", "evaluate", "runtimes", "plan_summary", "estimate"},
     {"plan"},
     {"profile", "hessians", "smooth"},
     {"layerwise", "calibration", "qstore", "lmeval", "humaneval"},
     {"sandbox", "routing", "models", "rundir", "dist", "progress"},
     {"algos"},
-    {"recipe"},
+    {"recipe", "throughputs"},
     {"errors"},
 ]
 
