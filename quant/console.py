@@ -126,7 +126,8 @@ def _quiet_third_parties() -> None:
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
     try:
-        from loguru import logger  # compressed-tensors logs through loguru, straight to stderr (if already imported)
+        # compressed-tensors logs through loguru, straight to stderr (if it was imported before this ran)
+        from loguru import logger
 
         logger.disable("compressed_tensors")
     except ImportError:

@@ -74,9 +74,8 @@ def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
 
 
 def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
-    from quant.runtimes import check_runtime
-
     from quant.export import check_formats
+    from quant.runtimes import check_runtime
 
     profile = RoutingProfile.load(run_dir / "profile.json")
     formats = recipe.export.formats
