@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import re
 import subprocess
 import sys
 
-from quant.console import Clock, LiveHandler, PlainFormatter
+from quant.console import QUIET_ENV, Clock, LiveHandler, PlainFormatter
 from quant.progress import step
 from tests.conftest import REPO, run_cli
 
@@ -71,9 +72,11 @@ logging.getLogger("quant.x").info("OUR-LINE")
 
 
 def test_third_party_chatter_is_kept_out_unless_verbose():
+    env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV}  # in-process CLI tests set them here
+
     def stderr(mode: str) -> str:
         p = subprocess.run([sys.executable, "-c", QUIET_SCRIPT, mode], capture_output=True, text=True, timeout=300,
-                           cwd=REPO)
+                           cwd=REPO, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
         return p.stderr + p.stdout
 
