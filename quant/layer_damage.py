@@ -5,15 +5,15 @@ Dimensions: M MoE layers, K schemes, N samples, S sequence length, D hidden, V v
 
 The pass carries the clean hidden states ``[N, S, D]`` plus one *branch* per (MoE layer, scheme): at MoE layer
 ``l`` each scheme's branch starts from the clean input, runs layer ``l`` with its routed experts round-to-nearest
-at that scheme (symmetric, groups along the input dimension, resolved per projection like the plan does), and
+at that scheme (symmetric, one group size for the layer's projections, resolved like the plan does), and
 runs every later layer unquantized. After the last layer each branch's next-token distribution is compared with
 the clean one: ``damage[scheme][l] = mean over N·S positions of KL(clean ‖ branch)`` in nats.
 
 Cost (what it takes on a 61-layer, 58-MoE-layer DeepSeek-V3): every layer's weights are read once, as in
 profiling; layer forwards ≈ n_layers + K·M(M+1)/2 over N·S tokens (K = 4, N·S = 16 × 256: ~6.9 k forwards over
-4 k tokens, ≈ the compute of 3.5 profiling passes over 32 × 1024 tokens); branch activations (1 + K·M)·N·S·D in
-the model dtype (13.7 GB there), kept on the device when they fit ``Layerwise``'s activation budget, else on the
-CPU; one extra copy of one layer's expert weights while its branches are made.
+4 k tokens, about the compute of 1.8 profiling passes over 128 × 2048 tokens); branch activations (1 + K·M)·N·S·D in
+the pass's dtype (27 GB there in fp32), kept on the device when they fit ``Layerwise``'s activation budget, else on the
+CPU; one copy of one layer's expert weights in host memory while its branches are made.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
+from quant.algos.grid import QuantSpec, quantize_weight, shared_group_size
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of
@@ -49,10 +49,12 @@ def spread_rows(n_total: int, n: int) -> torch.Tensor:
 
 def _write_rtn(view: ExpertsView, originals: tuple[torch.Tensor, torch.Tensor], bits: int, group: int) -> None:
     """Put round-to-nearest copies of the original expert weights into the layer, a few experts at a time."""
+    group = shared_group_size(group, (originals[0].shape[2], originals[1].shape[2]))  # one per MoE layer, as planned
     for param, orig in ((view.gate_up, originals[0]), (view.down, originals[1])):
-        spec = QuantSpec(bits, effective_group_size(group, orig.shape[2]))
+        spec = QuantSpec(bits, group)
         for s in range(0, orig.shape[0], _EXPERT_CHUNK):
-            param.data[s : s + _EXPERT_CHUNK] = quantize_weight(orig[s : s + _EXPERT_CHUNK], spec, orig.dtype).dequantize()
+            chunk = orig[s : s + _EXPERT_CHUNK].to(param.device)
+            param.data[s : s + _EXPERT_CHUNK] = quantize_weight(chunk, spec, chunk.dtype).dequantize()
 
 
 def _branch_device(lw: Layerwise, clean: torch.Tensor, n_branches: int) -> torch.device:
@@ -95,7 +97,7 @@ def measure_layer_damage(source: ModelSource, tokens: torch.Tensor, lw: Layerwis
             n_forwards += len(branches) + 1
             view = experts_of(source, layer, idx)
             if view is not None:
-                originals = (view.gate_up.data.clone(), view.down.data.clone())
+                originals = (view.gate_up.data.to("cpu", copy=True), view.down.data.to("cpu", copy=True))
                 for name, (bits, group) in parsed.items():
                     _write_rtn(view, originals, bits, group)
                     out = torch.empty(clean.shape, dtype=clean.dtype, device=store)
@@ -114,3 +116,15 @@ def measure_layer_damage(source: ModelSource, tokens: torch.Tensor, lw: Layerwis
              n_moe, len(parsed), tokens.numel(), n_forwards,
              "; ".join(f"{k} {[round(1e3 * v, 3) for v in d.tolist()]}" for k, d in damage.items()))
     return damage
+
+
+def pass_cost(layers: list[tuple[float, bool]], n_schemes: int, n_tokens: int) -> tuple[int, float, int]:
+    """What ``measure_layer_damage`` runs, for ``quant estimate``: ``layers`` is (active parameters per token, has
+    routed experts) per decoder layer. Returns (layer forwards, parameter-tokens, hidden-state streams at the end)."""
+    alive, forwards, param_tokens = 1, 0, 0.0
+    for active, moe in layers:
+        n = alive + (n_schemes if moe else 0)
+        forwards += n
+        param_tokens += n * n_tokens * active
+        alive += n_schemes if moe else 0
+    return forwards, param_tokens, alive

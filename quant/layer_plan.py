@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from quant.algos.grid import effective_group_size
+from quant.algos.grid import effective_group_size, shared_group_size
 from quant.errors import PlanError
 from quant.models import ModuleInfo
 from quant.profile import RoutingProfile
@@ -92,13 +92,18 @@ def candidate_schemes(measured: dict[str, torch.Tensor], spec: PlanSpec) -> list
     return base + sorted((n for n in ok if n not in base), key=lambda n: parse_scheme(n))
 
 
-def _layer_storage(modules: dict[str, ModuleInfo], profile: RoutingProfile, bits: float, group: int) -> torch.Tensor:
-    """``[L]`` stored bits of every MoE layer's routed experts at (bits, group)."""
-    out = torch.zeros(len(profile.layers), dtype=torch.float64)
+def layer_storage(modules: dict[str, ModuleInfo], profile: RoutingProfile, bits: float, group: int) -> torch.Tensor:
+    """``[L]`` stored bits of every MoE layer's routed experts at (bits, requested group), the group resolved for
+    the layer as the plan does (one group size for all its projections)."""
+    numel = torch.zeros(len(profile.layers), dtype=torch.float64)
+    widths: dict[int, set[int]] = {}
     for m in modules.values():
         if m.kind == "expert":
-            out[profile.row(m.layer)] += m.numel * storage_bits(bits, group, m.in_features)
-    return out
+            numel[profile.row(m.layer)] += m.numel
+            widths.setdefault(profile.row(m.layer), set()).add(m.in_features)
+    per_weight = torch.tensor([bits + SCALE_BITS / shared_group_size(group, widths.get(r, {group}))
+                               for r in range(len(profile.layers))], dtype=torch.float64)
+    return numel * per_weight
 
 
 def layer_sensitivity(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec) -> dict[int, tuple[int, int]]:
@@ -108,9 +113,9 @@ def layer_sensitivity(profile: RoutingProfile, modules: dict[str, ModuleInfo], s
                         "profile.layer_sensitivity and re-run `quant profile`")
     names = candidate_schemes(profile.layer_damage, spec)
     parsed = [parse_scheme(n) for n in names]
-    costs = torch.stack([_layer_storage(modules, profile, b, g) for b, g in parsed], dim=1)
+    costs = torch.stack([layer_storage(modules, profile, b, g) for b, g in parsed], dim=1)
     damage = torch.stack([profile.layer_damage[n] for n in names], dim=1)
-    budget = _layer_storage(modules, profile, spec.budget_avg_bits, spec.group_size).sum().item()
+    budget = layer_storage(modules, profile, spec.budget_avg_bits, spec.group_size).sum().item()
     picks = choose_schemes(costs, damage, budget)
     return {layer: parsed[picks[row]] for row, layer in enumerate(profile.layers)}
 

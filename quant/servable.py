@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from quant.algos.grid import effective_group_size
-from quant.layer_plan import choose_schemes, storage_bits
+from quant.algos.grid import shared_group_size
+from quant.layer_plan import choose_schemes, layer_storage, storage_bits
 from quant.models import ModelSource
 from quant.plan import BitPlan
 from quant.profile import RoutingProfile
@@ -31,10 +31,11 @@ def _expert_scheme(plan: BitPlan, source: ModelSource, layer: int, expert: int, 
              for n in (f"layers.{layer}.experts.{expert}.{p}" for p in ("gate", "up", "down"))]
     if all(p.keep for p, _ in projs):
         return "keep"
+    widths = {in_f for _, in_f in projs}
     for name in measured:
         bits, group = parse_scheme(name)
-        if all(not p.keep and p.symmetric and p.bits == bits and p.group_size == effective_group_size(group, in_f)
-               for p, in_f in projs):
+        if all(not p.keep and p.symmetric and p.bits == bits and p.group_size == shared_group_size(group, widths)
+               for p, _ in projs):
             return name
     return None
 
@@ -82,11 +83,7 @@ def best_servable(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -
     names = sorted((n for n in profile.layer_damage if parse_scheme(n)[0] in SERVED_BITS), key=parse_scheme)
     if not names:
         return None
-    layer_bits = torch.zeros(len(profile.layers), len(names), dtype=torch.float64)
-    for m in source.modules.values():
-        if m.kind == "expert":
-            for k, n in enumerate(names):
-                layer_bits[profile.row(m.layer), k] += m.numel * storage_bits(*parse_scheme(n), m.in_features)
+    layer_bits = torch.stack([layer_storage(source.modules, profile, *parse_scheme(n)) for n in names], dim=1)
     damage = torch.stack([profile.layer_damage[n] for n in names], dim=1)
     budget, numel = expert_storage(plan, source)
     if layer_bits.min(dim=1).values.sum().item() > budget:

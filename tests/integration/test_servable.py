@@ -51,10 +51,13 @@ def test_mixed_vllm_recipe_plans_one_scheme_per_layer_within_budget(tmp_path):
 
 
 def test_layer_plan_card_shows_vllm_snippet(tmp_path):
-    recipe = load_recipe(MIXED_VLLM, overrides=FAST + TINY, model="builtin:qwen3-moe-tiny")
+    """On the tiny model (experts 64 and 32 wide) every requested group resolves to 32 for the whole layer."""
+    recipe = load_recipe(MIXED_VLLM, overrides=FAST, model="builtin:qwen3-moe-tiny")
     result = run(recipe, tmp_path / "t")
     d = result.run_dir
-    assert all(len(s) == 1 for s in _expert_schemes_by_layer(BitPlan.load(d / "plan.json")).values())
+    plan = BitPlan.load(d / "plan.json")
+    assert set().union(*_expert_schemes_by_layer(plan).values()) <= {(4, 32), (8, 32)}
+    assert all(len(s) == 1 for s in _expert_schemes_by_layer(plan).values()) and plan.serving["predicted_kl"] > 0
     report = (d / "report.md").read_text()
     assert "## Serving with vLLM / SGLang" in report and "servable by vllm and sglang" in report
     card = (d / "checkpoint" / CARD).read_text()
