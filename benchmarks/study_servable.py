@@ -143,7 +143,7 @@ def run_task(seed: int, size: str, manifest: str, work: Path) -> dict:
     from quant.quantize import quantize_model
     from quant.recipe import PlanSpec, QuantizeSpec
 
-    src, t0 = _WORKER["src"], time.perf_counter()
+    src, t0, cpu0 = _WORKER["src"], time.perf_counter(), time.process_time()
     calib = build_calibration(manifest, _WORKER["tok"], SIZES[size], SEQ_LEN, seed)
     prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8))
     n = calib.tokens.shape[0]
@@ -172,28 +172,35 @@ def run_task(seed: int, size: str, manifest: str, work: Path) -> dict:
             out["results"][f"{name}|{algo}"] = rec
             print(f"seed {seed} {size:3s} {algo:4s} {name:34s} KL {1e3 * rec['kl']:.2f} bits {rec['bits']:.3f} "
                   f"storage {rec['storage_bits']:.3f} layers {rec['layers']}", flush=True)
-    out["seconds"] = time.perf_counter() - t0
-    print(f"seed {seed} {size} done in {out['seconds']:.0f}s", flush=True)
+    out["seconds"], out["cpu_seconds"] = time.perf_counter() - t0, time.process_time() - cpu0
+    print(f"seed {seed} {size} done in {out['seconds']:.0f} s ({out['cpu_seconds']:.0f} s CPU)", flush=True)
     return out
+
+
+def _run_task(args: tuple) -> dict:
+    return run_task(*args)
 
 
 def run(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, sizes: dict[str, int]) -> dict:
     import multiprocessing as mp
 
-    work = out / "work"
+    work, done_dir = out / "work", out / "tasks"
     manifest = str(write_calibration_manifest(work / "calib"))
-    tasks = [(seed, size, manifest, work) for size in reversed(sizes) for seed in seeds]  # largest first
+    done_dir.mkdir(parents=True, exist_ok=True)
+    tasks = [(seed, size, manifest, work) for size in reversed(sizes) for seed in seeds  # largest first
+             if not (done_dir / f"{seed}-{size}.json").is_file()]  # a finished task is kept: rerun to resume
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(threads, n_lines)) as pool:
-        results = pool.starmap(run_task, tasks, chunksize=1)
-    import resource
-
-    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
-    data = {"seeds": seeds, "sizes": sizes, "cpu_seconds_workers": cpu.ru_utime + cpu.ru_stime, "seq_len": SEQ_LEN, "budget_bits": BUDGET_BITS, "schemes": SCHEMES,
+        for result in pool.imap_unordered(_run_task, tasks):  # the first failure stops the study
+            (done_dir / f"{result['seed']}-{result['size']}.json").write_text(json.dumps(result))
+    results = [json.loads((done_dir / f"{seed}-{size}.json").read_text()) for size in sizes for seed in seeds]
+    data = {"seeds": seeds, "sizes": sizes, "seq_len": SEQ_LEN, "budget_bits": BUDGET_BITS, "schemes": SCHEMES,
             "damage_samples": DAMAGE_SAMPLES, "jobs": jobs, "threads": threads,
+            "task_cpu_seconds": sum(t["cpu_seconds"] for t in results),
             "wall_seconds": time.perf_counter() - t0, "tasks": results}
     (out / "servable.json").write_text(json.dumps(data, indent=1))
     shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(done_dir, ignore_errors=True)
     return data
 
 
@@ -315,5 +322,5 @@ def report(data: dict, out: Path) -> str:
 def main(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, sizes: list[str]) -> None:
     data = run(seeds, out, jobs, threads, n_lines, {s: SIZES[s] for s in sizes})
     print(report(data, out))
-    print(f"wall time {data['wall_seconds']:.0f} s, worker CPU time {data['cpu_seconds_workers']:.0f} s "
+    print(f"wall time {data['wall_seconds']:.0f} s (this invocation), tasks' CPU time {data['task_cpu_seconds']:.0f} s "
           f"({jobs} jobs x {threads} threads)")
