@@ -124,7 +124,7 @@ def _routing_lines(profile: RoutingProfile, min_tokens: int) -> list[str]:
 
 
 def _kl(value: float | None) -> str:
-    return "not predictable (a scheme the profile did not measure)" if value is None else f"{value:.5f}"
+    return "not predictable (a scheme the profile did not measure)" if value is None else f"{value:.4g}"
 
 
 def serving_lines(serving: dict) -> list[str]:
@@ -145,12 +145,12 @@ def serving_lines(serving: dict) -> list[str]:
         return lines + ["- no plan of measured vLLM/SGLang schemes fits this plan's size"]
     schemes = ", ".join(f"{layer}: {s}" for layer, s in alt["layers"].items())
     lines.append(f"- best plan vLLM/SGLang serve at this size (`plan.policy: layer_sensitivity`): predicted KL "
-                 f"{alt['predicted_kl']:.5f} ({alt['expert_storage_bits']:.3f} stored bits); layers {schemes}")
+                 f"{alt['predicted_kl']:.4g} ({alt['expert_storage_bits']:.3f} stored bits); layers {schemes}")
     if blocked and serving["predicted_kl"] is not None:
         d = alt["predicted_kl"] - serving["predicted_kl"]
         verdict = ("this plan is predicted better by that much: the price of serving it with vLLM/SGLang" if d > 0
                    else "the servable plan is predicted at least as good")
-        lines.append(f"- servable plan minus this plan, predicted KL: {d:+.5f} ({verdict})")
+        lines.append(f"- servable plan minus this plan, predicted KL: {d:+.4g} ({verdict})")
     return lines + ["", "Calibration proxy: the sum over MoE layers of the KL of the model output when only that "
                     "layer's experts are quantized (round-to-nearest, measured in the profile on calibration "
                     "tokens); experts mixing schemes within a layer are weighted by their share of its W4 error."]

@@ -72,7 +72,7 @@ def test_per_expert_plan_report_names_best_servable_plan_and_price(tmp_path):
     assert serving["problems"]["vllm"] and alt["policy"] == "layer_sensitivity"
     assert serving["predicted_kl"] > 0 and alt["expert_storage_bits"] <= serving["expert_storage_bits"] + 1e-9
     report = (d / "report.md").read_text()
-    assert "not servable by vllm, sglang" in report and f"{alt['predicted_kl']:.5f}" in report
+    assert "not servable by vllm, sglang" in report and f"{alt['predicted_kl']:.4g}" in report
     assert "servable plan minus this plan, predicted KL" in report
     card = (d / "checkpoint" / CARD).read_text()
     assert "The best such plan at this checkpoint's size" in card and f"{alt['predicted_kl']:.4g}" in card
