@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from quant.models.builtin import cache_root
 from quant.models.layers import DTYPES
 from quant.plan import BitPlan
 from quant.recipe import Recipe
+from quant.storage import remove_stale
 
 log = logging.getLogger(__name__)
 PROXY_METRICS = ("perplexity", "kl", "top1_agreement")
@@ -53,7 +55,8 @@ def servable_checkpoint(checkpoint: Path, plan: BitPlan, source: ModelSource):
     from compressed_tensors.entrypoints.convert import convert_checkpoint
     from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
 
-    tmp = Path(tempfile.mkdtemp(prefix="quant-dense-"))
+    remove_stale(Path(tempfile.gettempdir()), "quant-dense-")  # left by killed runs
+    tmp = Path(tempfile.mkdtemp(prefix=f"quant-dense-{os.getpid()}-"))
     try:
         convert_checkpoint(checkpoint, tmp, CompressedTensorsDequantizer(checkpoint), device="cpu")
         yield tmp, "compressed-tensors-dequantize"
@@ -78,6 +81,8 @@ def proxies(base_lp: torch.Tensor, quant_lp: torch.Tensor, tokens: torch.Tensor)
     nll_q = -quant_lp.gather(-1, target).mean().item()
     kl = (base_lp.exp() * (base_lp - quant_lp)).sum(-1).mean().item()
     agree = (base_lp.argmax(-1) == quant_lp.argmax(-1)).float().mean().item()
+    if not (torch.isfinite(base_lp).all() and torch.isfinite(quant_lp).all()):
+        agree = math.nan  # argmax over NaN rows "agrees" everywhere; a broken model must not look perfect
     return {"perplexity": {"base": math.exp(nll_b), "quantized": math.exp(nll_q)},
             "kl": {"quantized": kl}, "top1_agreement": {"quantized": agree}, "n_tokens": int(target.numel())}
 
@@ -125,7 +130,12 @@ def gate_results(recipe: Recipe, proxy: dict, tasks: dict) -> list[dict]:
         if limit is None:
             raise RecipeError(f"eval.gates.{name}: set {kind.split()[0]}")
         passed = observed >= limit if name == "top1_agreement" else observed <= limit
-        out.append({"name": name, "kind": kind, "observed": observed, "limit": limit, "passed": bool(passed)})
+        out.append({"name": name, "kind": kind, "observed": observed, "limit": limit,
+                    "passed": bool(passed) and math.isfinite(observed)})  # NaN never passes
+    bad = [k for k in ("perplexity", "kl", "top1_agreement") for v in proxy[k].values() if not math.isfinite(v)]
+    if bad:  # always on: non-finite proxies mean a broken checkpoint, gates configured or not
+        out.append({"name": "finite_proxies", "kind": "count of NaN/Inf proxy values", "observed": float(len(bad)),
+                    "limit": 0.0, "passed": False})
     return out
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from quant.errors import RecipeError
 from quant.models import ModelSource
 from quant.models.layers import (
     DTYPES,
@@ -30,9 +31,22 @@ log = logging.getLogger(__name__)
 
 
 def pick_device(spec: str) -> torch.device:
+    """``auto`` (cuda when present, else cpu) or a device this machine has; RecipeError for one it lacks."""
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise RecipeError(f"device '{spec}' is not a torch device (cpu, cuda, cuda:N, mps, xpu)") from None
+    backend = {"cuda": torch.cuda, "xpu": getattr(torch, "xpu", None), "mps": getattr(torch.backends, "mps", None)}
+    if device.type == "cpu":
+        return device
+    module = backend.get(device.type)
+    count = (module.device_count() if hasattr(module, "device_count") else 1) if module and module.is_available() else 0
+    if count == 0 or (device.index or 0) >= count:
+        raise RecipeError(f"device '{spec}' is not present on this machine ({count} {device.type} device(s)); "
+                          "set quantize.device / eval.device to auto or cpu")
+    return device
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -3,7 +3,8 @@
 Each stage is a function of typed inputs that writes its artifact into the run directory. The pipeline hashes
 every stage's inputs (recipe sections, model fingerprint, upstream outputs); a stage whose inputs did not
 change and whose outputs are intact is skipped, so rerunning a killed run resumes it. ``force`` redoes a
-stage and everything after it.
+stage and everything after it. A stage that raises is recorded as failed and its outputs removed; a full disk or
+an unwritable path becomes one line naming the path.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from quant.errors import GateFailed, RunDirError
 from quant.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
 from quant.models import ModelSource, resolve_model
 from quant.recipe import Recipe
-from quant.rundir import RunDir, hash_path
+from quant.rundir import RunDir, environment_error, hash_path
 
 log = logging.getLogger(__name__)
 
@@ -74,28 +75,40 @@ class Run:
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
     def outputs(self, stage: str) -> list[str]:
-        if stage == "export":  # each checkpoint's manifest holds the SHA-256 of every file export wrote
-            from quant.export import checkpoint_dirs
+        """Run-dir-relative outputs: export's are the checkpoint folders, report's include their model cards."""
+        from quant.export import CARD, checkpoint_dirs
 
-            return [f"{d}/quant_manifest.json" for d in checkpoint_dirs(self.recipe).values()]
-        return list(DEPENDS[stage][2])
+        if stage == "export":
+            return list(checkpoint_dirs(self.recipe).values())
+        cards = [f"{d}/{CARD}" for d in checkpoint_dirs(self.recipe).values()] if stage == "report" else []
+        return list(DEPENDS[stage][2]) + cards
+
+    def output_hashes(self, stage: str) -> dict[str, str | None]:
+        """What each output holds now (None: missing or damaged). A checkpoint counts by the SHA-256 manifest it
+        carries, verified file by file (digests cached by stat, so an unchanged checkpoint is not re-read)."""
+        if stage == "export":
+            from quant.export import checkpoint_digest
+
+            return {o: checkpoint_digest(self.dir.path / o) for o in self.outputs(stage)}
+        return {o: hash_path(self.dir.path / o) for o in self.outputs(stage)}
 
     def execute(self, until: str = "report", force: str | None = None) -> RunResult:
         if until not in STAGES:
             raise RunDirError(f"unknown stage '{until}'; stages: {', '.join(STAGES)}")
         if force is not None and force not in STAGES and force != "all":
             raise RunDirError(f"--force takes a stage name or 'all', got '{force}'; stages: {', '.join(STAGES)}")
+        for device in {self.recipe.quantize.device, self.recipe.eval.device}:  # absent devices fail before any work
+            pick_device(device)
         m = self.dir.claim(self.identity(), force=force is not None)
         first_forced = 0 if force == "all" else (STAGES.index(force) if force else len(STAGES))
         ran, skipped = [], []
         for i, stage in enumerate(STAGES[: STAGES.index(until) + 1]):
             h = self.input_hash(stage, m)
-            outputs = self.outputs(stage)
-            if i < first_forced and self.dir.is_fresh(m, stage, h, outputs):
+            if i < first_forced and self.dir.is_fresh(m, stage, h, lambda s=stage: self.output_hashes(s)):
                 skipped.append(stage)
                 log.info("stage %s: up to date, skipped", stage)
                 continue
-            self._run_stage(stage, h, outputs, m)
+            self._run_stage(stage, h, m)
             ran.append(stage)
         passed = m["stages"].get("eval", {}).get("passed")
         m["passed"] = passed
@@ -105,16 +118,25 @@ class Run:
             raise GateFailed(f"quality gates failed: {'; '.join(failed)} (see {self.dir.path / 'report.md'})")
         return RunResult(self.dir.path, ran, skipped, passed)
 
-    def _run_stage(self, stage: str, input_hash: str, outputs: list[str], m: dict) -> None:
+    def _run_stage(self, stage: str, input_hash: str, m: dict) -> None:
         log.info("stage %s: running", stage)
         device = pick_device(self.recipe.quantize.device)
         reset_peak_memory(device)
-        self.dir.mark(m, stage, status="running", input_hash=input_hash)
+        upstream = {u: m["stages"].get(u, {}).get("outputs") for u in DEPENDS[stage][1]}
+        self.dir.mark(m, stage, status="running", input_hash=input_hash, upstream=upstream)
         t0 = time.perf_counter()
-        info = getattr(stages, f"run_{stage}")(self.recipe, self.source, self.dir.path) or {}
+        try:
+            info = getattr(stages, f"run_{stage}")(self.recipe, self.source, self.dir.path) or {}
+            outputs = self.output_hashes(stage)
+        except BaseException as e:
+            self.dir.fail(m, stage, e, self.outputs(stage))
+            plain = environment_error(e, self.dir.path,
+                                      lambda: stages.output_bytes(stage, self.recipe, self.source, self.dir.path))
+            if plain is not None:
+                raise plain from None
+            raise
         self.dir.mark(m, stage, status="done", input_hash=input_hash, wall_s=round(time.perf_counter() - t0, 3),
-                      peak_memory_bytes=peak_memory_bytes(device), device=str(device),
-                      outputs={o: hash_path(self.dir.path / o) for o in outputs}, **info)
+                      peak_memory_bytes=peak_memory_bytes(device), device=str(device), outputs=outputs, **info)
         log.info("stage %s: done in %.1fs", stage, m["stages"][stage]["wall_s"])
 
 

@@ -25,9 +25,11 @@ def layer_file(root: Path, layer: int | None) -> Path:
 PARAM_PREFIX = "__param__."
 
 
-def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[str, torch.Tensor] | None = None) -> None:
+def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[str, torch.Tensor] | None = None,
+                report: dict | None = None) -> None:
     """Write 2-D quantized modules (``q [out, in]``) atomically, plus ``params``: kept tensors the algorithm
-    changed (AWQ folds 1/s into norms and routers), by the layer's in-memory parameter name."""
+    changed (AWQ folds 1/s into norms and routers), by the layer's in-memory parameter name, and ``report``: the
+    layer's quantization report (errors, fallbacks, times), so a resumed run reports what was measured."""
     tensors = {PARAM_PREFIX + k: v.detach().contiguous().cpu() for k, v in (params or {}).items()}
     meta = {}
     for name, qw in weights.items():
@@ -38,7 +40,7 @@ def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[st
             tensors[f"{name}.zero"] = qw.zero.contiguous().cpu()
         meta[name] = [qw.spec.bits, qw.spec.group_size, qw.spec.symmetric]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata={"modules": json.dumps(meta)})
+    save_file(tensors, str(tmp), metadata={"modules": json.dumps(meta), "report": json.dumps(report or {})})
     os.replace(tmp, path)
 
 
@@ -52,6 +54,12 @@ def read_layer(path: Path, device: str | torch.device = "cpu") -> dict[str, Quan
             out[name] = QuantizedWeight(f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.scale"), zero,
                                         QuantSpec(bits, group, sym))
     return out
+
+
+def read_report(path: Path) -> dict:
+    """The layer report stored by ``write_layer`` (empty for a file written without one)."""
+    with safe_open(str(path), "pt") as f:
+        return json.loads((f.metadata() or {}).get("report") or "{}")
 
 
 def dequantize_2d(qw: QuantizedWeight) -> torch.Tensor:

@@ -22,13 +22,13 @@ from torch import nn
 from quant.algos.grid import QuantizedWeight, QuantSpec
 from quant.algos.rtn import rtn
 from quant.calibration import CalibrationSet
-from quant.errors import QuantError
+from quant.errors import NumericalError, QuantError
 from quant.hessians import ExpertStats, linear_stats
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
 from quant.plan import BitPlan, ModulePlan
-from quant.qstore import layer_file, load_into_layer, write_layer
+from quant.qstore import layer_file, load_into_layer, read_report, write_layer
 from quant.recipe import QuantizeSpec
 from quant.smooth import run_awq
 
@@ -151,13 +151,17 @@ class _LayerJob:
         return self.record(qw, rows, w)
 
     def record(self, qw: QuantizedWeight, rows: list[list[tuple[str, slice]]], w: torch.Tensor | None = None):
-        """Store each module's codes from a batched result; track the worst relative weight error vs ``w``."""
+        """Store each module's codes from a batched result; track the worst relative weight error vs ``w``.
+        Non-finite source weights or quantized values are a NumericalError naming the module."""
         deq = qw.dequantize()
+        finite = torch.isfinite(deq).all(dim=2) & (torch.isfinite(w).all(dim=2) if w is not None else True)  # [B, out]
         if w is not None:
             diff = (deq.float() - w.float()).pow(2).sum(dim=2)  # [B, out]
             ref = w.float().pow(2).sum(dim=2)
         for b, parts in enumerate(rows):
             for name, r in parts:
+                if not bool(finite[b, r].all()):
+                    raise _non_finite(name, w[b, r] if w is not None else None)
                 if w is not None:
                     err = (diff[b, r].sum() / ref[b, r].sum().clamp_min(1e-24)).sqrt().item()
                     if err >= self.report.worst_rel_error:
@@ -242,12 +246,27 @@ class _LayerJob:
         return r
 
 
+def _non_finite(name: str, w: torch.Tensor | None) -> NumericalError:
+    if w is not None and not bool(torch.isfinite(w).all()):
+        n = int((~torch.isfinite(w)).sum())
+        return NumericalError(f"{name}: {n} source weight(s) are NaN or infinite; the model folder is damaged (or "
+                              "was saved from a diverged training run): re-download or repair it")
+    return NumericalError(f"{name}: quantization produced NaN or infinite scales or weights (values too large for "
+                          "the model dtype?); keep this module (plan.protect) or use model.dtype float32")
+
+
 def _apply_stored(job: _LayerJob, path: Path, device) -> None:
-    """Put previously stored dequantized weights (and changed kept parameters) into the layer (resume path)."""
+    """Put previously stored dequantized weights (and changed kept parameters) into the layer, and its stored
+    report (worst error, fallbacks, repairs, solve times) into ``job.report`` (resume path)."""
     job.results, job.params = load_into_layer(job.source, job.layer, job.idx, path, device)
     missing = set(job.mods) - set(job.results)
     if missing:
         raise QuantError(f"stored layer {job.idx} lacks {sorted(missing)[:3]}; remove it and rerun with --force quantize")
+    stored = read_report(path)
+    keep = ("worst_rel_error", "worst_module", "stats_seconds", "solve_seconds", "rtn_fallbacks", "repairs")
+    for k in keep:
+        if k in stored:
+            setattr(job.report, k, stored[k])
 
 
 def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, spec: QuantizeSpec,
@@ -276,7 +295,7 @@ def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, sp
                     with _timed(job.report, "solve_seconds", lw.device):
                         job.run_linears({})
                         job.run_experts(None)
-                write_layer(path, job.results, job.params)
+                write_layer(path, job.results, job.params, report=asdict(job.report))
             with _timed(job.report, "forward_seconds", lw.device):
                 hidden = lw.forward(layer, hidden, out=hidden)
         report = job.finish_report(time.perf_counter() - t0)

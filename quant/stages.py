@@ -19,7 +19,7 @@ from quant.plan import BitPlan, plan_bits
 from quant.plan_summary import summarize
 from quant.profile import RoutingProfile, profile_routing
 from quant.recipe import Recipe
-from quant.rundir import atomic_write_text
+from quant.rundir import atomic_write_text, temp_path
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def dataset_hash(dataset: str) -> str:
 def save_calibration(calib: CalibrationSet, run_dir: Path) -> None:
     from safetensors.torch import save_file
 
-    tmp = run_dir / ".calibration.safetensors.tmp"
+    tmp = temp_path(run_dir / "calibration.safetensors")
     save_file({"tokens": calib.tokens.contiguous()}, str(tmp))
     tmp.replace(run_dir / "calibration.safetensors")
     meta = {"dataset": calib.manifest, "seed": calib.seed, "n_samples": len(calib.sample_ids),
@@ -67,7 +67,7 @@ def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
 def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     calib = load_calibration(run_dir)
     profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size))
-    tmp = run_dir / ".profile.json.tmp"
+    tmp = temp_path(run_dir / "profile.json")
     profile.save(tmp)
     tmp.replace(run_dir / "profile.json")
     return {"moe_layers": len(profile.layers), "n_experts": profile.n_experts}
@@ -81,7 +81,7 @@ def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     check_runtime(plan, source, recipe.plan.target_runtime, recipe.export.formats)
     summary = summarize(plan, source, profile)
     plan.notes.append(json.dumps(summary["headline"]))
-    tmp = run_dir / ".plan.json.tmp"
+    tmp = temp_path(run_dir / "plan.json")
     plan.save(tmp)
     tmp.replace(run_dir / "plan.json")
     log.info("plan: %s", summary["headline"])
@@ -122,7 +122,7 @@ def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     from quant.evaluate import evaluate_run
 
     result = evaluate_run(recipe, source, run_dir)
-    tmp = run_dir / ".eval.json.tmp"
+    tmp = temp_path(run_dir / "eval.json")
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(run_dir / "eval.json")
     failed = [f"{g['name']} {g['observed']:.4g} vs limit {g['limit']:.4g}" for g in result["gates"] if not g["passed"]]
@@ -136,3 +136,19 @@ def run_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     write_report(recipe, source, run_dir)
     write_cards(recipe, source, run_dir)
     return {}
+
+
+def output_bytes(stage: str, recipe: Recipe, source: ModelSource, run_dir: Path) -> int:
+    """About how many bytes ``stage`` writes (for the disk-full message): tokens, codes, checkpoints, or the
+    dense copy eval may make in the temp dir; 1 MB for the small JSON/plot stages."""
+    model_bytes = sum((source.path / f).stat().st_size for f in set(source.weight_map.values()))
+    if stage == "calibrate":
+        return recipe.calibration.n_samples * recipe.calibration.seq_len * 8
+    if stage == "quantize":  # int8 codes per weight of the quantized modules, scales on top
+        return sum(m.numel for n, m in source.modules.items() if n in BitPlan.load(run_dir / "plan.json").quantized())
+    if stage == "export":
+        headline = summarize(BitPlan.load(run_dir / "plan.json"), source, RoutingProfile.load(run_dir / "profile.json"))
+        return int(headline["headline"]["size_gb"] * 1e9 * len(recipe.export.formats))
+    if stage == "eval":
+        return model_bytes
+    return 1 << 20

@@ -17,6 +17,7 @@ LAYERS = [
     {"sandbox", "routing", "models", "rundir", "dist"},
     {"algos"},
     {"recipe"},
+    {"strict_yaml", "storage"},
     {"errors"},
 ]
 
