@@ -54,17 +54,21 @@ def hash_path(path: Path) -> str | None:
     return h.hexdigest()[:16]
 
 
+def _mb(n_bytes: float) -> str:
+    return f"{n_bytes / 1e6:,.1f} MB" if n_bytes < 10e6 else f"{n_bytes / 1e6:,.0f} MB"
+
+
 def environment_error(error: BaseException, where: Path, needed_bytes=None) -> RunDirError | None:
     """A one-line RunDirError for a full disk, a read-only or forbidden path, ...; None for anything else.
     ``needed_bytes()`` estimates what the failed step needed (for the disk-full message)."""
     target = Path(getattr(error, "filename", None) or where)
     if is_disk_full(error):
         try:
-            need = f", about {needed_bytes() / 1e6:,.0f} MB needed" if needed_bytes else ""
+            need = f", about {_mb(needed_bytes())} needed" if needed_bytes else ""
         except Exception:  # noqa: BLE001 - an estimate must not hide the disk-full error
             need = ""
         return RunDirError(f"no space left on {target.parent if target.is_file() else target}: "
-                           f"{free_bytes(target) / 1e6:,.0f} MB free{need}; free some space or use another --output")
+                           f"{_mb(free_bytes(target))} free{need}; free some space or use another --output")
     if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
         return RunDirError(f"cannot write {target}: {error.strerror}")
     return None
@@ -106,7 +110,8 @@ class RunDir:
         try:
             return self._claim(identity, force)
         except OSError as e:
-            raise environment_error(e, self.path) or RunDirError(f"cannot use {self.path}: {e}") from None
+            raise environment_error(e, self.path) or RunDirError(f"cannot create or use run directory {self.path}: "
+                                                                 f"{e.strerror or e}") from None
 
     def _claim(self, identity: dict, force: bool) -> dict:
         if self.path.exists() and not self.path.is_dir():
@@ -119,7 +124,13 @@ class RunDir:
             remove_stale(d)
         m = self.manifest()
         finished = any(s.get("status") == "done" for s in m.get("stages", {}).values())
-        if m and finished and m.get("identity") != identity and not force:
+        old = m.get("identity", {})
+        if m and finished and old != identity and not force and {**old, "fingerprint": None} == {**identity,
+                                                                                                 "fingerprint": None}:
+            raise RunDirError(f"the model {identity.get('model')} changed since {self.path} was made (its files no "
+                              "longer match the recorded fingerprint: damaged or replaced); restore it, or --force "
+                              "all to redo the run on it")
+        if m and finished and old != identity and not force:
             raise RunDirError(
                 f"{self.path} holds a different run (recipe '{m.get('identity', {}).get('recipe')}', "
                 f"model {m.get('identity', {}).get('model')}); use another --output, or --force STAGE to redo it"
