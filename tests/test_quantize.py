@@ -70,3 +70,17 @@ def test_token_floor_falls_back_to_rtn_and_reports_it(setup, tmp_path):
     _, rtn, _ = _quantize(setup, tmp_path, "rtn", algorithm="rtn")
     a, b = _stored(out, src), _stored(rtn, src)
     assert all(torch.equal(a[n].q, b[n].q) for n in fallbacks)
+
+
+def test_resumed_layers_report_what_was_measured(setup, tmp_path):
+    """A rerun over stored layer files (a resumed quantize) reports each layer's stored worst error, module,
+    fallbacks and repairs, not zeros and empty names."""
+    src, calib, prof = setup
+    plan, out, first = _quantize(setup, tmp_path, "resume", min_tokens=10**6)
+    again = quantize_model(src, calib, plan, QuantizeSpec(min_tokens=10**6), Layerwise(src, "bfloat16", "cpu", 4), out)
+    assert all(r.resumed for r in again) and not any(r.resumed for r in first)
+    for a, b in zip(first, again, strict=True):
+        assert b.worst_module == a.worst_module and b.worst_rel_error == a.worst_rel_error
+        assert b.rtn_fallbacks == a.rtn_fallbacks and b.repairs == a.repairs and b.solve_seconds == a.solve_seconds
+    assert any(r.worst_rel_error > 0 and r.worst_module for r in again)
+    assert any(r.rtn_fallbacks for r in again)

@@ -21,6 +21,12 @@ FAST = ["--set", "calibration.n_samples=8", "--set", "calibration.seq_len=64", "
 MAIN = "import sys; from quant.cli import main; sys.argv = ['quant'] + sys.argv[1:]; main()\n"
 
 
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
 def _one_error_line(proc, code: int, pattern: str) -> str:
     assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("error:")]
@@ -101,8 +107,17 @@ def test_ctrl_c_exits_130_and_records_interruption(tmp_path):
     assert proc.returncode == 130, stderr[-2000:]
     assert "interrupted; rerun the same command to resume" in stderr and "Traceback" not in stderr
     assert json.loads((out / "manifest.json").read_text())["stages"]["quantize"]["status"] == "interrupted"
-    p = run_cli("run", HEADLINE, "-o", str(out), *FAST)
+    # the resumed run's eval dequantizes the mixed checkpoint into the temp dir: it first removes the dense copies
+    # that killed runs left there, and only theirs
+    tmp = tmp_path / "tmp"
+    dead, live = tmp / f"quant-dense-{_dead_pid()}-abc", tmp / f"quant-dense-{os.getppid()}-def"
+    for d in (dead, live):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_text("big")
+    p = run_cli("run", HEADLINE, "-o", str(out), *FAST, env={"TMPDIR": str(tmp)})
     assert p.returncode == 0 and "ran quantize, export, eval, report" in p.stdout, p.stderr[-2000:]
+    assert json.loads((out / "eval.json").read_text())["loader"] == "compressed-tensors-dequantize"
+    assert not dead.exists() and live.exists() and sorted(tmp.iterdir()) == [live]
 
 
 def test_output_that_is_a_file(tmp_path):
