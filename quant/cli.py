@@ -5,6 +5,7 @@ Logging is configured here and only here."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -173,10 +174,16 @@ def _usage_error(e: BaseException) -> bool:
     return isinstance(e, tuple(types)) and hasattr(e, "exit_code")
 
 
+@functools.cache
+def _command():
+    """The click command typer builds from ``app`` (built once: it is most of a short command's time)."""
+    return typer.main.get_command(app)
+
+
 def cli_exit_code(argv: list[str] | None = None) -> int:
     """Run the command line and return its exit code, printing at most one ``error:`` line for a failure."""
     try:
-        rv = app(args=argv, prog_name="quant", standalone_mode=False)
+        rv = _command().main(args=argv, prog_name="quant", standalone_mode=False)
     except QuantError as e:
         typer.echo(f"error: {_one_line(str(e))}", err=True)
         return e.exit_code

@@ -304,13 +304,16 @@ def _check_keys(data: Any, model: type[BaseModel], path: str) -> None:
 
 def _format_validation(err: ValidationError) -> str:
     first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "recipe"
+    # a union's member type ('int', "literal['keep']") is part of pydantic's location, not of the recipe key
+    where = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p)))
+    where = where or "recipe"
     msg = first["msg"].removeprefix("Value error, ")
     got = first.get("input")
     shown = "" if isinstance(got, dict | list) or first["type"] == "value_error" else f" (got {got!r})"
     return f"invalid recipe value at '{where}': {msg}{shown}"
 
 
+_TYPE_TAGS = {"int", "float", "str", "bool", "none"}
 _KEY = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
 
 

@@ -102,7 +102,10 @@ def check_text(text: str, what: str, err: type[Exception]) -> None:
     """Refuse control characters (other than tab / newline / carriage return) and lone surrogates."""
     bad = _CONTROL.search(text)
     if bad:
-        raise err(f"{what} holds the control character {bad.group()!r} at position {bad.start()}")
+        char = bad.group()
+        desc = (f"the unpaired surrogate U+{ord(char):04X} (for characters beyond U+FFFF write the character or "
+                "\\U00XXXXXX)" if "\ud800" <= char <= "\udfff" else f"the control character {char!r}")
+        raise err(f"{what} holds {desc} at position {bad.start()}")
 
 
 def decode(raw: bytes, what: str, err: type[Exception]) -> str:
@@ -123,6 +126,7 @@ def plain(value: Any, where: str, err: type[Exception]) -> Any:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise err(f"key {k!r} in '{where or 'the document'}' is not a string")
+            check_text(k, f"a key in '{where or 'the document'}'", err)
             out[k] = plain(v, f"{where}.{k}" if where else k, err)
         return out
     if isinstance(value, list):
@@ -134,7 +138,7 @@ def plain(value: Any, where: str, err: type[Exception]) -> Any:
             raise err(f"'{where}': integer {value} does not fit in 64 bits")
         return value
     if isinstance(value, str):
-        check_text(value, f"'{where}'", err)
+        check_text(value, f"the value of '{where}'", err)
         return value
     raise err(f"'{where}' holds a {type(value).__name__}, not a plain value")
 
