@@ -330,24 +330,16 @@ def apply_override(data: dict, assignment: str) -> None:
     node = data
     for part in parts[:-1]:
         child = node.setdefault(part, {})
-        if child is None and part in _sections(data, node):
-            child = node[part] = {}
         if not isinstance(child, dict):
             raise RecipeError(f"--set {key}: '{part}' is a value, not a section")
         node = child
     node[parts[-1]] = value
 
 
-def _sections(root: dict, node: dict) -> set[str]:
-    """Names of the fields of ``node`` that are sections (sub-models), for the top level only: a ``plan:`` left
-    empty in YAML (null) means the defaults."""
-    return {k for k, f in Recipe.model_fields.items() if _submodel(f.annotation)} if node is root else set()
-
-
 def _empty_sections(data: dict) -> None:
     """``section:`` with nothing under it (YAML null) means that section's defaults."""
-    for name in _sections(data, data):
-        if name in data and data[name] is None:
+    for name, f in Recipe.model_fields.items():
+        if _submodel(f.annotation) is not None and name in data and data[name] is None:
             data[name] = {}
 
 

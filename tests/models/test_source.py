@@ -109,6 +109,13 @@ def test_inspect_on_a_damaged_checkpoint(model, tmp_path):
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and len(proc.stderr.strip().splitlines()) == 1
 
 
+def _pad(model: Path) -> None:
+    """Make the shard large enough (> 2 MiB past its header) that its middle is far from both ends."""
+    tensors = load_file(str(_shard(model)))
+    tensors["zz_unused.pad"] = torch.ones(4 << 20, dtype=torch.bfloat16)
+    save_file(tensors, str(_shard(model)), metadata={"format": "pt"})
+
+
 def _flip_low_mantissa_bit_mid_file(p: Path) -> None:
     """Damage one byte in the middle of the tensor data, keeping size and mtime (a finite bf16 value changes)."""
     st = p.stat()
@@ -123,6 +130,7 @@ def _flip_low_mantissa_bit_mid_file(p: Path) -> None:
 
 
 def test_fingerprint_sees_damage_in_the_middle_and_survives_a_copy(model, tmp_path):
+    _pad(model)
     before = ModelSource(model).fingerprint
     copy = tmp_path / "copy"
     shutil.copytree(model, copy)
@@ -136,6 +144,7 @@ def test_profile_reruns_after_a_shard_is_damaged_in_the_middle(model, tmp_path):
     from quant.recipe import load_recipe
     from tests.conftest import REPO
 
+    _pad(model)
     recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model=str(model),
                          overrides=("calibration.n_samples=4", "calibration.seq_len=32"))
     assert run(recipe, tmp_path / "r", until="profile").ran == ["calibrate", "profile"]
