@@ -127,7 +127,9 @@ class Run:
         t0 = time.perf_counter()
         try:
             info = getattr(stages, f"run_{stage}")(self.recipe, self.source, self.dir.path) or {}
-            outputs = self.output_hashes(stage)
+            self.dir.mark(m, stage, status="done", input_hash=input_hash, wall_s=round(time.perf_counter() - t0, 3),
+                          peak_memory_bytes=peak_memory_bytes(device), device=str(device),
+                          outputs=self.output_hashes(stage), **info)
         except BaseException as e:
             self.dir.fail(m, stage, e, self.outputs(stage))
             plain = environment_error(e, self.dir.path,
@@ -135,10 +137,14 @@ class Run:
             if plain is not None:
                 raise plain from None
             raise
-        self.dir.mark(m, stage, status="done", input_hash=input_hash, wall_s=round(time.perf_counter() - t0, 3),
-                      peak_memory_bytes=peak_memory_bytes(device), device=str(device), outputs=outputs, **info)
         log.info("stage %s: done in %.1fs", stage, m["stages"][stage]["wall_s"])
 
 
 def run(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None) -> RunResult:
-    return Run(recipe, run_dir).execute(until=until, force=force)
+    try:
+        return Run(recipe, run_dir).execute(until=until, force=force)
+    except OSError as e:  # a full disk or unwritable path outside a stage (manifest writes)
+        plain = environment_error(e, Path(run_dir))
+        if plain is None:
+            raise
+        raise plain from None

@@ -175,7 +175,7 @@ class QuantizeSpec(_Strict):
 
 class ExportSpec(_Strict):
     formats: tuple[Literal["compressed-tensors", "gptq"], ...] = ("compressed-tensors",)
-    max_shard_gb: float = Field(5.0, ge=0.001, le=MAX_GB)
+    max_shard_gb: float = Field(5.0, gt=0.0, le=MAX_GB)
 
     @field_validator("formats")
     @classmethod

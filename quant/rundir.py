@@ -63,12 +63,15 @@ def environment_error(error: BaseException, where: Path, needed_bytes=None) -> R
     ``needed_bytes()`` estimates what the failed step needed (for the disk-full message)."""
     target = Path(getattr(error, "filename", None) or where)
     if is_disk_full(error):
+        folder = target
+        while not folder.is_dir() and folder != folder.parent:  # the nearest existing folder
+            folder = folder.parent
         try:
             need = f", about {_mb(needed_bytes())} needed" if needed_bytes else ""
         except Exception:  # noqa: BLE001 - an estimate must not hide the disk-full error
             need = ""
-        return RunDirError(f"no space left on {target.parent if target.is_file() else target}: "
-                           f"{_mb(free_bytes(target))} free{need}; free some space or use another --output")
+        return RunDirError(f"no space left on {folder}: {_mb(free_bytes(folder))} free{need}; free some space or use "
+                           "another --output (or TMPDIR for eval's temporary files)")
     if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
         return RunDirError(f"cannot write {target}: {error.strerror}")
     return None

@@ -111,11 +111,12 @@ class ModelSource:
             raise ModelError(f"{self.path} is not a model folder (no config.json)")
         self.config_dict = read_json_object(self.path / "config.json", "it must be the model's configuration")
         model_type = self.config_dict.get("model_type", "?")
-        layers = self.config_dict.get("num_hidden_layers")
-        if not isinstance(model_type, str) or isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-            raise ModelError(f"{self.path / 'config.json'} needs a string model_type and a positive integer "
-                             f"num_hidden_layers (got {model_type!r}, {layers!r})")
+        if not isinstance(model_type, str):
+            raise ModelError(f"{self.path / 'config.json'}: model_type must be a string, got {model_type!r}")
         self.family: FamilySpec = self._family(model_type, family)
+        layers = self.config_dict.get("num_hidden_layers")
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ModelError(f"{self.path / 'config.json'}: num_hidden_layers must be a positive integer, got {layers!r}")
         self.weight_map = _read_index(self.path)
         self._headers = self._read_headers()
 
@@ -241,7 +242,7 @@ class ModelSource:
         for code in remote_code_files(self.path) if self.trust_remote_code else []:  # it defines the forward
             h.update(code.name.encode() + code.read_bytes())
         files = sorted(set(self.weight_map.values()))
-        with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:  # hashlib releases the GIL
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:  # hashlib releases the GIL
             digests = list(pool.map(lambda f: file_sha256(self.path / f), files))
         for file, digest in zip(files, digests, strict=True):
             h.update(f"{file}:{digest}".encode())

@@ -37,7 +37,8 @@ def test_damaged_safetensors(model, damage):
 
 
 @pytest.mark.parametrize("config,match", [("{", "is not valid JSON"), ("[1, 2]", "holds a JSON list, not an object"),
-                                          ('"x"', "JSON str"), ("{}", "needs a string model_type"),
+                                          ('"x"', "JSON str"), ('{"model_type": 3}', "model_type must be a string"),
+                                          ("{}", "model_type '\\?'"),
                                           ('{"model_type": "qwen3_moe", "num_hidden_layers": "4"}', "num_hidden_layers"),
                                           (b"\xff\xfe{", "is not valid JSON")])
 def test_bad_config_json(model, config, match):
