@@ -101,13 +101,18 @@ def whole_proxies(base_path: Path, quant_path: Path, tokens: torch.Tensor, dtype
 WHOLE_MAX_MEMORY_FRACTION = 0.5  # auto: whole-model eval when the dense model fits in this share of the device
 
 
+def dense_bytes(source: ModelSource, dtype: torch.dtype) -> int:
+    """Bytes of the whole model in ``dtype`` (from safetensors headers)."""
+    return sum(math.prod(s) for s in source.shapes().values()) * torch.finfo(dtype).bits // 8
+
+
 def proxy_mode(requested: str, source: ModelSource, plan: BitPlan, dtype: torch.dtype, device) -> tuple[str, str]:
     """(``whole`` or ``streamed``, why): ``requested`` unless ``auto``, then the documented size rule."""
     if requested != "auto":
         return requested, f"eval.mode: {requested} (recipe)"
     from quant.runtimes import problems_for
 
-    dense = sum(math.prod(s) for s in source.shapes().values()) * torch.finfo(dtype).bits // 8
+    dense = dense_bytes(source, dtype)
     memory = device_memory_bytes(torch.device(device))
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     if dense > WHOLE_MAX_MEMORY_FRACTION * memory:
@@ -126,12 +131,30 @@ def _task_cache_key(source: ModelSource, recipe: Recipe) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device) -> dict:
+def task_gpus(e, dense_bytes: int) -> int:
+    """GPUs the hf lm-eval backend dispatches the model over: ``eval.gpus``, else every visible GPU when the dense
+    model exceeds ~90% of GPU 0's memory, else 1."""
+    visible = torch.cuda.device_count()
+    if e.gpus is not None:
+        if e.gpus > max(visible, 1):
+            raise RecipeError(f"eval.gpus is {e.gpus} but {visible} CUDA GPU(s) are visible")
+        return e.gpus
+    if visible <= 1:
+        return 1
+    return visible if dense_bytes > 0.9 * device_memory_bytes(torch.device("cuda", 0)) else 1
+
+
+def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpus: int = 1) -> dict:
     from quant.lmeval import run_lm_eval
 
     e = recipe.eval
     kw = dict(limit=e.limit, num_fewshot=e.num_fewshot, batch_size=e.batch_size, seed=1234, device=str(device),
               backend=e.backend, max_gen_toks=e.max_gen_toks, trust_remote_code=source.trust_remote_code)
+    if e.backend == "vllm":
+        kw["model_args"] = {"tensor_parallel_size": e.tensor_parallel_size, "data_parallel_size": e.data_parallel_size}
+    else:
+        max_mem = None if e.max_memory_per_gpu_gb is None else int(e.max_memory_per_gpu_gb * 1e9)
+        kw.update(gpus=gpus, max_memory_per_gpu=max_mem)
     cache = cache_root() / "eval" / f"base-{_task_cache_key(source, recipe)}.json"
     if cache.is_file():
         base = json.loads(cache.read_text())
@@ -145,10 +168,13 @@ def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device) -> 
             for t in quant}
 
 
-def gate_results(recipe: Recipe, proxy: dict, tasks: dict) -> list[dict]:
-    """Every configured gate with its observed value and limit; unknown gate names are recipe errors."""
+def gate_results(recipe: Recipe, proxy: dict, tasks: dict | None) -> list[dict]:
+    """Every configured gate with its observed value and limit; unknown gate names are recipe errors.
+    ``tasks=None`` (a rank that ran no lm-eval tasks): only the proxy gates."""
     out = []
     for name, g in recipe.eval.gates.items():
+        if tasks is None and name not in PROXY_METRICS:
+            continue
         if name == "perplexity":
             b, q = proxy["perplexity"]["base"], proxy["perplexity"]["quantized"]
             observed, limit, kind = (q - b) / b, g.max_rel_increase, "max_rel_increase"
@@ -167,7 +193,8 @@ def gate_results(recipe: Recipe, proxy: dict, tasks: dict) -> list[dict]:
 
 
 def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
-    """Proxies on every rank (all-reduced, identical everywhere); lm-eval tasks on the writer rank only."""
+    """Proxies on every rank (all-reduced, identical everywhere); lm-eval tasks on the writer rank only (hf on the
+    folder the whole-model path loads, dispatched over GPUs when asked; vllm on the checkpoint itself)."""
     plan = BitPlan.load(run_dir / "plan.json")
     e = recipe.eval
     device = pick_device(e.device)
@@ -175,23 +202,28 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
     tokens = build_calibration(e.perplexity.dataset, source.tokenizer(), e.perplexity.n_samples,
                                e.perplexity.seq_len, seed=0).tokens
     checkpoint = run_dir / "checkpoint"
+    run_tasks = bool(e.tasks) and world.is_writer
+    gpus = task_gpus(e, dense_bytes(source, dtype)) if run_tasks and e.backend == "hf" else 1
     mode, reason = proxy_mode(e.mode, source, plan, dtype, device)
     log.info("eval proxies: %s (%s)", mode, reason)
     proxy, loader = None, "compressed-tensors-per-layer"
     if mode == "streamed":
         shipped = ShippedCheckpoint(checkpoint, source, dtype)
         proxy = streamed_proxies(source, shipped, tokens, recipe.model.dtype, device, e.batch_size, world)
-    tasks: dict = {}
-    run_tasks = bool(e.tasks) and world.is_writer
-    if mode == "whole" or run_tasks:
+    tasks: dict | None = None if e.tasks and not world.is_writer else {}
+    if mode == "whole" or (run_tasks and e.backend == "hf"):
         with servable_checkpoint(checkpoint, plan, source) as (path, path_loader):
             if mode == "whole":
                 proxy, loader = whole_proxies(source.path, path, tokens, dtype, device, e.batch_size,
                                               source.trust_remote_code, world), path_loader
-            tasks = _run_tasks(recipe, source, path, device) if run_tasks else {}
+            if run_tasks and e.backend == "hf":
+                tasks = _run_tasks(recipe, source, path, device, gpus)
+    if run_tasks and e.backend == "vllm":
+        tasks = _run_tasks(recipe, source, checkpoint, device)
     gates = gate_results(recipe, proxy, tasks)
     log.info("eval: ppl %.3f -> %.3f, KL %.4f, top-1 %.3f, gates %s", proxy["perplexity"]["base"],
              proxy["perplexity"]["quantized"], proxy["kl"]["quantized"], proxy["top1_agreement"]["quantized"],
              "passed" if all(g["passed"] for g in gates) else "FAILED")
     return {"loader": loader, "proxy_mode": mode, "proxy_mode_reason": reason, "world_size": world.size,
+            "task_gpus": gpus if tasks and e.backend == "hf" else None,
             "proxies": proxy, "tasks": tasks, "gates": gates, "passed": all(g["passed"] for g in gates)}

@@ -207,6 +207,16 @@ def test_auto_mode_streams_when_the_model_outgrows_the_device(exported, monkeypa
     assert proxy_mode("whole", src, plan, torch.bfloat16, "cpu")[0] == "whole"
 
 
-def test_eval_mode_is_validated():
-    with pytest.raises(RecipeError, match="eval.mode"):
-        _recipe("eval.mode=layerwise")
+def test_more_gpus_than_visible_is_refused_before_any_work(exported):
+    """eval.gpus beyond the visible GPUs is one clear error before the proxies run."""
+    from quant.evaluate import task_gpus
+
+    visible = torch.cuda.device_count()
+    n = max(visible, 1) + 1
+    recipe = _recipe(f"eval.gpus={n}", "eval.tasks=[quant_mmlu]")
+    with pytest.raises(RecipeError, match=f"eval.gpus is {n} but {visible} CUDA GPU"):
+        task_gpus(recipe.eval, 10**9)
+    with pytest.raises(RecipeError, match=f"eval.gpus is {n}"):
+        evaluate_run(recipe, resolve_model(MODEL), exported)
+    if visible <= 1:
+        assert task_gpus(_recipe().eval, 10**12) == 1  # auto with at most one GPU: one device
