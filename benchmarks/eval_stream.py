@@ -37,6 +37,11 @@ from quant.models import ModelSource  # noqa: E402
 
 DTYPE = "bfloat16"
 MODES = ("whole", "streamed")
+# a 12-layer-class MoE small enough for a CPU run (1.4 GB at 12 layers): peak RSS against the number of layers
+SHAPES.setdefault("moe-mid", dict(model_type="qwen3_moe", vocab_size=32000, hidden_size=1024, intermediate_size=2048,
+                                  moe_intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                                  num_experts=32, num_experts_per_tok=4, norm_topk_prob=True,
+                                  max_position_embeddings=4096, tie_word_embeddings=False))
 
 
 def prepare(work: Path, shape: str, n_layers: int, samples: int, seqlen: int, batch: int) -> dict:
@@ -104,6 +109,8 @@ def lm_eval_dispatch(gpus: int, limit: int, batch: int) -> dict:
 
     path = builtin_path("reference-moe")
     device_map = {} if gpus == 1 else dict(dispatch_map(path, gpus, dtype=DTYPE))
+    if torch.cuda.is_available():
+        torch.cuda.init()  # resetting peak statistics needs an initialized context
     for i in range(torch.cuda.device_count()):
         torch.cuda.reset_peak_memory_stats(i)
     t0 = time.perf_counter()
