@@ -22,6 +22,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +75,24 @@ def prepare(work: Path, shape: str, n_layers: int, samples: int, seqlen: int, ba
             "checkpoint_gb": sum(p.stat().st_size for p in (work / "checkpoint").glob("*.safetensors")) / 1e9}
 
 
+class PeakAnon(threading.Thread):
+    """Samples this process's anonymous resident memory (``RssAnon``: heap, not the page cache that mmapped
+    safetensors files add to RSS) every 10 ms; ``peak_bytes`` is the largest seen."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak_bytes, self.stop = 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.01):
+            try:
+                with open("/proc/self/status") as f:
+                    kb = next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+            except (OSError, StopIteration):
+                return
+            self.peak_bytes = max(self.peak_bytes, kb * 1024)
+
+
 def measure(work: Path, mode: str, batch: int) -> dict:
     """One eval path, in this (fresh) process: proxies, wall time, peak GPU memory, peak RSS."""
     from safetensors.torch import load_file
@@ -88,6 +107,8 @@ def measure(work: Path, mode: str, batch: int) -> dict:
     tokens = load_file(str(work / "tokens.safetensors"))["tokens"]
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    sampler = PeakAnon()
+    sampler.start()
     t0 = time.perf_counter()
     if mode == "streamed":
         shipped = ShippedCheckpoint(work / "checkpoint", src, DTYPES[DTYPE])
@@ -97,9 +118,13 @@ def measure(work: Path, mode: str, batch: int) -> dict:
             proxies = whole_proxies(src.path, path, tokens, DTYPES[DTYPE], dev, batch, False)
     if dev == "cuda":
         torch.cuda.synchronize()
-    return {"mode": mode, "loader": loader, "wall_s": time.perf_counter() - t0, "proxies": proxies,
+    wall = time.perf_counter() - t0
+    sampler.stop.set()
+    sampler.join()
+    return {"mode": mode, "loader": loader, "wall_s": wall, "proxies": proxies,
             "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else float("nan"),
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+            "peak_anon_gb": sampler.peak_bytes / 1e9}
 
 
 def lm_eval_dispatch(gpus: int, limit: int, batch: int) -> dict:
@@ -183,11 +208,11 @@ def main() -> None:
     rel = _rel(rows["whole"]["proxies"], rows["streamed"]["proxies"])
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "eval": rows, "max_rel_diff": rel, "lm_eval": lm}, indent=1))
-    print(f"\n{'path':10} {'wall s':>7} {'peak GPU GB':>12} {'peak RSS GB':>12} {'ppl base':>9} {'ppl quant':>10} "
-          f"{'KL':>10} {'top-1':>7}")
+    print(f"\n{'path':10} {'wall s':>7} {'peak GPU GB':>12} {'peak RSS GB':>12} {'anon GB':>8} {'ppl base':>9} "
+          f"{'ppl quant':>10} {'KL':>10} {'top-1':>7}")
     for r in rows.values():
         p = r["proxies"]
-        print(f"{r['mode']:10} {r['wall_s']:7.1f} {r['peak_gpu_gb']:12.2f} {r['peak_rss_gb']:12.2f} "
+        print(f"{r['mode']:10} {r['wall_s']:7.1f} {r['peak_gpu_gb']:12.2f} {r['peak_rss_gb']:12.2f} {r['peak_anon_gb']:8.2f} "
               f"{p['perplexity']['base']:9.3f} {p['perplexity']['quantized']:10.3f} {p['kl']['quantized']:10.3e} "
               f"{p['top1_agreement']['quantized']:7.4f}")
     print(f"max relative difference of the proxies, streamed vs whole: {rel:.2e}")
