@@ -30,7 +30,7 @@ from quant.models.source import read_safetensors
 
 log = logging.getLogger(__name__)
 LOGIT_CHUNK_BYTES = 1 << 30  # float32 logits of both models (and log-softmax temporaries) per scored chunk
-_TEMPORARIES = 6  # [C, V] float32 tensors alive at once while scoring a chunk
+TEMPORARIES = 6  # [C, V] float32 tensors alive at once while scoring a chunk
 
 
 class ShippedCheckpoint(ModelSource):
@@ -103,7 +103,7 @@ class ProxySums:
         n, S, _ = hidden_base.shape
         assert hidden_quant.shape == hidden_base.shape and tokens.shape == (n, S)
         vocab = head_base.weight.shape[0]
-        chunk = max(1, LOGIT_CHUNK_BYTES // (_TEMPORARIES * 4 * vocab))
+        chunk = max(1, LOGIT_CHUNK_BYTES // (TEMPORARIES * 4 * vocab))
         with torch.no_grad():
             for i in range(n):
                 for s in range(0, S - 1, chunk):

@@ -145,7 +145,7 @@ def test_proxy_sums_match_full_log_probabilities():
     head_b, head_q = torch.nn.Linear(D, V, bias=False), torch.nn.Linear(D, V, bias=False)
     tokens = torch.randint(0, V, (N, S), generator=g)
     old = evalstream.LOGIT_CHUNK_BYTES
-    evalstream.LOGIT_CHUNK_BYTES = 5 * evalstream._TEMPORARIES * 4 * V  # 5 positions a chunk
+    evalstream.LOGIT_CHUNK_BYTES = 5 * evalstream.TEMPORARIES * 4 * V  # 5 positions a chunk
     try:
         sums = ProxySums("cpu")
         sums.score(hb, head_b, hq, head_q, tokens, "cpu")
