@@ -131,7 +131,7 @@ def _task_cache_key(source: ModelSource, recipe: Recipe) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def task_gpus(e, dense_bytes: int) -> int:
+def task_gpus(e, model_bytes: int) -> int:
     """GPUs the hf lm-eval backend dispatches the model over: ``eval.gpus``, else every visible GPU when the dense
     model exceeds ~90% of GPU 0's memory, else 1."""
     visible = torch.cuda.device_count()
@@ -141,7 +141,7 @@ def task_gpus(e, dense_bytes: int) -> int:
         return e.gpus
     if visible <= 1:
         return 1
-    return visible if dense_bytes > 0.9 * device_memory_bytes(torch.device("cuda", 0)) else 1
+    return visible if model_bytes > 0.9 * device_memory_bytes(torch.device("cuda", 0)) else 1
 
 
 def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpus: int = 1) -> dict:
