@@ -116,15 +116,7 @@ class ModelSource:
 
     def read_tensors(self, keys: list[str], device="cpu") -> dict:
         """Named tensors from the safetensors shards (one open per shard), on ``device``."""
-        by_file: dict[str, list[str]] = {}
-        for key in keys:
-            by_file.setdefault(self.weight_map[key], []).append(key)
-        out = {}
-        for file, file_keys in by_file.items():
-            with safe_open(self.path / file, "pt", device=str(device)) as f:
-                for key in file_keys:
-                    out[key] = f.get_tensor(key)
-        return out
+        return read_safetensors(self.path, self.weight_map, keys, device)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every tensor, from safetensors headers."""
@@ -189,6 +181,19 @@ class ModelSource:
                 f.seek(max(0, size - (1 << 20)))
                 h.update(f.read(1 << 20))
         return h.hexdigest()[:16]
+
+
+def read_safetensors(root: Path, weight_map: dict[str, str], keys: list[str], device="cpu") -> dict:
+    """``keys`` from the shards of ``root`` that ``weight_map`` (key -> file) names, one open per shard."""
+    by_file: dict[str, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(weight_map[key], []).append(key)
+    out = {}
+    for file, file_keys in by_file.items():
+        with safe_open(root / file, "pt", device=str(device)) as f:
+            for key in file_keys:
+                out[key] = f.get_tensor(key)
+    return out
 
 
 def remote_code_files(path: Path) -> list[Path]:
