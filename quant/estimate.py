@@ -13,7 +13,8 @@ its peak, named after the code that allocates them (bytes, per GPU):
   allocates ~2.8x that estimate: copies, act-order permutations, the loss terms).
 - profile = activations + layer + the W4 sensitivity probe, which rounds all of a layer's experts at once in fp32
   (``profile_memory``).
-- eval = the whole model (transformers loads it to the CPU, then the GPU) + one batch of logits.
+- eval = the path ``evaluate.proxy_mode`` picks for the card: the whole model (transformers loads it to the CPU,
+  then the GPU) + one batch of logits, or streamed: one decoder layer + both lm_heads + final hidden states.
 
 Time comes from throughputs measured on one H200 (quant/throughputs.py, each naming its BENCHMARKS.md record).
 ``--gpus N`` assumes every rank holds the whole layer and all activations (the forward is replicated) while the
@@ -292,17 +293,33 @@ def checkpoint_bytes(plan: BitPlan, source: ModelSource, profile: RoutingProfile
     return out
 
 
-def _eval_stage(recipe: Recipe, source: ModelSource, plan: BitPlan, model_bytes: float, run: Run, d: Dims) -> StageForecast:
-    """transformers loads the whole model (CPU, then the GPUs); per-expert mixes are first dequantized to disk."""
+def _eval_stage(recipe: Recipe, source: ModelSource, plan: BitPlan, model_bytes: float, run: Run, d: Dims,
+                layers: list[LayerShape], gpu_memory_gb: float) -> StageForecast:
+    """The proxies' path as ``evaluate.proxy_mode`` picks it for this card. whole: the model + one batch of logits
+    (a per-expert mix first dequantized to disk). streamed: max of streaming (a layer read + its fused copy, the
+    kept lm_head, both final hidden states) and scoring (both lm_heads, hidden states, chunked logits)."""
+    from quant.evalstream import LOGIT_CHUNK_BYTES, TEMPORARIES
+    from quant.evaluate import WHOLE_MAX_MEMORY_FRACTION
     from quant.runtimes import problems_for
 
     e, t = recipe.eval, THROUGHPUTS
-    logits = e.batch_size * e.perplexity.seq_len * d.vocab * 4 * 2
-    dense_copy = model_bytes if problems_for(plan, source, "transformers") else 0.0
-    host = HOST_BASE + model_bytes + e.perplexity.n_samples * e.perplexity.seq_len * d.vocab * 4 * 2
-    seconds = 2 * model_bytes / t["load_bytes_per_s"] + dense_copy / t["export_bytes_per_s"]
-    note = "lm-eval tasks not included" if e.tasks else ""
-    return StageForecast("eval", model_bytes / run.gpus + logits, host, dense_copy, seconds, note=note)
+    whole = e.mode == "whole" or (e.mode == "auto" and model_bytes <= WHOLE_MAX_MEMORY_FRACTION * gpu_memory_gb * GB)
+    note = f"proxies {'whole' if whole else 'streamed'}" + ("; lm-eval tasks not included" if e.tasks else "")
+    if whole:
+        logits = e.batch_size * e.perplexity.seq_len * d.vocab * 4 * 2
+        dense_copy = model_bytes if problems_for(plan, source, "transformers") else 0.0
+        host = HOST_BASE + model_bytes + e.perplexity.n_samples * e.perplexity.seq_len * d.vocab * 4 * 2
+        seconds = 2 * model_bytes / t["load_bytes_per_s"] + dense_copy / t["export_bytes_per_s"]
+        return StageForecast("eval", model_bytes / run.gpus + logits, host, dense_copy, seconds, note=note)
+    hidden = 2 * math.ceil(e.perplexity.n_samples / run.gpus) * e.perplexity.seq_len * d.hidden * run.dtype_bytes
+    on_gpu = hidden / 2 <= ACTIVATION_BUDGET
+    head = d.vocab * d.hidden * run.dtype_bytes
+    chunk = min(e.perplexity.seq_len - 1, LOGIT_CHUNK_BYTES // (TEMPORARIES * 4 * d.vocab)) * TEMPORARIES * 4 * d.vocab
+    parts = {"decoder layer read + fused copy": 2 * max(L.weight_bytes for L in layers), "lm_head": head,
+             "final hidden states": hidden * on_gpu}
+    gpu = max(sum(parts.values()), 2 * head + hidden * on_gpu + chunk)
+    return StageForecast("eval", gpu, HOST_BASE + hidden * (not on_gpu), 0.0, 2 * model_bytes / t["load_bytes_per_s"],
+                         parts=parts, note=note)
 
 
 def plan_for(recipe: Recipe, source: ModelSource) -> tuple[BitPlan, RoutingProfile]:
@@ -341,7 +358,7 @@ def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: 
               StageForecast("export", 0.0, HOST_BASE + max(L.weight_bytes for L in layers)
                             + recipe.export.max_shard_gb * GB, sum(ckpt.values()),
                             sum(ckpt.values()) / THROUGHPUTS["export_bytes_per_s"]),
-              _eval_stage(recipe, source, plan, model_bytes, run, d)]
+              _eval_stage(recipe, source, plan, model_bytes, run, d, layers, gpu_memory_gb)]
     params = sum(math.prod(s) for s in source.shapes().values())
     return Forecast(source.display_name, params, gpus, gpu_memory_gb, stages, ckpt,
                     fitting_budgets(layers, recipe, d, gpus, gpu_memory_gb))

@@ -1,11 +1,18 @@
-"""Evaluate what ships: the exported checkpoint, loaded from disk by a public loader, against the base model.
+"""Evaluate what ships: the exported checkpoint, read from disk by a public loader, against the base model.
 
-Loader: ``AutoModelForCausalLM.from_pretrained`` on the compressed-tensors checkpoint when transformers can
-serve the plan (one symmetric expert scheme model-wide); otherwise compressed-tensors' own
-``CompressedTensorsDequantizer`` expands the checkpoint to a dense folder first (transformers 5 would load
-mixed expert schemes as garbage). Proxies (always): held-out perplexity, KL(base || quantized) of next-token
-distributions, top-1 agreement. Tasks (``eval.tasks``): lm-eval on both models with identical settings; base
-scores are cached by model fingerprint and task settings. Gates turn deltas into pass/fail.
+Proxies (always): held-out perplexity, KL(base || quantized) of next-token distributions, top-1 agreement,
+computed in token chunks by ``evalstream.ProxySums`` and split over ranks by samples. Two paths (``eval.mode``):
+- ``streamed``: both models layer by layer (``evalstream``): the base from its safetensors, the checkpoint
+  dequantized one layer at a time by compressed-tensors' own decompressor; memory ~ one decoder layer plus the
+  eval activations, for models of any size.
+- ``whole``: ``AutoModelForCausalLM.from_pretrained`` on the compressed-tensors checkpoint when transformers can
+  serve the plan (one symmetric expert scheme model-wide); otherwise compressed-tensors' own
+  ``CompressedTensorsDequantizer`` expands the checkpoint to a dense folder first (transformers 5 would load
+  mixed expert schemes as garbage). Faster for small models.
+``auto`` (default) takes ``whole`` when the dense model fits in half the eval device's memory (and a mixed plan's
+dense copy fits the temporary folder's free disk), else ``streamed``; eval.json records which and why.
+Tasks (``eval.tasks``): lm-eval on both models with identical settings, on the writer rank; base scores are
+cached by model fingerprint and task settings. Gates turn deltas into pass/fail.
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ from pathlib import Path
 import torch
 
 from quant.calibration import build_calibration
+from quant.dist import SINGLE, World
 from quant.errors import RecipeError
-from quant.layerwise import pick_device
+from quant.evalstream import ProxySums, ShippedCheckpoint, streamed_proxies
+from quant.layerwise import device_memory_bytes, pick_device
 from quant.models import ModelSource
 from quant.models.builtin import cache_root
 from quant.models.layers import DTYPES
@@ -41,7 +50,10 @@ def _load(path: Path, dtype, device, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    with torch.no_grad():  # compressed-tensors decompresses on the first forward (a hook on the top-level model)
+        model(torch.zeros(1, 1, dtype=torch.long, device=device))
+    return model
 
 
 @contextmanager
@@ -64,27 +76,55 @@ def servable_checkpoint(checkpoint: Path, plan: BitPlan, source: ModelSource):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def logprobs(model, tokens: torch.Tensor, batch: int, device) -> torch.Tensor:
-    """Next-token log-probabilities ``[N, S-1, V]`` (float32 on CPU)."""
+def _final_hidden(model, tokens: torch.Tensor, batch: int, device) -> torch.Tensor:
+    """Final-norm hidden states ``[n, S, D]`` of a whole transformers model, ``batch`` samples at a time."""
     out = []
     with torch.no_grad():
         for s in range(0, tokens.shape[0], batch):
-            logits = model(tokens[s : s + batch].to(device)).logits[:, :-1].float()
-            out.append(torch.log_softmax(logits, dim=-1).cpu())
+            out.append(model.get_decoder()(tokens[s : s + batch].to(device)).last_hidden_state)
     return torch.cat(out)
 
 
-def proxies(base_lp: torch.Tensor, quant_lp: torch.Tensor, tokens: torch.Tensor) -> dict:
-    """Perplexities, mean KL(base || quant) per token, top-1 agreement from two log-prob tensors."""
-    target = tokens[:, 1:].unsqueeze(-1)
-    nll_b = -base_lp.gather(-1, target).mean().item()
-    nll_q = -quant_lp.gather(-1, target).mean().item()
-    kl = (base_lp.exp() * (base_lp - quant_lp)).sum(-1).mean().item()
-    agree = (base_lp.argmax(-1) == quant_lp.argmax(-1)).float().mean().item()
-    if not (torch.isfinite(base_lp).all() and torch.isfinite(quant_lp).all()):
-        agree = math.nan  # argmax over NaN rows "agrees" everywhere; a broken model must not look perfect
-    return {"perplexity": {"base": math.exp(nll_b), "quantized": math.exp(nll_q)},
-            "kl": {"quantized": kl}, "top1_agreement": {"quantized": agree}, "n_tokens": int(target.numel())}
+def whole_proxies(base_path: Path, quant_path: Path, tokens: torch.Tensor, dtype, device, batch: int,
+                  trust_remote_code: bool, world: World = SINGLE) -> dict:
+    """The proxies with each model loaded whole (one at a time), this rank scoring its share of the samples."""
+    mine = tokens[world.shard(range(tokens.shape[0]))]
+    sums = ProxySums(device)
+    if mine.shape[0]:
+        base = _load(base_path, dtype, device, trust_remote_code)
+        hidden_base, head_base = _final_hidden(base, mine, batch, device), base.get_output_embeddings()
+        del base
+        quant = _load(quant_path, dtype, device, trust_remote_code)
+        hidden_quant, head_quant = _final_hidden(quant, mine, batch, device), quant.get_output_embeddings()
+        del quant
+        sums.score(hidden_base, head_base, hidden_quant, head_quant, mine, device)
+    return sums.reduce(world).metrics()
+
+
+WHOLE_MAX_MEMORY_FRACTION = 0.5  # auto: whole-model eval when the dense model fits in this share of the device
+
+
+def dense_bytes(source: ModelSource, dtype: torch.dtype) -> int:
+    """Bytes of the whole model in ``dtype`` (from safetensors headers)."""
+    return sum(math.prod(s) for s in source.shapes().values()) * torch.finfo(dtype).bits // 8
+
+
+def proxy_mode(requested: str, source: ModelSource, plan: BitPlan, dtype: torch.dtype, device) -> tuple[str, str]:
+    """(``whole`` or ``streamed``, why): ``requested`` unless ``auto``, then the documented size rule."""
+    if requested != "auto":
+        return requested, f"eval.mode: {requested} (recipe)"
+    from quant.runtimes import problems_for
+
+    dense = dense_bytes(source, dtype)
+    memory = device_memory_bytes(torch.device(device))
+    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+    if dense > WHOLE_MAX_MEMORY_FRACTION * memory:
+        return "streamed", f"auto: dense model {gb(dense)} > {WHOLE_MAX_MEMORY_FRACTION:g} x {device} memory {gb(memory)}"
+    if problems_for(plan, source, "transformers"):
+        free = shutil.disk_usage(tempfile.gettempdir()).free
+        if dense > free:
+            return "streamed", f"auto: a dense copy ({gb(dense)}) does not fit the free disk of the temporary folder"
+    return "whole", f"auto: dense model {gb(dense)} <= {WHOLE_MAX_MEMORY_FRACTION:g} x {device} memory {gb(memory)}"
 
 
 def _task_cache_key(source: ModelSource, recipe: Recipe) -> str:
@@ -94,12 +134,30 @@ def _task_cache_key(source: ModelSource, recipe: Recipe) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device) -> dict:
+def task_gpus(e, model_bytes: int) -> int:
+    """GPUs the hf lm-eval backend dispatches the model over: ``eval.gpus``, else every visible GPU when the dense
+    model exceeds ~90% of GPU 0's memory, else 1."""
+    visible = torch.cuda.device_count()
+    if e.gpus is not None:
+        if e.gpus > max(visible, 1):
+            raise RecipeError(f"eval.gpus is {e.gpus} but {visible} CUDA GPU(s) are visible")
+        return e.gpus
+    if visible <= 1:
+        return 1
+    return visible if model_bytes > 0.9 * device_memory_bytes(torch.device("cuda", 0)) else 1
+
+
+def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpus: int = 1) -> dict:
     from quant.lmeval import run_lm_eval
 
     e = recipe.eval
     kw = dict(limit=e.limit, num_fewshot=e.num_fewshot, batch_size=e.batch_size, seed=1234, device=str(device),
               backend=e.backend, max_gen_toks=e.max_gen_toks, trust_remote_code=source.trust_remote_code)
+    if e.backend == "vllm":
+        kw["model_args"] = {"tensor_parallel_size": e.tensor_parallel_size, "data_parallel_size": e.data_parallel_size}
+    else:
+        max_mem = None if e.max_memory_per_gpu_gb is None else int(e.max_memory_per_gpu_gb * 1e9)
+        kw.update(gpus=gpus, max_memory_per_gpu=max_mem)
     cache = cache_root() / "eval" / f"base-{_task_cache_key(source, recipe)}.json"
     if cache.is_file():
         base = json.loads(cache.read_text())
@@ -113,10 +171,13 @@ def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device) -> 
             for t in quant}
 
 
-def gate_results(recipe: Recipe, proxy: dict, tasks: dict) -> list[dict]:
-    """Every configured gate with its observed value and limit; unknown gate names are recipe errors."""
+def gate_results(recipe: Recipe, proxy: dict, tasks: dict | None) -> list[dict]:
+    """Every configured gate with its observed value and limit; unknown gate names are recipe errors.
+    ``tasks=None`` (a rank that ran no lm-eval tasks): only the proxy gates."""
     out = []
     for name, g in recipe.eval.gates.items():
+        if tasks is None and name not in PROXY_METRICS:
+            continue
         if name == "perplexity":
             b, q = proxy["perplexity"]["base"], proxy["perplexity"]["quantized"]
             observed, limit, kind = (q - b) / b, g.max_rel_increase, "max_rel_increase"
@@ -139,23 +200,38 @@ def gate_results(recipe: Recipe, proxy: dict, tasks: dict) -> list[dict]:
     return out
 
 
-def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+    """Proxies on every rank (all-reduced, identical everywhere); lm-eval tasks on the writer rank only (hf on the
+    folder the whole-model path loads, dispatched over GPUs when asked; vllm on the checkpoint itself)."""
     plan = BitPlan.load(run_dir / "plan.json")
-    device = pick_device(recipe.eval.device)
+    e = recipe.eval
+    device = pick_device(e.device)
     dtype = DTYPES[recipe.model.dtype]
-    p = recipe.eval.perplexity
-    tokens = build_calibration(p.dataset, source.tokenizer(), p.n_samples, p.seq_len, seed=0).tokens
-    base = _load(source.path, dtype, device, source.trust_remote_code)
-    base_lp = logprobs(base, tokens, recipe.eval.batch_size, device)
-    del base
-    with servable_checkpoint(run_dir / "checkpoint", plan, source) as (path, loader):
-        quant = _load(path, dtype, device, source.trust_remote_code)
-        proxy = proxies(base_lp, logprobs(quant, tokens, recipe.eval.batch_size, device), tokens)
-        del quant
-        tasks = _run_tasks(recipe, source, path, device) if recipe.eval.tasks else {}
+    tokens = build_calibration(e.perplexity.dataset, source.tokenizer(), e.perplexity.n_samples,
+                               e.perplexity.seq_len, seed=0).tokens
+    checkpoint = run_dir / "checkpoint"
+    run_tasks = bool(e.tasks) and world.is_writer
+    gpus = task_gpus(e, dense_bytes(source, dtype)) if run_tasks and e.backend == "hf" else 1
+    mode, reason = proxy_mode(e.mode, source, plan, dtype, device)
+    log.info("eval proxies: %s (%s)", mode, reason)
+    proxy, loader = None, "compressed-tensors-per-layer"
+    if mode == "streamed":
+        shipped = ShippedCheckpoint(checkpoint, source, dtype)
+        proxy = streamed_proxies(source, shipped, tokens, recipe.model.dtype, device, e.batch_size, world)
+    tasks: dict | None = None if e.tasks and not world.is_writer else {}
+    if mode == "whole" or (run_tasks and e.backend == "hf"):
+        with servable_checkpoint(checkpoint, plan, source) as (path, path_loader):
+            if mode == "whole":
+                proxy, loader = whole_proxies(source.path, path, tokens, dtype, device, e.batch_size,
+                                              source.trust_remote_code, world), path_loader
+            if run_tasks and e.backend == "hf":
+                tasks = _run_tasks(recipe, source, path, device, gpus)
+    if run_tasks and e.backend == "vllm":
+        tasks = _run_tasks(recipe, source, checkpoint, device)
     gates = gate_results(recipe, proxy, tasks)
     log.info("eval: ppl %.3f -> %.3f, KL %.4f, top-1 %.3f, gates %s", proxy["perplexity"]["base"],
              proxy["perplexity"]["quantized"], proxy["kl"]["quantized"], proxy["top1_agreement"]["quantized"],
              "passed" if all(g["passed"] for g in gates) else "FAILED")
-    return {"loader": loader, "proxies": proxy, "tasks": tasks, "gates": gates,
-            "passed": all(g["passed"] for g in gates)}
+    return {"loader": loader, "proxy_mode": mode, "proxy_mode_reason": reason, "world_size": world.size,
+            "task_gpus": gpus if tasks and e.backend == "hf" else None,
+            "proxies": proxy, "tasks": tasks, "gates": gates, "passed": all(g["passed"] for g in gates)}

@@ -54,6 +54,20 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def device_memory_bytes(device: torch.device) -> int:
+    """Memory a model on ``device`` can use: the GPU's total memory, or the host's available memory for CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -134,13 +148,24 @@ class Layerwise:
         """Final norm and lm_head on the device (for layerwise perplexity)."""
         return load_head(self.source, self.model, self.device, self.dtype)
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Full-model logits ``[N, S, V]`` computed one decoder layer at a time (for small token sets: every
-        position's logits are returned)."""
+    def final_hidden(self, tokens: torch.Tensor) -> tuple[torch.Tensor, nn.Module]:
+        """Final-norm hidden states ``[N, S, D]`` (in the activation store) computed one decoder layer at a time,
+        and the lm_head on the device: never more than one decoder layer's weights resident."""
         hidden = self.embed(tokens)
         for idx in range(self.source.n_layers):
             with self.layer(idx) as layer:
                 hidden = self.forward(layer, hidden, out=hidden)
         norm, head = self.logits_fn()
         with torch.no_grad():
-            return head(norm(hidden.to(self.device)))
+            for s in range(0, hidden.shape[0], self.batch_size):
+                rows = slice(s, s + self.batch_size)
+                hidden[rows] = norm(hidden[rows].to(self.device)).to(hidden.device)
+        release(norm)
+        return hidden, head
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full-model logits ``[N, S, V]`` computed one decoder layer at a time (for small token sets: every
+        position's logits are returned)."""
+        hidden, head = self.final_hidden(tokens)
+        with torch.no_grad():
+            return head(hidden.to(self.device))

@@ -207,6 +207,25 @@ class EvalSpec(_Strict):
     max_gen_toks: int = Field(256, ge=1, le=1 << 20)
     gates: dict[str, GateSpec] = {}
     device: str = "auto"
+    # proxies: whole models (fast, small models), layer-by-layer streaming (any size), or auto (a size rule)
+    mode: Literal["auto", "whole", "streamed"] = "auto"
+    # lm-eval hf backend: GPUs to dispatch the model over (accelerate device map); None: all visible GPUs when
+    # the model does not fit in one, else one
+    gpus: int | None = Field(None, ge=1)
+    max_memory_per_gpu_gb: float | None = Field(None, gt=0.0)
+    # lm-eval vllm backend: passed to vllm.LLM
+    tensor_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _parallel(self) -> EvalSpec:
+        if self.backend == "hf" and (self.tensor_parallel_size > 1 or self.data_parallel_size > 1):
+            raise ValueError("eval.tensor_parallel_size / data_parallel_size are vllm options; with eval.backend "
+                             "hf set eval.gpus to dispatch the model over several GPUs")
+        if self.backend == "vllm" and (self.gpus is not None or self.max_memory_per_gpu_gb is not None):
+            raise ValueError("eval.gpus / max_memory_per_gpu_gb are hf options; with eval.backend vllm set "
+                             "eval.tensor_parallel_size (and data_parallel_size)")
+        return self
 
     @field_validator("device")
     @classmethod

@@ -193,3 +193,20 @@ def test_real_source_and_header_source_forecast_alike(quant_cache):
     b = forecast(recipe, ModelSource(resolve_model("builtin:deepseek-v3-tiny").path))
     assert [(s.stage, s.gpu_bytes, s.disk_bytes) for s in a.stages] == [(s.stage, s.gpu_bytes, s.disk_bytes)
                                                                         for s in b.stages]
+
+
+@pytest.mark.parametrize("mode", ["whole", "streamed"])
+def test_eval_forecast_matches_the_streamed_and_whole_records(mode, shapes_dir):
+    """The eval stage's peak against the two paths measured in BENCHMARKS.md (Qwen3-30B-A3B shape, 2 layers, the
+    headline mix, 16 x 1024 tokens, batch 8) within 25 %; auto follows evaluate's rule (whole up to half the card)."""
+    measured = _cell(f"| {mode} (", 2)
+    path = shapes_dir("qwen3-30b-a3b", 2)
+    recipe = parse_recipe({"name": "x", "eval": {"mode": mode, "batch_size": 8,
+                                                 "perplexity": {"n_samples": 16, "seq_len": 1024}}}, model=str(path))
+    ev = next(s for s in forecast(recipe, load_headers(str(path)), gpu_memory_gb=143).stages if s.stage == "eval")
+    assert abs(ev.gpu_bytes / 1e9 - measured) <= 0.25 * measured, (ev.gpu_bytes / 1e9, measured)
+    assert ev.note.startswith(f"proxies {mode}")
+    auto = parse_recipe({"name": "x"}, model=str(path))
+    notes = {gb: next(s for s in forecast(auto, load_headers(str(path)), gpu_memory_gb=gb).stages
+                      if s.stage == "eval").note for gb in (4, 80)}
+    assert notes == {4: "proxies streamed", 80: "proxies whole"}  # the dense model is 2.75 GB

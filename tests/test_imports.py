@@ -12,7 +12,7 @@ LAYERS = [
     {"report", "export", "publish"},
     {"quantize", "evaluate", "runtimes", "plan_summary", "estimate"},
     {"plan"},
-    {"profile", "hessians", "smooth"},
+    {"profile", "hessians", "smooth", "evalstream"},
     {"layerwise", "calibration", "qstore", "lmeval", "humaneval"},
     {"sandbox", "routing", "models", "rundir", "dist", "progress"},
     {"algos"},

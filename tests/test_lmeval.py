@@ -216,3 +216,53 @@ def test_gate_presets_are_well_formed() -> None:
     strict, lenient = gates["presets"]["strict"], gates["presets"]["lenient"]
     assert strict["mmlu"]["max_drop"] <= lenient["mmlu"]["max_drop"]
     assert strict["humaneval"]["max_drop"] <= lenient["humaneval"]["max_drop"]
+
+
+def test_dispatch_map_spreads_whole_decoder_layers_over_the_gpus() -> None:
+    """accelerate's device map for the 8-layer reference MoE on 2 GPUs: balanced (4 layers each), every decoder
+    layer whole on one GPU, embedding on the first and lm_head on the last; a model that does not fit is refused
+    before anything loads."""
+    from quant.lmeval import dispatch_map
+    from quant.models.builtin import builtin_path
+
+    model_dir = builtin_path("reference-moe")
+    device_map = dispatch_map(model_dir, 2, max_memory_per_gpu=10**9, dtype="bfloat16")
+    layers = {k: v for k, v in device_map.items() if k.startswith("model.layers")}
+    assert layers == {f"model.layers.{i}": i // 4 for i in range(8)}
+    assert device_map["model.embed_tokens"] == 0 and device_map["lm_head"] == 1
+    with pytest.raises(CheckpointError, match="does not fit on 2 GPU"):
+        dispatch_map(model_dir, 2, max_memory_per_gpu=3_000_000, dtype="bfloat16")
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_hf_dispatch_reaches_lm_eval_as_one_process(
+    tiny_moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpus=2: lm-eval gets parallelize=True and accelerate's device map, and (inside a torchrun rank) sees none
+    of the launcher's variables; they are restored afterwards. The real 2-GPU run is in BENCHMARKS.md."""
+    import os
+
+    import lm_eval
+
+    from quant.lmeval import dispatch_map
+
+    seen: dict = {}
+
+    def spy(**kwargs):
+        seen.update(kwargs, env={k: os.environ.get(k) for k in ("LOCAL_RANK", "WORLD_SIZE", "RANK")})
+        raise _Stop
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", spy)
+    for name, value in (("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("RANK", "0")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(_Stop):
+        run_lm_eval(tiny_moe_dir, ["quant_mmlu"], limit=1, gpus=2, max_memory_per_gpu=10**9, dtype="float32")
+    assert seen["model"] == "hf" and seen["model_args"]["parallelize"] is True
+    assert seen["model_args"]["device_map"] == dispatch_map(tiny_moe_dir, 2, 10**9, "float32")
+    assert seen["env"] == {"LOCAL_RANK": None, "WORLD_SIZE": None, "RANK": None}
+    assert os.environ["LOCAL_RANK"] == "0" and os.environ["WORLD_SIZE"] == "2"
+    with pytest.raises(RecipeError, match="tensor_parallel_size"):
+        run_lm_eval(tiny_moe_dir, ["quant_mmlu"], backend="vllm", gpus=2)

@@ -87,6 +87,21 @@ def test_recipe_is_frozen_and_hash_is_stable():
         a.name = "y"
 
 
+def test_eval_parallel_keys_belong_to_their_backend():
+    """eval.mode is one of auto|whole|streamed; tensor/data-parallel sizes are vllm's, GPU dispatch is hf's."""
+    assert parse_recipe({"name": "x", "eval": {"mode": "streamed"}}).eval.mode == "streamed"
+    with pytest.raises(RecipeError, match="eval.mode"):
+        parse_recipe({"name": "x", "eval": {"mode": "layerwise"}})
+    with pytest.raises(RecipeError, match="vllm options"):
+        parse_recipe({"name": "x", "eval": {"tensor_parallel_size": 2}})
+    with pytest.raises(RecipeError, match="hf options"):
+        parse_recipe({"name": "x", "eval": {"backend": "vllm", "gpus": 2}})
+    with pytest.raises(RecipeError, match="eval.gpus"):
+        parse_recipe({"name": "x", "eval": {"gpus": 0}})
+    e = parse_recipe({"name": "x", "eval": {"backend": "vllm", "tensor_parallel_size": 8, "data_parallel_size": 2}}).eval
+    assert (e.tensor_parallel_size, e.data_parallel_size) == (8, 2)
+
+
 def _file(tmp_path, text: str | bytes) -> Path:
     p = tmp_path / "r.yaml"
     p.write_bytes(text if isinstance(text, bytes) else text.encode())

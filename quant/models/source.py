@@ -168,15 +168,7 @@ class ModelSource:
 
     def read_tensors(self, keys: list[str], device="cpu") -> dict:
         """Named tensors from the safetensors shards (one open per shard), on ``device``."""
-        by_file: dict[str, list[str]] = {}
-        for key in keys:
-            by_file.setdefault(self.weight_map[key], []).append(key)
-        out = {}
-        for file, file_keys in by_file.items():
-            with open_safetensors(self.path / file, str(device)) as f:
-                for key in file_keys:
-                    out[key] = f.get_tensor(key)
-        return out
+        return read_safetensors(self.path, self.weight_map, keys, device)
 
     def _read_headers(self) -> dict[str, tuple[int, ...]]:
         """Shape of every tensor from the shard headers, checking each header and that it holds what the index says."""
@@ -247,6 +239,19 @@ class ModelSource:
         for file, digest in zip(files, digests, strict=True):
             h.update(f"{file}:{digest}".encode())
         return h.hexdigest()[:16]
+
+
+def read_safetensors(root: Path, weight_map: dict[str, str], keys: list[str], device="cpu") -> dict:
+    """``keys`` from the shards of ``root`` that ``weight_map`` (key -> file) names, one open per shard."""
+    by_file: dict[str, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(weight_map[key], []).append(key)
+    out = {}
+    for file, file_keys in by_file.items():
+        with open_safetensors(root / file, str(device)) as f:
+            for key in file_keys:
+                out[key] = f.get_tensor(key)
+    return out
 
 
 def remote_code_files(path: Path) -> list[Path]:
