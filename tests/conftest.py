@@ -22,6 +22,16 @@ if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The GPU tier (``@pytest.mark.gpu``) runs where CUDA is present and is skipped elsewhere (CI)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (the GPU tier; see README 'Tests on a GPU')")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def quant_cache(tmp_path_factory) -> Path:
     """Builtin models are built once per session into a private cache (never the user's ~/.cache)."""
