@@ -116,14 +116,33 @@ def tune_columns(w: torch.Tensor, H: torch.Tensor, spec: QuantSpec) -> dict:
     return out
 
 
+def profile_solve(n_out: int, n_in: int, n_experts: int, budget_gb: float) -> None:
+    """A kernel profile of one sub-batch's solve (fused kernel): where the seconds go."""
+    from torch.profiler import ProfilerActivity, profile
+
+    B = max(1, int(budget_gb * 1e9) // (4 * (2 * n_out * n_in + 3 * n_in * n_in)))
+    w, H = problem(B, n_out, n_in, seed=n_in)
+    spec = QuantSpec(4, 128, True)
+    solve = lambda: gptq(w, H, spec, torch.bfloat16, act_order=True, with_loss=False)  # noqa: E731
+    t, _ = timed(solve, reps=3)
+    say(profile_shape=[B, n_out, n_in], solve_s=t)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        solve()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="deepseek-v3", choices=list(SHAPES))
     ap.add_argument("--solve-budget-gb", type=float, default=3.0)
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="only a kernel profile of one gate/up sub-batch")
     a = ap.parse_args()
     D, I, E = SHAPES[a.shape]
     say(shape=a.shape, gpu=torch.cuda.get_device_name(0), torch=torch.__version__)
+    if a.profile:
+        return profile_solve(2 * I, D, E, a.solve_budget_gb)
     rows = [bench_projection(n, o, i, E, a.solve_budget_gb, a.tune) for n, o, i in (("gate_up", 2 * I, D), ("down", D, I))]
     print(f"\n{'proj':8} {'B':>3} {'subs':>5} {'U old':>7} {'U new':>7} {'triton':>7} {'torch':>7} {'equal':>6} "
           f"{'dloss':>8} {'layer s':>8}")

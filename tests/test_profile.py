@@ -224,34 +224,34 @@ def test_domains_of_the_bundled_set_disagree_somewhat(profiles):
 @pytest.mark.gpu
 def test_gpu_layer_statistics_equal_the_cpu():
     """One layer's statistics from bf16 activations on the GPU (load buckets, aminmax maxima, the subset probe)
-    against fp32 on the CPU: counts and routing mass equal, maxima and sensitivity to bf16 accuracy."""
+    against the same bf16 computation on the CPU: counts and routing mass equal, maxima and sensitivity equal up
+    to the order of bf16 accumulation."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from quant.models.experts import fused_view
-    from quant.profile import _LayerStats
+    from quant.profile import _LayerStats, _spearman
 
     T, k, E, D, I = 4000, 2, 8, 64, 32
     g = torch.Generator().manual_seed(4)
     mod = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k))
     with torch.no_grad():
-        mod.gate_up_proj.copy_(torch.randn(E, 2 * I, D, generator=g).bfloat16() * 0.3)
-        mod.down_proj.copy_(torch.randn(E, D, I, generator=g).bfloat16() * 0.3)
+        mod.gate_up_proj.copy_(torch.randn(E, 2 * I, D, generator=g) * 0.3)
+        mod.down_proj.copy_(torch.randn(E, D, I, generator=g) * 0.3)
+    mod = mod.to(torch.bfloat16)
     idx = torch.multinomial(torch.tensor([30.0, 9, 5, 3, 2, 1, 1, 0]).expand(T, E), k, generator=g)
     w = torch.softmax(torch.randn(T, k, generator=g), dim=-1).bfloat16()
     x = torch.randn(T, D, generator=g).bfloat16()
     out = {}
-    for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
-        view = fused_view(mod.to(device, dtype))
+    for device in ("cpu", "cuda"):
+        view = fused_view(mod.to(device))
         acc = _LayerStats(E, [], torch.device(device), probe_tokens=32)
         for s in (slice(0, 1500), slice(1500, T)):
-            acc.update(view, x[s].to(device, dtype), idx[s].to(device), w[s].to(device, dtype))
+            acc.update(view, x[s].to(device), idx[s].to(device), w[s].to(device))
         out[device] = {key: t.cpu() for key, t in (*acc.stats.items(), ("sensitivity", acc.sensitivity))}
     cpu, gpu = out["cpu"], out["cuda"]
     assert torch.equal(cpu["counts"], gpu["counts"]) and torch.equal(cpu["top1"], gpu["top1"])
-    torch.testing.assert_close(gpu["weight_mass"], cpu["weight_mass"], rtol=1e-6, atol=0)
-    for key in ("down_in_absmax", "down_out_absmax", "sensitivity"):
-        torch.testing.assert_close(gpu[key], cpu[key], rtol=3e-2, atol=0)
-    from quant.profile import _spearman
-
+    torch.testing.assert_close(gpu["weight_mass"], cpu["weight_mass"], rtol=1e-9, atol=0)
+    for key, tol in (("down_in_absmax", 1e-2), ("down_out_absmax", 1e-2), ("sensitivity", 2e-2)):
+        torch.testing.assert_close(gpu[key], cpu[key], rtol=tol, atol=0)
     assert _spearman(gpu["sensitivity"], cpu["sensitivity"]) >= 0.95

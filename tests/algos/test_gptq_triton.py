@@ -136,11 +136,11 @@ def test_gpu_solves_match_the_reference(bits, group_size, symmetric, grids, scal
 @pytest.mark.gpu
 def test_gpu_inverse_factor_equals_fp64_and_isolates_failures() -> None:
     """The recursion on the GPU (cuBLAS products, cuSOLVER blocks) at a size with three levels."""
-    n = 2048
-    H = correlated_hessians(3, n, n_tokens=4096, seed=23)
+    n = 1024
+    H = correlated_hessians(3, n, n_tokens=2048, seed=23)
     H += 0.01 * torch.diagonal(H, dim1=-2, dim2=-1).mean(-1)[:, None, None] * torch.eye(n)
     H[2] = -H[2]
-    U, ok = upper_inverse_factor(H.flip(-2, -1).cuda(), base=256)
+    U, ok = upper_inverse_factor(H.flip(-2, -1).cuda(), base=128)
     assert ok.tolist() == [True, True, False]
     for b in (0, 1):
         ref = torch.linalg.cholesky(torch.linalg.inv(H[b].double()), upper=True)
