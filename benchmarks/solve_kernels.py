@@ -76,7 +76,7 @@ def bench_projection(name: str, n_out: int, n_in: int, n_experts: int, budget_gb
     Hr = H.flip(-2, -1).contiguous()
     torch.diagonal(Hr, dim1=-2, dim2=-1).add_(0.01 * torch.diagonal(H, dim1=-2, dim2=-1).mean(-1, keepdim=True))
     for base in (256, 512, 1024):
-        t, (U, ok) = timed(lambda base=base: upper_inverse_factor(Hr, base=base), reps=1)
+        t, (U, ok) = timed(lambda base=base, Hr=Hr: upper_inverse_factor(Hr, base=base), reps=1)
         row[f"u_new_s_base{base}"] = t
         row[f"u_rel_diff_base{base}"] = ((U - U_old).norm() / U_old.norm()).item()
     spec = QuantSpec(4, 128, True)

@@ -189,10 +189,9 @@ class _LayerStats:
                 peak = torch.maximum(hi, -lo).double()
                 s[key][b.experts] = torch.maximum(s[key][b.experts], peak)
             pos, scale = _probe_slots(b.mask, self.probe_tokens or b.mask.shape[1])
-            take = lambda t: t.gather(1, pos[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
-            y_q = expert_output(expert_intermediate(take(xg), b.take(gu_q), view.act), b.take(down_q))
+            y_q = expert_output(expert_intermediate(_slots(xg, pos), b.take(gu_q), view.act), b.take(down_q))
             # the difference in the activation dtype (rounding 2^-9 relative: a ranking signal), squared in fp32
-            err = torch.linalg.vector_norm(take(y) - y_q, dim=-1, dtype=torch.float32).pow(2)
+            err = torch.linalg.vector_norm(_slots(y, pos) - y_q, dim=-1, dtype=torch.float32).pow(2)
             err = err * b.weight.gather(1, pos).float().pow(2) * scale
             self.sensitivity.index_add_(0, b.experts, err.sum(dim=1).double())
 
@@ -205,6 +204,11 @@ def _rtn_probe(w: torch.Tensor) -> torch.Tensor:
     for i in range(0, w.shape[0], step):
         out[i : i + step] = quantize_weight(w[i : i + step], spec, w.dtype).dequantize()
     return out
+
+
+def _slots(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rows ``pos [n, k]`` of each expert's block ``t [n, C, d]`` -> ``[n, k, d]``."""
+    return t.gather(1, pos[..., None].expand(-1, -1, t.shape[-1]))
 
 
 def _probe_slots(mask: torch.Tensor, n_probe: int) -> tuple[torch.Tensor, torch.Tensor]:

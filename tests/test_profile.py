@@ -99,21 +99,27 @@ def test_bucketed_expert_ops_match_per_expert_loop():
             assert (y[j, n:] == 0).all()
 
 
-def test_layer_statistics_equal_a_per_expert_loop_under_skewed_routing():
-    """Every per-expert statistic of one layer (counts, routing mass, top-1, per-domain counts, down-projection
-    maxima, the W4 sensitivity probe) against a plain loop over experts, with a hot expert and a cold one."""
+def _random_experts(E: int, D: int, I: int, k: int, g: torch.Generator):
+    """transformers' fused Qwen3-MoE experts with seeded N(0, 0.3²) weights."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+    mod = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k))
+    with torch.no_grad():
+        mod.gate_up_proj.copy_(torch.randn(E, 2 * I, D, generator=g) * 0.3)
+        mod.down_proj.copy_(torch.randn(E, D, I, generator=g) * 0.3)
+    return mod
+
+
+def test_layer_statistics_equal_a_per_expert_loop_under_skewed_routing():
+    """Every per-expert statistic of one layer (counts, routing mass, top-1, per-domain counts, down-projection
+    maxima, the W4 sensitivity probe) against a plain loop over experts, with a hot expert and a cold one."""
     from quant.models.experts import fused_view
     from quant.profile import _LayerStats
 
     T, k, E, D, I = 120, 2, 6, 32, 16
     g = torch.Generator().manual_seed(2)
-    mod = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k))
-    with torch.no_grad():
-        mod.gate_up_proj.copy_(torch.randn(E, 2 * I, D, generator=g) * 0.3)
-        mod.down_proj.copy_(torch.randn(E, D, I, generator=g) * 0.3)
+    mod = _random_experts(E, D, I, k, g)
     view = fused_view(mod)
     idx = torch.multinomial(torch.tensor([30.0, 5, 3, 2, 1, 0]).expand(T, E), k, generator=g)
     w = torch.softmax(torch.randn(T, k, generator=g), dim=-1)
@@ -148,18 +154,12 @@ def test_probe_on_a_token_subset_equals_its_definition():
     """With a per-batch cap of 5 tokens per expert, each expert's sensitivity is the sum over batches of
     (routed / probed) x the routing-weighted error of the probed tokens: evenly strided positions
     ``i * c // 5`` among its ``c`` routed tokens of the batch (every token when ``c <= 5``)."""
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
     from quant.models.experts import fused_view
     from quant.profile import _LayerStats
 
     T, k, E, D, I, cap = 90, 2, 5, 16, 8, 5
     g = torch.Generator().manual_seed(3)
-    mod = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k))
-    with torch.no_grad():
-        mod.gate_up_proj.copy_(torch.randn(E, 2 * I, D, generator=g) * 0.3)
-        mod.down_proj.copy_(torch.randn(E, D, I, generator=g) * 0.3)
+    mod = _random_experts(E, D, I, k, g)
     view = fused_view(mod)
     idx = torch.multinomial(torch.tensor([20.0, 5, 2, 0.3, 0]).expand(T, E), k, generator=g)
     w = torch.softmax(torch.randn(T, k, generator=g), dim=-1)
@@ -226,19 +226,12 @@ def test_gpu_layer_statistics_equal_the_cpu():
     """One layer's statistics from bf16 activations on the GPU (load buckets, aminmax maxima, the subset probe)
     against the same bf16 computation on the CPU: counts and routing mass equal, maxima and sensitivity equal up
     to the order of bf16 accumulation."""
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
     from quant.models.experts import fused_view
     from quant.profile import _LayerStats, _spearman
 
     T, k, E, D, I = 4000, 2, 8, 64, 32
     g = torch.Generator().manual_seed(4)
-    mod = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k))
-    with torch.no_grad():
-        mod.gate_up_proj.copy_(torch.randn(E, 2 * I, D, generator=g) * 0.3)
-        mod.down_proj.copy_(torch.randn(E, D, I, generator=g) * 0.3)
-    mod = mod.to(torch.bfloat16)
+    mod = _random_experts(E, D, I, k, g).to(torch.bfloat16)
     idx = torch.multinomial(torch.tensor([30.0, 9, 5, 3, 2, 1, 1, 0]).expand(T, E), k, generator=g)
     w = torch.softmax(torch.randn(T, k, generator=g), dim=-1).bfloat16()
     x = torch.randn(T, D, generator=g).bfloat16()
