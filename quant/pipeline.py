@@ -20,6 +20,7 @@ from quant import stages
 from quant.errors import GateFailed, RunDirError
 from quant.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
 from quant.models import ModelSource, resolve_model
+from quant.progress import step as progress_step
 from quant.recipe import Recipe
 from quant.rundir import RunDir, hash_path
 
@@ -30,7 +31,7 @@ STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "report"
 DEPENDS = {
     "calibrate": (("model", "calibration"), (), ("calibration.safetensors", "calibration.json")),
     "profile": (("model", "profile"), ("calibrate",), ("profile.json",)),
-    "plan": (("plan", "quantize"), ("profile",), ("plan.json",)),
+    "plan": (("plan", "quantize", "export"), ("profile",), ("plan.json",)),  # formats decide group units
     "quantize": (("model", "quantize"), ("calibrate", "plan"), ("quantized",)),
     "export": (("export",), ("plan", "quantize"), ()),  # outputs: one folder per format
     "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
@@ -95,7 +96,7 @@ class Run:
                 skipped.append(stage)
                 log.info("stage %s: up to date, skipped", stage)
                 continue
-            self._run_stage(stage, h, outputs, m)
+            self._run_stage(stage, h, outputs, m, (i, STAGES.index(until) + 1))
             ran.append(stage)
         passed = m["stages"].get("eval", {}).get("passed")
         m["passed"] = passed
@@ -105,8 +106,10 @@ class Run:
             raise GateFailed(f"quality gates failed: {'; '.join(failed)} (see {self.dir.path / 'report.md'})")
         return RunResult(self.dir.path, ran, skipped, passed)
 
-    def _run_stage(self, stage: str, input_hash: str, outputs: list[str], m: dict) -> None:
-        log.info("stage %s: running", stage)
+    def _run_stage(self, stage: str, input_hash: str, outputs: list[str], m: dict, position: tuple[int, int]) -> None:
+        """Run one stage; ``position``: (stages before it, stages in this invocation) for the progress display."""
+        i, n = position
+        log.info("stage %s: running", stage, extra=progress_step("run", i, n, "stages", eta=False))
         device = pick_device(self.recipe.quantize.device)
         reset_peak_memory(device)
         self.dir.mark(m, stage, status="running", input_hash=input_hash)
@@ -115,7 +118,8 @@ class Run:
         self.dir.mark(m, stage, status="done", input_hash=input_hash, wall_s=round(time.perf_counter() - t0, 3),
                       peak_memory_bytes=peak_memory_bytes(device), device=str(device),
                       outputs={o: hash_path(self.dir.path / o) for o in outputs}, **info)
-        log.info("stage %s: done in %.1fs", stage, m["stages"][stage]["wall_s"])
+        log.info("stage %s: done in %.1fs", stage, m["stages"][stage]["wall_s"],
+                 extra=progress_step("run", i + 1, n, "stages", eta=False))
 
 
 def run(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None) -> RunResult:

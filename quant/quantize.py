@@ -28,6 +28,7 @@ from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
 from quant.plan import BitPlan, ModulePlan
+from quant.progress import step
 from quant.qstore import layer_file, load_into_layer, write_layer
 from quant.recipe import QuantizeSpec
 from quant.smooth import run_awq
@@ -79,10 +80,19 @@ def _timed(report: LayerReport, field_name: str, device: torch.device):
     setattr(report, field_name, getattr(report, field_name) + time.perf_counter() - t0)
 
 
+def solve_bytes(out_f: int, in_f: int) -> int:
+    """One expert's estimated fp32 solve working set (weights + ~3 Hessian-sized buffers); quant estimate uses it."""
+    return 4 * (2 * out_f * in_f + 3 * in_f * in_f)
+
+
+def expert_hessian_bytes(hidden: int, intermediate: int) -> int:
+    """fp32 Hessians of one expert: gate/up share ``[D, D]``, down ``[I, I]``."""
+    return 4 * (hidden**2 + intermediate**2)
+
+
 def _sub_batches(experts: list[int], out_f: int, in_f: int, budget_gb: float) -> list[list[int]]:
-    """Split a batch so one solve's fp32 working set (weights + ~3 Hessian-sized buffers) fits the budget."""
-    per_expert = 4 * (2 * out_f * in_f + 3 * in_f * in_f)
-    n = max(1, int(budget_gb * 1e9) // per_expert)
+    """Split a batch so one solve's fp32 working set (``solve_bytes`` per expert) fits the budget."""
+    n = max(1, int(budget_gb * 1e9) // solve_bytes(out_f, in_f))
     return [experts[i : i + n] for i in range(0, len(experts), n)]
 
 
@@ -109,7 +119,7 @@ class _LayerJob:
     def expert_chunks(self) -> list[tuple[int, int]]:
         """(first, count) expert ranges whose fp32 Hessians fit ``hessian_budget_gb`` (one pass each)."""
         v = self.view
-        per_expert = 4 * (v.gate_up.shape[2] ** 2 + v.intermediate ** 2)
+        per_expert = expert_hessian_bytes(v.gate_up.shape[2], v.intermediate)
         count = max(1, min(v.n_experts, int(self.spec.hessian_budget_gb * 1e9) // per_expert))
         return [(f, min(count, v.n_experts - f)) for f in range(0, v.n_experts, count)]
 
@@ -259,6 +269,8 @@ def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, sp
     out_dir.mkdir(parents=True, exist_ok=True)
     hidden = lw.embed(calib.tokens)
     reports = []
+    log.info("quantize: %d layers, algorithm %s", source.n_layers, plan.algorithm,
+             extra=step("quantize", 0, source.n_layers))
     for idx in range(source.n_layers):
         t0 = time.perf_counter()
         with lw.layer(idx) as layer:
@@ -289,6 +301,7 @@ def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, sp
                         len(report.rtn_fallbacks))
         log.info("layer %d: %d modules (%d experts), mean %.2f bits, worst rel err %.4f (%s), %.2fs%s",
                  idx, report.n_modules, report.n_experts, report.mean_bits, report.worst_rel_error,
-                 report.worst_module, report.seconds, " (resumed)" if report.resumed else "")
+                 report.worst_module, report.seconds, " (resumed)" if report.resumed else "",
+                 extra=step("quantize", idx + 1, source.n_layers))
     (out_dir / "layers.json").write_text(json.dumps([asdict(r) for r in reports], indent=1))
     return reports

@@ -6,17 +6,17 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "quant"
 # a module may import only modules of its own layer or lower layers
 LAYERS = [
-    {"cli"},
+    {"cli", "console"},
     {"pipeline"},
     {"stages"},
     {"report", "export", "publish"},
-    {"quantize", "evaluate", "runtimes", "plan_summary"},
+    {"quantize", "evaluate", "runtimes", "plan_summary", "estimate"},
     {"plan"},
     {"profile", "hessians", "smooth"},
     {"layerwise", "calibration", "qstore", "lmeval", "humaneval"},
-    {"sandbox", "routing", "models", "rundir", "dist"},
+    {"sandbox", "routing", "models", "rundir", "dist", "progress"},
     {"algos"},
-    {"recipe"},
+    {"recipe", "throughputs"},
     {"errors"},
 ]
 
