@@ -43,7 +43,8 @@ def _solve_rtn(w, H, spec, scale_dtype, q: QuantizeSpec) -> tuple[QuantizedWeigh
 def _solve_gptq(w, H, spec, scale_dtype, q: QuantizeSpec) -> tuple[QuantizedWeight, list[tuple[int, str]]]:
     from quant.algos.gptq import gptq
 
-    res = gptq(w, H, spec, scale_dtype, dampening=q.dampening, block_size=q.block_size, act_order=q.act_order)
+    res = gptq(w, H, spec, scale_dtype, dampening=q.dampening, block_size=q.block_size, act_order=q.act_order,
+               with_loss=False)
     return res.weight, list(res.repairs)
 
 
