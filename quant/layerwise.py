@@ -4,17 +4,24 @@
 the device, runs the cached hidden states through it in batches (stages hook in with callbacks), and hands
 back the layer's outputs as the next layer's inputs. Activations live on the device when they fit in
 ``activation_budget_bytes``, else in (pinned) CPU memory, moved batch by batch.
+
+In a world of several ranks the batches are dealt out round-robin: batch ``b`` (rows ``b * batch_size ..``)
+runs on rank ``b % size``, and a rank holds the activations of its own batches only (``embed`` keeps those
+rows). Batches run in steps of one batch per rank; ``after_step`` is called on every rank after every step
+(with or without a batch of its own), which is where ``quant.relay`` exchanges what hooks captured.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
+from quant.dist import SINGLE, World
 from quant.models import ModelSource
 from quant.models.layers import (
     DTYPES,
@@ -52,8 +59,10 @@ class Layerwise:
     """Run a model layer by layer over fixed calibration tokens ``[N, S]``."""
 
     def __init__(self, source: ModelSource, dtype: str, device: str, batch_size: int,
-                 activation_budget_bytes: int = 8 << 30):
+                 activation_budget_bytes: int = 8 << 30, world: World = SINGLE):
         self.source = source
+        self.world = world
+        self.n_rows = 0  # rows of the token set last embedded (all ranks)
         self.dtype = DTYPES[dtype]
         self.device = pick_device(device)
         self.batch_size = batch_size
@@ -65,7 +74,20 @@ class Layerwise:
         n_bytes = torch.Size(like_shape).numel() * torch.finfo(self.dtype).bits // 8
         return self.device if n_bytes <= self.budget or self.device.type == "cpu" else torch.device("cpu")
 
+    def my_batches(self) -> list[slice]:
+        """Row ranges (of all ``n_rows``) of this rank's batches, in order: batch ``b`` belongs to ``b % size``."""
+        bs, w = self.batch_size, self.world
+        return [slice(s, min(s + bs, self.n_rows)) for i, s in enumerate(range(0, self.n_rows, bs))
+                if i % w.size == w.rank]
+
+    def my_rows(self) -> torch.Tensor:
+        """Indices (into all rows) of the rows this rank holds, in the order of its activations."""
+        return torch.cat([torch.arange(b.start, b.stop) for b in self.my_batches()] or [torch.zeros(0, dtype=torch.long)])
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings ``[n, S, D]`` of this rank's rows of ``tokens [N, S]`` (all of them in a world of one)."""
+        self.n_rows = tokens.shape[0]
+        tokens = tokens[self.my_rows()] if self.world.distributed else tokens
         emb = load_embedding(self.source, self.model, self.device, self.dtype)
         D = emb.weight.shape[1]
         store = self._store((*tokens.shape, D))
@@ -88,9 +110,10 @@ class Layerwise:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    def forward(self, layer: nn.Module, hidden: torch.Tensor,
-                before_batch: Callable[[slice], None] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Run ``hidden [N, S, D]`` through ``layer`` in batches; ``before_batch(rows)`` lets hooks know the rows.
+    def forward(self, layer: nn.Module, hidden: torch.Tensor, before_batch: Callable[[slice], None] | None = None,
+                out: torch.Tensor | None = None, after_step: Callable[[], None] | None = None) -> torch.Tensor:
+        """Run this rank's ``hidden [n, S, D]`` through ``layer`` in batches; ``before_batch(rows)`` lets hooks know
+        the batch's rows (of all rows), ``after_step()`` runs after every step on every rank.
 
         Writes into ``out`` when given (may alias ``hidden``: each batch is read before it is overwritten).
         """
@@ -99,30 +122,41 @@ class Layerwise:
         def keep(rows: slice, y: torch.Tensor) -> None:
             out[rows] = y.to(out.device, non_blocking=True)
 
-        self._batches(layer, hidden, before_batch, keep)
+        self._batches(layer, hidden, before_batch, keep, after_step)
         return out
 
-    def run(self, layer: nn.Module, hidden: torch.Tensor, before_batch: Callable[[slice], None] | None = None) -> None:
+    def run(self, layer: nn.Module, hidden: torch.Tensor, before_batch: Callable[[slice], None] | None = None,
+            after_step: Callable[[], None] | None = None) -> None:
         """Run ``hidden`` through ``layer`` for its hooks' sake; outputs are discarded."""
-        self._batches(layer, hidden, before_batch, None)
+        self._batches(layer, hidden, before_batch, None, after_step)
 
-    def _batches(self, layer, hidden, before_batch, sink) -> None:
+    def _batches(self, layer, hidden, before_batch, sink, after_step) -> None:
+        if not self.world.distributed:  # a world of one holds every row
+            self.n_rows = hidden.shape[0]
+        mine = self.my_batches()
+        n_steps = math.ceil(math.ceil(self.n_rows / self.batch_size) / self.world.size)
+        offset = 0
         with torch.no_grad():
-            for s in range(0, hidden.shape[0], self.batch_size):
-                rows = slice(s, s + self.batch_size)
-                if before_batch is not None:
-                    before_batch(rows)
-                y = self.runner(layer, hidden[rows].to(self.device, non_blocking=True))
-                if sink is not None:
-                    sink(rows, y)
+            for step in range(n_steps):
+                if step < len(mine):
+                    rows = mine[step]
+                    local = slice(offset, offset + rows.stop - rows.start)
+                    offset = local.stop
+                    if before_batch is not None:
+                        before_batch(rows)
+                    y = self.runner(layer, hidden[local].to(self.device, non_blocking=True))
+                    if sink is not None:
+                        sink(local, y)
+                if after_step is not None:
+                    after_step()
 
     def logits_fn(self) -> tuple[nn.Module, nn.Module]:
         """Final norm and lm_head on the device (for layerwise perplexity)."""
         return load_head(self.source, self.model, self.device, self.dtype)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Full-model logits ``[N, S, V]`` computed one decoder layer at a time (for small token sets: every
-        position's logits are returned)."""
+        """Full-model logits ``[n, S, V]`` of this rank's rows (:meth:`my_rows`; all rows in a world of one),
+        computed one decoder layer at a time (for small token sets: every position's logits are returned)."""
         hidden = self.embed(tokens)
         for idx in range(self.source.n_layers):
             with self.layer(idx) as layer:

@@ -23,6 +23,7 @@ from quant.errors import ModelError
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of
+from quant.relay import Relay
 from quant.routing import chunk_budget, expert_intermediate, expert_output, load_buckets, with_zero_row
 
 log = logging.getLogger(__name__)
@@ -138,16 +139,20 @@ def _spearman(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((rx @ ry).item() / denom) if denom > 0 else 0.0
 
 
+_SUMMED = ("counts", "weight_mass", "top1", "sensitivity")  # rows of a batch's stats, summed over batches
+_MAXED = ("down_in_absmax", "down_out_absmax")  # then these, maxima over batches; then one row per domain
+
+
 class _LayerStats:
-    """Accumulates one MoE layer's statistics from the layer's routing callback."""
+    """One MoE layer's statistics: each batch's are computed by the routing callback as one ``[R, E]`` float64
+    tensor (rows ``_SUMMED``, ``_MAXED``, then the domains), which a relay hands to :meth:`add` in global batch
+    order, so the totals are the same at any world size."""
 
     def __init__(self, n_experts: int, domains: list[str], device):
-        z = lambda: torch.zeros(n_experts, dtype=torch.float64, device=device)  # noqa: E731
-        self.stats = {k: z() for k in _STATS}
-        self.domain = {d: z() for d in domains}
+        self.n_experts, self.domains = n_experts, domains
+        self.total = torch.zeros(len(_SUMMED) + len(_MAXED) + len(domains), n_experts, dtype=torch.float64,
+                                 device=device)
         self.token_domain: torch.Tensor | None = None  # [T] domain index of the batch's tokens
-        self.domains = domains
-        self.sensitivity = torch.zeros(n_experts, dtype=torch.float64, device=device)
         self._probe: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _probe_weights(self, view: ExpertsView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,9 +165,12 @@ class _LayerStats:
             )
         return self._probe
 
-    def update(self, view: ExpertsView, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
+    @torch.no_grad()
+    def batch(self, view: ExpertsView, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """This batch's ``[R, E]`` statistics."""
         E = view.n_experts
-        s = self.stats
+        out = torch.zeros_like(self.total)
+        s = {key: out[i] for i, key in enumerate(_SUMMED + _MAXED)}
         width = max(view.gate_up.shape[1], view.gate_up.shape[2])
         counts, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device))
         s["counts"] += counts.double()
@@ -170,9 +178,8 @@ class _LayerStats:
         s["top1"] += torch.bincount(idx.gather(1, w.argmax(dim=1, keepdim=True)).reshape(-1), minlength=E).double()
         if self.token_domain is not None:  # one bincount over (domain, expert) pairs, no host sync
             pair = (self.token_domain[:, None] * E + idx).reshape(-1)
-            per = torch.bincount(pair, minlength=len(self.domains) * E).view(len(self.domains), E).double()
-            for d_i, name in enumerate(self.domains):
-                self.domain[name] += per[d_i]
+            out[len(_SUMMED) + len(_MAXED):] += torch.bincount(pair, minlength=len(self.domains) * E).view(
+                len(self.domains), E).double()
         gu_q, down_q = self._probe_weights(view)
         x_padded = with_zero_row(x)
         for b in buckets:
@@ -182,14 +189,27 @@ class _LayerStats:
             y_q = expert_output(expert_intermediate(xg, b.take(gu_q), view.act), b.take(down_q))
             # the difference in the activation dtype (rounding 2^-9 relative: a ranking signal), squared in fp32
             err = torch.linalg.vector_norm(y - y_q, dim=-1, dtype=torch.float32).pow(2) * b.weight.float().pow(2)
-            self.sensitivity.index_add_(0, b.experts, err.sum(dim=1).double())
+            s["sensitivity"].index_add_(0, b.experts, err.sum(dim=1).double())
             for key, t in (("down_in_absmax", a), ("down_out_absmax", y)):
-                peak = torch.maximum(t.amax(dim=(1, 2)), -t.amin(dim=(1, 2))).double()
-                s[key][b.experts] = torch.maximum(s[key][b.experts], peak)
+                s[key][b.experts] = torch.maximum(t.amax(dim=(1, 2)), -t.amin(dim=(1, 2))).double()
+        return out
+
+    def add(self, batch: torch.Tensor) -> None:
+        n_sum, n_max = len(_SUMMED), len(_MAXED)
+        self.total[:n_sum] += batch[:n_sum]
+        self.total[n_sum : n_sum + n_max] = torch.maximum(self.total[n_sum : n_sum + n_max], batch[n_sum : n_sum + n_max])
+        self.total[n_sum + n_max :] += batch[n_sum + n_max :]
+
+    def stat(self, key: str) -> torch.Tensor:
+        return self.total[(_SUMMED + _MAXED).index(key)]
+
+    def domain(self, name: str) -> torch.Tensor:
+        return self.total[len(_SUMMED) + len(_MAXED) + self.domains.index(name)]
 
 
 def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise) -> RoutingProfile:
-    """Run the calibration tokens through the model layer by layer and collect routing statistics."""
+    """Run the calibration tokens through the model layer by layer and collect routing statistics (each rank
+    runs its share of the batches; every rank returns the same profile)."""
     domains = sorted(set(calib.domains))
     dom_idx = torch.tensor([domains.index(d) for d in calib.domains])
     S = calib.tokens.shape[1]
@@ -197,6 +217,7 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise) -
     per_layer: dict[int, _LayerStats] = {}
     moe_layers = set(source.moe_layers())
     for idx in range(source.n_layers):
+        relay = Relay(lw.world)
         with lw.layer(idx) as layer:
             view = experts_of(source, layer, idx)
             if view is None and idx in moe_layers:
@@ -208,25 +229,26 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise) -
             handle, acc = None, None
             if view is not None:
                 acc = per_layer[idx] = _LayerStats(view.n_experts, domains, lw.device)
-                handle = view.on_route(lambda x, top_idx, top_w, acc=acc, view=view: acc.update(view, x, top_idx, top_w))
+                channel = relay.channel(acc.add)
+                handle = view.on_route(lambda x, i, w, acc=acc, view=view, ch=channel: ch.put(acc.batch(view, x, i, w)))
 
             def before(rows: slice, acc=acc) -> None:
                 if acc is not None:
                     acc.token_domain = dom_idx[rows].repeat_interleave(S).to(lw.device)
 
-            hidden = lw.forward(layer, hidden, before_batch=before, out=hidden)
+            hidden = lw.forward(layer, hidden, before_batch=before, out=hidden, after_step=relay.flush)
             if handle is not None:
                 handle.remove()
         if acc is not None:
-            c = acc.stats["counts"]
+            c = acc.stat("counts")
             log.info("profile layer %d: %d experts, max/min share %.1f, cold %d", idx, c.numel(),
                      (c.max() / c.min().clamp_min(1)).item(), int((c == 0).sum()))
     layers = sorted(per_layer)
-    stack = lambda key: torch.stack([per_layer[i].stats[key].cpu() for i in layers])  # noqa: E731
+    stack = lambda key: torch.stack([per_layer[i].stat(key).cpu() for i in layers])  # noqa: E731
     return RoutingProfile(
         model_fingerprint=source.fingerprint, model=source.display_name, layers=layers,
         n_experts=int(stack("counts").shape[1]), top_k=source.top_k, n_tokens=int(calib.tokens.numel()),
         sample_ids=list(calib.sample_ids), **{k: stack(k) for k in _STATS},
-        domain_counts={d: torch.stack([per_layer[i].domain[d].cpu() for i in layers]) for d in domains},
-        sensitivity=torch.stack([per_layer[i].sensitivity.cpu() for i in layers]),
+        domain_counts={d: torch.stack([per_layer[i].domain(d).cpu() for i in layers]) for d in domains},
+        sensitivity=stack("sensitivity"),
     )

@@ -5,6 +5,13 @@ accumulate Hessians (GPTQ), quantize every planned module — experts of one pro
 ``[E, out, in]`` problem — write the codes to ``quantized/layer_XXXXX.safetensors``, put the dequantized
 weights into the layer and propagate the activations through the *quantized* layer, so later layers calibrate
 on what they will see at inference. A layer whose file exists is not recomputed (resume after a crash).
+
+With several ranks (``lw.world``) each rank owns a contiguous range of a layer's experts and one rank owns its
+other modules (``dist.split_work``, balanced by estimated solve cost); calibration batches run data-parallel and
+``quant.relay`` hands each owner its experts' routed tokens in global batch order, so every Hessian, and so
+every code, is the one a single process computes. Owners exchange codes (``World.exchange_tensors``), every rank
+puts the dequantized layer together and propagates its own batches; only the writer writes the layer file.
+AWQ runs replicated (every rank computes the whole layer) for now.
 """
 
 from __future__ import annotations
@@ -22,14 +29,16 @@ from torch import nn
 from quant.algos.grid import QuantizedWeight, QuantSpec
 from quant.algos.rtn import rtn
 from quant.calibration import CalibrationSet
+from quant.dist import World, split_work
 from quant.errors import QuantError
 from quant.hessians import ExpertStats, linear_stats
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
-from quant.models.layers import ExpertsView, experts_of, linears_of
+from quant.models.layers import ExpertsView, experts_of, layer_weights, linears_of
 from quant.plan import BitPlan, ModulePlan
-from quant.qstore import layer_file, load_into_layer, write_layer
+from quant.qstore import dequantize_2d, layer_file, load_into_layer, write_layer
 from quant.recipe import QuantizeSpec
+from quant.relay import Relay
 from quant.smooth import run_awq
 
 log = logging.getLogger(__name__)
@@ -89,11 +98,17 @@ def _spec_of(p: ModulePlan) -> QuantSpec:
     return QuantSpec(p.bits, p.group_size, p.symmetric)
 
 
+def _solve_cost(n_out: int, n_in: int) -> float:
+    """Rough GPTQ cost of one ``[out, in]`` module: column-loop updates plus the Cholesky factorizations."""
+    return float(n_out) * n_in * n_in + 2.0 * n_in ** 3
+
+
 class _LayerJob:
     """Quantizes the planned modules of one materialized layer."""
 
-    def __init__(self, source: ModelSource, plan: BitPlan, spec: QuantizeSpec, idx: int, layer: nn.Module):
-        self.source, self.plan, self.spec, self.idx, self.layer = source, plan, spec, idx, layer
+    def __init__(self, source: ModelSource, plan: BitPlan, spec: QuantizeSpec, idx: int, layer: nn.Module,
+                 world: World):
+        self.source, self.plan, self.spec, self.idx, self.layer, self.world = source, plan, spec, idx, layer, world
         self.params: dict[str, torch.Tensor] = {}
         prefix = f"layers.{idx}."
         self.mods = {n: p for n, p in plan.quantized().items() if n.startswith(prefix)}
@@ -101,41 +116,69 @@ class _LayerJob:
         self.view: ExpertsView | None = experts_of(source, layer, idx)
         self.results: dict[str, QuantizedWeight] = {}
         self.report = LayerReport(idx)
+        self.replicated = plan.algorithm == "awq"  # every rank computes the whole layer
+        self.ranges, self.linear_owner = self._split()
+
+    def _split(self) -> tuple[list[range], int]:
+        """Each rank's contiguous expert range and the rank that owns the layer's other modules."""
+        v, size = self.view, 1 if self.replicated else self.world.size
+        n_experts = v.n_experts if v is not None and self.experts_planned() else 0
+        expert_cost = 0.0 if not n_experts else (_solve_cost(v.gate_up.shape[1], v.gate_up.shape[2])
+                                                 + _solve_cost(v.down.shape[1], v.down.shape[2]))
+        linear_cost = sum(_solve_cost(m.out_features, m.in_features) for m in self.linears.values())
+        ranges, owner = split_work(size, n_experts, expert_cost, linear_cost)
+        if self.replicated:
+            return ranges * self.world.size, self.world.rank
+        return ranges, owner
+
+    @property
+    def owns_linears(self) -> bool:
+        return self.world.rank == self.linear_owner
 
     def experts_planned(self) -> dict[str, ModulePlan]:
         return {n: p for n, p in self.mods.items() if ".experts." in n}
 
-    def expert_chunks(self) -> list[tuple[int, int]]:
-        """(first, count) expert ranges whose fp32 Hessians fit ``hessian_budget_gb`` (one pass each)."""
+    def expert_chunks(self, experts: range) -> list[tuple[int, int]]:
+        """(first, count) ranges of ``experts`` whose fp32 Hessians fit ``hessian_budget_gb`` (one pass each)."""
         v = self.view
         per_expert = 4 * (v.gate_up.shape[2] ** 2 + v.intermediate ** 2)
         count = max(1, min(v.n_experts, int(self.spec.hessian_budget_gb * 1e9) // per_expert))
-        return [(f, min(count, v.n_experts - f)) for f in range(0, v.n_experts, count)]
+        return [(f, min(count, experts.stop - f)) for f in range(experts.start, experts.stop, count)]
 
     def run_with_statistics(self, lw: Layerwise, hidden: torch.Tensor) -> None:
         """Calibration passes with the original weights feeding each expert chunk; linears solved last.
 
         Solving a chunk changes only those experts, which neither feed the next chunk's gate/up input (the
-        post-attention norm output) nor its down input (its own gate/up), so later passes stay exact.
+        post-attention norm output) nor its down input (its own gate/up), so later passes stay exact. Every rank
+        makes as many passes as the rank with the most chunks (they run in lockstep).
         """
-        lin_stats = linear_stats(self.linears)
-        chunks = self.expert_chunks() if self.view is not None and self.experts_planned() else [(0, 0)]
-        for i, (first, count) in enumerate(chunks):
+        relay = Relay(self.world)
+        lin_stats = linear_stats(self.linears, relay, {self.linear_owner})
+        has_experts = self.view is not None and bool(self.experts_planned())
+        chunks = [self.expert_chunks(r) if has_experts else [] for r in self.ranges]
+        for i in range(max(1, *map(len, chunks))):
+            relay = relay if i == 0 else Relay(self.world)
+            chunk_of = [c[i] if i < len(c) else (0, 0) for c in chunks]
+            consumers = {r for r, (_, count) in enumerate(chunk_of) if count}
             exp_stats = None
-            if count:
-                exp_stats = ExpertStats(self.view, self.spec.gate_weighted, self.spec.all_experts, first, count)
+            if consumers:
+                first, count = chunk_of[self.world.rank]
+                exp_stats = ExpertStats(self.view, self.spec.gate_weighted, self.spec.all_experts, first, count,
+                                        relay=relay, consumers=consumers)
             with _timed(self.report, "stats_seconds", lw.device):
-                lw.run(self.layer, hidden)
+                lw.run(self.layer, hidden, after_step=relay.flush)
             if i == 0:
                 for st in lin_stats.values():
                     st.remove()
             if exp_stats is not None:
                 exp_stats.remove()
-                with _timed(self.report, "solve_seconds", lw.device):
-                    self.run_experts(exp_stats)
+                if exp_stats.count:
+                    with _timed(self.report, "solve_seconds", lw.device):
+                        self.run_experts(exp_stats)
                 del exp_stats
-        with _timed(self.report, "solve_seconds", lw.device):
-            self.run_linears(lin_stats)
+        if self.owns_linears:
+            with _timed(self.report, "solve_seconds", lw.device):
+                self.run_linears(lin_stats)
 
     def spec_of(self, name: str) -> QuantSpec:
         return _spec_of(self.mods[name])
@@ -205,13 +248,15 @@ class _LayerJob:
         return groups
 
     def run_experts(self, exp_stats: ExpertStats | None) -> None:
-        """Quantize the planned experts (all, or the chunk ``exp_stats`` covers), as ``[E', out, in]`` batches."""
+        """Quantize the planned experts (this rank's, or the chunk ``exp_stats`` covers), as ``[E', out, in]``
+        batches."""
         planned = self.experts_planned()
         if not planned:
             return
         v = self.view
         I = v.intermediate
-        first, count = (exp_stats.first, exp_stats.count) if exp_stats is not None else (0, v.n_experts)
+        mine = self.ranges[self.world.rank]
+        first, count = (exp_stats.first, exp_stats.count) if exp_stats is not None else (mine.start, len(mine))
         H_gu, H_down = exp_stats.hessians() if exp_stats is not None else (None, None)
         counts = exp_stats.counts if exp_stats is not None else None
         views = {"gate_up": (v.gate_up.data, H_gu), "gate": (v.gate_up.data[:, :I], H_gu),
@@ -230,6 +275,38 @@ class _LayerJob:
         if fallback:
             self.report.rtn_fallbacks += [name for parts in rows for name, _ in parts]
         weights[sel] = self.solve(weights[sel], H, spec, rows, algorithm="rtn" if fallback else None)
+
+    def share_results(self) -> None:
+        """Every rank's codes on every rank; other ranks' modules are dequantized into this rank's layer."""
+        if not self.world.distributed or self.replicated:
+            return
+        mine = {}
+        for name, qw in self.results.items():
+            mine[name + ".q"], mine[name + ".scale"] = qw.q, qw.scale
+            if qw.zero is not None:
+                mine[name + ".zero"] = qw.zero
+        everything = self.world.exchange_tensors(mine)
+        weights = layer_weights(self.source, self.layer, self.idx)
+        for name in self.mods:
+            if name in self.results or name + ".q" not in everything:
+                continue
+            spec = self.spec_of(name)
+            qw = QuantizedWeight(everything[name + ".q"], everything[name + ".scale"], everything.get(name + ".zero"),
+                                 spec)
+            self.results[name] = qw
+            weights[name].copy_(dequantize_2d(qw).to(weights[name].device))
+        self.merge_reports()
+
+    def merge_reports(self) -> None:
+        """The layer's report from every rank's part: the worst error over ranks, every repair and fallback."""
+        r = self.report
+        parts = self.world.all_gather_object((r.worst_rel_error, r.worst_module, r.repairs, r.rtn_fallbacks,
+                                              r.stats_seconds, r.solve_seconds))
+        worst = max(parts, key=lambda p: p[0])
+        r.worst_rel_error, r.worst_module = worst[0], worst[1]
+        r.repairs = [x for p in parts for x in p[2]]
+        r.rtn_fallbacks = [x for p in parts for x in p[3]]
+        r.stats_seconds, r.solve_seconds = max(p[4] for p in parts), max(p[5] for p in parts)
 
     def finish_report(self, seconds: float) -> LayerReport:
         r = self.report
@@ -250,44 +327,64 @@ def _apply_stored(job: _LayerJob, path: Path, device) -> None:
         raise QuantError(f"stored layer {job.idx} lacks {sorted(missing)[:3]}; remove it and rerun with --force quantize")
 
 
+def _quantize_layer(job: _LayerJob, lw: Layerwise, hidden: torch.Tensor, path: Path) -> None:
+    """Compute this layer's codes (this rank's share, then exchanged) and put them into the layer."""
+    if job.plan.algorithm == "awq":
+        with _timed(job.report, "solve_seconds", lw.device):
+            job.params = run_awq(job, lw, hidden)
+    elif NEEDS_HESSIAN[job.plan.algorithm]:
+        job.run_with_statistics(lw, hidden)
+    else:
+        with _timed(job.report, "solve_seconds", lw.device):
+            if job.owns_linears:
+                job.run_linears({})
+            job.run_experts(None)
+    job.share_results()
+    job.results = {n: job.results[n] for n in job.mods if n in job.results}  # plan order: the same file at any size
+    if job.world.is_writer:
+        write_layer(path, job.results, job.params)
+
+
 def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, spec: QuantizeSpec,
                    lw: Layerwise, out_dir: Path) -> list[LayerReport]:
-    """Quantize every layer into ``out_dir`` (existing complete layer files are reused)."""
+    """Quantize every layer into ``out_dir`` (existing complete layer files are reused). In a world of several
+    ranks (``lw.world``) every rank calls this; only the writer writes ``out_dir``."""
     if plan.algorithm not in ALGORITHMS:
         raise QuantError(f"algorithm '{plan.algorithm}' is not available; choose one of {', '.join(ALGORITHMS)}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    world = lw.world
+    if world.is_writer:
+        out_dir.mkdir(parents=True, exist_ok=True)
     hidden = lw.embed(calib.tokens)
     reports = []
     for idx in range(source.n_layers):
         t0 = time.perf_counter()
         with lw.layer(idx) as layer:
-            job = _LayerJob(source, plan, spec, idx, layer)
+            job = _LayerJob(source, plan, spec, idx, layer, world)
             path = layer_file(out_dir, idx)
-            if path.is_file():
+            if world.broadcast_object(path.is_file() if world.is_writer else None):
                 _apply_stored(job, path, lw.device)
                 job.report.resumed = True
             else:
-                if plan.algorithm == "awq":
-                    with _timed(job.report, "solve_seconds", lw.device):
-                        job.params = run_awq(job, lw, hidden)
-                elif NEEDS_HESSIAN[plan.algorithm]:
-                    job.run_with_statistics(lw, hidden)
-                else:
-                    with _timed(job.report, "solve_seconds", lw.device):
-                        job.run_linears({})
-                        job.run_experts(None)
-                write_layer(path, job.results, job.params)
+                _quantize_layer(job, lw, hidden, path)
             with _timed(job.report, "forward_seconds", lw.device):
                 hidden = lw.forward(layer, hidden, out=hidden)
         report = job.finish_report(time.perf_counter() - t0)
         reports.append(report)
-        for repair in report.repairs:
-            log.warning("layer %d: numerical repair: %s", idx, repair)
-        if report.rtn_fallbacks:
-            log.warning("layer %d: %d expert projections below the token floor fell back to RTN", idx,
-                        len(report.rtn_fallbacks))
-        log.info("layer %d: %d modules (%d experts), mean %.2f bits, worst rel err %.4f (%s), %.2fs%s",
-                 idx, report.n_modules, report.n_experts, report.mean_bits, report.worst_rel_error,
-                 report.worst_module, report.seconds, " (resumed)" if report.resumed else "")
-    (out_dir / "layers.json").write_text(json.dumps([asdict(r) for r in reports], indent=1))
+        _log_layer(report)
+        if idx + 1 < source.n_layers:
+            world.raise_if_stopped(f"layer {idx} of {source.n_layers}")
+    if world.is_writer:
+        (out_dir / "layers.json").write_text(json.dumps([asdict(r) for r in reports], indent=1))
     return reports
+
+
+def _log_layer(report: LayerReport) -> None:
+    idx = report.layer
+    for repair in report.repairs:
+        log.warning("layer %d: numerical repair: %s", idx, repair)
+    if report.rtn_fallbacks:
+        log.warning("layer %d: %d expert projections below the token floor fell back to RTN", idx,
+                    len(report.rtn_fallbacks))
+    log.info("layer %d: %d modules (%d experts), mean %.2f bits, worst rel err %.4f (%s), %.2fs%s",
+             idx, report.n_modules, report.n_experts, report.mean_bits, report.worst_rel_error,
+             report.worst_module, report.seconds, " (resumed)" if report.resumed else "")

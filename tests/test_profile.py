@@ -122,17 +122,18 @@ def test_layer_statistics_equal_a_per_expert_loop_under_skewed_routing():
     acc = _LayerStats(E, ["a", "b"], torch.device("cpu"))
     for s in (slice(0, 50), slice(50, T)):  # two batches
         acc.token_domain = dom[s]
-        acc.update(view, x[s], idx[s], w[s])
+        acc.add(acc.batch(view, x[s], idx[s], w[s]))
     gu_q, down_q = acc._probe_weights(view)
     for e in range(E):
         tok, slot = torch.where(idx == e)
-        st = {key: acc.stats[key][e].item() for key in acc.stats}
+        st = {key: acc.stat(key)[e].item() for key in ("counts", "weight_mass", "top1", "down_in_absmax",
+                                                         "down_out_absmax")}
         assert st["counts"] == len(tok)
         assert st["weight_mass"] == pytest.approx(w[tok, slot].double().sum().item())
         assert st["top1"] == int((idx[torch.arange(T), w.argmax(dim=1)] == e).sum())
-        assert [acc.domain[d][e].item() for d in ("a", "b")] == [int((dom[tok] == i).sum()) for i in (0, 1)]
+        assert [acc.domain(d)[e].item() for d in ("a", "b")] == [int((dom[tok] == i).sum()) for i in (0, 1)]
         if not len(tok):
-            assert st["down_in_absmax"] == st["down_out_absmax"] == acc.sensitivity[e].item() == 0
+            assert st["down_in_absmax"] == st["down_out_absmax"] == acc.stat("sensitivity")[e].item() == 0
             continue
         a = view.act(x[tok] @ mod.gate_up_proj[e, :I].T) * (x[tok] @ mod.gate_up_proj[e, I:].T)
         y = a @ mod.down_proj[e].T
@@ -141,7 +142,7 @@ def test_layer_statistics_equal_a_per_expert_loop_under_skewed_routing():
         sens = ((y - y_q).pow(2).sum(dim=1) * w[tok, slot].pow(2)).sum().item()
         assert st["down_in_absmax"] == pytest.approx(a.abs().max().item(), rel=1e-5)
         assert st["down_out_absmax"] == pytest.approx(y.abs().max().item(), rel=1e-5)
-        assert acc.sensitivity[e].item() == pytest.approx(sens, rel=1e-4)
+        assert acc.stat("sensitivity")[e].item() == pytest.approx(sens, rel=1e-4)
 
 
 def test_rank_stability_and_cold_experts():
