@@ -94,7 +94,7 @@ class World:
         except (QuantError, KeyboardInterrupt):
             raise
         except Exception as e:  # RuntimeError, DistBackendError, DistNetworkError: all mean "the job is broken"
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:300]
             raise DistError(
                 f"rank {self.rank} of {self.size}: {what} failed ({first}); another rank stopped, crashed or "
                 f"did not answer within {self.timeout_s:g} s (QUANT_DIST_TIMEOUT_S); its log has the cause"

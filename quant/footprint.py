@@ -17,7 +17,8 @@ from quant.errors import RunDirError
 from quant.models import ModelSource
 from quant.plan import BitPlan
 
-MARGIN_BYTES = 16 << 20  # safetensors headers, configs, tokenizer, manifests
+MARGIN_BYTES = 1 << 20  # configs, manifests, reports
+HEADER_BYTES = 256  # per stored tensor: its name, dtype, shape and offsets in a safetensors header
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,11 @@ def estimate(source: ModelSource, plan: BitPlan, formats: tuple[str, ...], scale
         m = source.modules[name]
         G = _groups(m.in_features, p.group_size)
         zero = 0 if p.symmetric else 1
-        store += m.numel + m.out_features * G * (scale_bytes + zero)
-        packed += -(-m.numel * p.bits // 32) * 4 + m.out_features * G * (2 + zero) + 64
+        store += m.numel + m.out_features * G * (scale_bytes + zero) + (2 + zero) * HEADER_BYTES
+        packed += -(-m.numel * p.bits // 32) * 4 + m.out_features * G * (2 + zero) + (4 + zero) * HEADER_BYTES
         replaced += m.numel * disk_bytes
-    checkpoint = max(model_bytes - replaced, 0) + packed + MARGIN_BYTES
+    side = sum(f.stat().st_size for f in source.path.iterdir() if f.is_file() and f.suffix != ".safetensors")
+    checkpoint = max(model_bytes - replaced, 0) + packed + side + MARGIN_BYTES
     return Footprint(store + MARGIN_BYTES, {fmt: checkpoint for fmt in formats})
 
 

@@ -3,7 +3,9 @@
 ``Layerwise`` embeds calibration tokens, then for each decoder layer loads its weights from safetensors onto
 the device, runs the cached hidden states through it in batches (stages hook in with callbacks), and hands
 back the layer's outputs as the next layer's inputs. Activations live on the device when they fit in
-``activation_budget_bytes``, else in (pinned) CPU memory, moved batch by batch.
+``activation_budget_bytes``, else in (pinned) CPU memory, moved batch by batch. On a GPU the next layer's
+tensors are read from disk into CPU memory by a background thread while the current layer computes
+(``prefetch``: one layer of host memory), so loading leaves the critical path.
 
 In a world of several ranks the batches are dealt out round-robin: batch ``b`` (rows ``b * batch_size ..``)
 runs on rank ``b % size``, and a rank holds the activations of its own batches only (``embed`` keeps those
@@ -17,6 +19,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -30,6 +33,7 @@ from quant.models.layers import (
     load_embedding,
     load_head,
     load_layer,
+    read_layer_tensors,
     release,
 )
 
@@ -69,6 +73,9 @@ class Layerwise:
         self.budget = activation_budget_bytes
         self.model = build_skeleton(source, self.dtype)
         self.runner = LayerRunner(self.model, self.device, self.dtype)
+        self.prefetch = self.device.type == "cuda"
+        self._ahead: tuple[int, Future] | None = None
+        self._reader: ThreadPoolExecutor | None = None
 
     def _store(self, like_shape: tuple[int, ...]) -> torch.device:
         n_bytes = torch.Size(like_shape).numel() * torch.finfo(self.dtype).bits // 8
@@ -99,10 +106,22 @@ class Layerwise:
         release(emb)
         return hidden
 
+    def _read_ahead(self, idx: int) -> dict | None:
+        """Layer ``idx``'s tensors if a prefetch of it was started (waiting for it), and start reading ``idx + 1``."""
+        raw = None
+        if self._ahead is not None:
+            ahead_idx, fut = self._ahead
+            self._ahead = None
+            raw = fut.result() if ahead_idx == idx else (fut.cancel() and None)
+        if self.prefetch and idx + 1 < self.source.n_layers:
+            self._reader = self._reader or ThreadPoolExecutor(1, thread_name_prefix="quant-prefetch")
+            self._ahead = (idx + 1, self._reader.submit(read_layer_tensors, self.source, idx + 1, "cpu"))
+        return raw
+
     @contextlib.contextmanager
     def layer(self, idx: int) -> Iterator[nn.Module]:
         """Layer ``idx`` materialized on the device for the duration of the block."""
-        layer = load_layer(self.source, self.model, idx, self.device, self.dtype)
+        layer = load_layer(self.source, self.model, idx, self.device, self.dtype, self._read_ahead(idx))
         try:
             yield layer
         finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -79,3 +80,26 @@ def load_into_layer(source, layer, idx: int, path: Path, device: str | torch.dev
     for name, t in params.items():
         state[name].data.copy_(t)
     return stored, params
+
+
+class LayerWriter:
+    """Layer files written by a background thread while the next layer computes (``background``; the codes are
+    copied to host memory first; one file in flight), else at once. ``wait`` re-raises a failed write."""
+
+    def __init__(self, background: bool):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="quant-write") if background else None
+        self.pending: Future | None = None
+
+    def submit(self, path: Path, results: dict[str, QuantizedWeight], params: dict[str, torch.Tensor]) -> None:
+        self.wait()
+        if self.pool is None:
+            write_layer(path, results, params)
+            return
+        host = {n: QuantizedWeight(q.q.cpu(), q.scale.cpu(), None if q.zero is None else q.zero.cpu(), q.spec)
+                for n, q in results.items()}
+        self.pending = self.pool.submit(write_layer, path, host, {k: v.cpu() for k, v in params.items()})
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()

@@ -36,7 +36,7 @@ from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, layer_weights, linears_of
 from quant.plan import BitPlan, ModulePlan
-from quant.qstore import dequantize_2d, layer_file, load_into_layer, write_layer
+from quant.qstore import LayerWriter, dequantize_2d, layer_file, load_into_layer
 from quant.recipe import QuantizeSpec
 from quant.relay import Relay
 from quant.smooth import run_awq
@@ -302,8 +302,7 @@ class _LayerJob:
         r = self.report
         parts = self.world.all_gather_object((r.worst_rel_error, r.worst_module, r.repairs, r.rtn_fallbacks,
                                               r.stats_seconds, r.solve_seconds))
-        worst = max(parts, key=lambda p: p[0])
-        r.worst_rel_error, r.worst_module = worst[0], worst[1]
+        r.worst_rel_error, r.worst_module = max(parts, key=lambda p: p[0])[:2]
         r.repairs = [x for p in parts for x in p[2]]
         r.rtn_fallbacks = [x for p in parts for x in p[3]]
         r.stats_seconds, r.solve_seconds = max(p[4] for p in parts), max(p[5] for p in parts)
@@ -327,7 +326,7 @@ def _apply_stored(job: _LayerJob, path: Path, device) -> None:
         raise QuantError(f"stored layer {job.idx} lacks {sorted(missing)[:3]}; remove it and rerun with --force quantize")
 
 
-def _quantize_layer(job: _LayerJob, lw: Layerwise, hidden: torch.Tensor, path: Path) -> None:
+def _quantize_layer(job: _LayerJob, lw: Layerwise, hidden: torch.Tensor, path: Path, writer: LayerWriter) -> None:
     """Compute this layer's codes (this rank's share, then exchanged) and put them into the layer."""
     if job.plan.algorithm == "awq":
         with _timed(job.report, "solve_seconds", lw.device):
@@ -342,7 +341,7 @@ def _quantize_layer(job: _LayerJob, lw: Layerwise, hidden: torch.Tensor, path: P
     job.share_results()
     job.results = {n: job.results[n] for n in job.mods if n in job.results}  # plan order: the same file at any size
     if job.world.is_writer:
-        write_layer(path, job.results, job.params)
+        writer.submit(path, job.results, job.params)
 
 
 def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, spec: QuantizeSpec,
@@ -356,26 +355,36 @@ def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, sp
         out_dir.mkdir(parents=True, exist_ok=True)
     hidden = lw.embed(calib.tokens)
     reports = []
-    for idx in range(source.n_layers):
-        t0 = time.perf_counter()
-        with lw.layer(idx) as layer:
-            job = _LayerJob(source, plan, spec, idx, layer, world)
-            path = layer_file(out_dir, idx)
-            if world.broadcast_object(path.is_file() if world.is_writer else None):
-                _apply_stored(job, path, lw.device)
-                job.report.resumed = True
-            else:
-                _quantize_layer(job, lw, hidden, path)
-            with _timed(job.report, "forward_seconds", lw.device):
-                hidden = lw.forward(layer, hidden, out=hidden)
-        report = job.finish_report(time.perf_counter() - t0)
-        reports.append(report)
-        _log_layer(report)
-        if idx + 1 < source.n_layers:
-            world.raise_if_stopped(f"layer {idx} of {source.n_layers}")
+    writer = LayerWriter(background=lw.device.type == "cuda")
+    try:
+        for idx in range(source.n_layers):
+            reports.append(_one_layer(source, plan, spec, lw, out_dir, idx, hidden, writer))
+            if idx + 1 < source.n_layers:
+                world.raise_if_stopped(f"layer {idx} of {source.n_layers}")
+    finally:
+        writer.wait()  # the layer in hand reaches the disk before any exit
     if world.is_writer:
         (out_dir / "layers.json").write_text(json.dumps([asdict(r) for r in reports], indent=1))
     return reports
+
+
+def _one_layer(source, plan, spec, lw: Layerwise, out_dir: Path, idx: int, hidden: torch.Tensor,
+               writer: LayerWriter) -> LayerReport:
+    """Quantize (or reload) layer ``idx`` and propagate ``hidden`` through it in place."""
+    world, t0 = lw.world, time.perf_counter()
+    with lw.layer(idx) as layer:
+        job = _LayerJob(source, plan, spec, idx, layer, world)
+        path = layer_file(out_dir, idx)
+        if world.broadcast_object(path.is_file() if world.is_writer else None):
+            _apply_stored(job, path, lw.device)
+            job.report.resumed = True
+        else:
+            _quantize_layer(job, lw, hidden, path, writer)
+        with _timed(job.report, "forward_seconds", lw.device):
+            lw.forward(layer, hidden, out=hidden)
+    report = job.finish_report(time.perf_counter() - t0)
+    _log_layer(report)
+    return report
 
 
 def _log_layer(report: LayerReport) -> None:
