@@ -8,9 +8,9 @@ Python objects. Every collective runs under the group's timeout (``QUANT_DIST_TI
 a failed one (a rank died, hung or raised) raises :class:`~quant.errors.DistError`: one error line on every
 surviving rank instead of a hang.
 
-Stages ask the world which share of the work is theirs (``shard``, :func:`split_work`) and exchange results
-through its collectives (:meth:`World.exchange_tensors`, :class:`quant.relay.Relay`); only the writer (rank 0)
-touches the run directory. ``algos/`` never imports this module.
+Stages ask the world which share of the work is theirs (``shard``, :func:`even_ranges`, :func:`assign`) and
+exchange results through its collectives (:meth:`World.exchange_tensors`, :class:`quant.relay.Relay`); only the
+writer (rank 0) touches the run directory. ``algos/`` never imports this module.
 """
 
 from __future__ import annotations
@@ -251,22 +251,23 @@ def _unpack(flat: torch.Tensor, batch) -> dict[str, torch.Tensor]:
     return out
 
 
-def split_work(size: int, n_items: int, item_cost: float, extra_cost: float) -> tuple[list[range], int]:
-    """Contiguous ranges of ``n_items`` equal items over ``size`` ranks plus one indivisible extra job (a layer's
-    non-expert modules) on the last rank, balancing the estimated cost: -> (range per rank, owner of the extra).
-    The ranges depend only on ``size`` and the costs, so every rank computes the same split."""
-    owner = size - 1
-    if size == 1 or n_items == 0:
-        return [range(0, n_items)] + [range(n_items, n_items)] * (size - 1), owner
-    share = (n_items * item_cost + extra_cost) / size
-    n_last = min(n_items, max(0, round((share - extra_cost) / max(item_cost, 1e-30))))
-    rest = n_items - n_last
-    q, r = divmod(rest, size - 1)
-    bounds = [0]
-    for i in range(size - 1):
-        bounds.append(bounds[-1] + q + (i < r))
-    bounds.append(n_items)
-    return [range(bounds[i], bounds[i + 1]) for i in range(size)], owner
+def even_ranges(n_items: int, size: int) -> list[range]:
+    """``range(n_items)`` in ``size`` contiguous parts whose lengths differ by at most one (earlier parts longer)."""
+    q, r = divmod(n_items, size)
+    starts = [i * q + min(i, r) for i in range(size + 1)]
+    return [range(starts[i], starts[i + 1]) for i in range(size)]
+
+
+def assign(costs: Sequence[float], loads: Sequence[float]) -> list[int]:
+    """The rank of each item: longest first onto the rank with the least load so far (ties: the lower rank),
+    starting from ``loads`` (one per rank). Deterministic, so every rank computes the same assignment."""
+    loads = list(loads)
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(len(loads)), key=lambda r: (loads[r], r))
+        owner[i] = r
+        loads[r] += costs[i]
+    return owner
 
 
 def env_world_size() -> int:

@@ -5,7 +5,8 @@ the device, runs the cached hidden states through it in batches (stages hook in 
 back the layer's outputs as the next layer's inputs. Activations live on the device when they fit in
 ``activation_budget_bytes``, else in (pinned) CPU memory, moved batch by batch. On a GPU the next layer's
 tensors are read from disk into CPU memory by a background thread while the current layer computes
-(``prefetch``: one layer of host memory), so loading leaves the critical path.
+(one layer of host memory), so loading leaves the critical path; with several NCCL ranks each rank reads only
+its share of a layer's bytes and broadcasts it, so the disk (or page cache) is read once per node, not per GPU.
 
 In a world of several ranks the batches are dealt out round-robin: batch ``b`` (rows ``b * batch_size ..``)
 runs on rank ``b % size``, and a rank holds the activations of its own batches only (``embed`` keeps those
@@ -33,7 +34,6 @@ from quant.models.layers import (
     load_embedding,
     load_head,
     load_layer,
-    read_layer_tensors,
     release,
 )
 
@@ -59,6 +59,63 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+class _LayerReader:
+    """A decoder layer's on-disk tensors for ``load_layer``: on a GPU read ahead (the next layer, by a thread) and,
+    with several NCCL ranks, read in contiguous shares of about equal bytes, one per rank, then broadcast."""
+
+    def __init__(self, source: ModelSource, world: World, device: torch.device):
+        self.source, self.world, self.device = source, world, device
+        self.shared = world.distributed and world.backend == "nccl"
+        self.prefetch = device.type == "cuda"
+        self._ahead: tuple[int, Future] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._numel: dict[str, int] | None = None
+
+    def shares(self, idx: int) -> list[list[str]]:
+        """Layer ``idx``'s tensor names split into one contiguous share per rank (by element count)."""
+        prefix = f"model.layers.{idx}."
+        keys = sorted(k for k in self.source.weight_map if k.startswith(prefix))
+        if not self.shared:
+            return [keys]
+        if self._numel is None:
+            self._numel = {k: math.prod(shape) for k, shape in self.source.shapes().items()}
+        total, out, acc = sum(self._numel[k] for k in keys), [[] for _ in range(self.world.size)], 0
+        for k in keys:
+            out[min(self.world.size - 1, acc * self.world.size // max(total, 1))].append(k)
+            acc += self._numel[k]
+        return out
+
+    def _read(self, idx: int, device) -> dict[str, torch.Tensor]:
+        shares = self.shares(idx)
+        return self.source.read_tensors(shares[self.world.rank if self.shared else 0], device)
+
+    def take(self, idx: int) -> dict[str, torch.Tensor] | None:
+        """Layer ``idx``'s tensors (None: ``load_layer`` reads them itself), and start reading ``idx + 1``."""
+        mine = None
+        if self._ahead is not None:
+            ahead_idx, fut = self._ahead
+            self._ahead = None
+            mine = fut.result() if ahead_idx == idx else (fut.cancel() and None)
+        if self.prefetch and idx + 1 < self.source.n_layers:
+            self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="quant-prefetch")
+            self._ahead = (idx + 1, self._pool.submit(self._read, idx + 1, "cpu"))
+        if not self.shared:
+            return mine
+        return self._gather(idx, mine if mine is not None else self._read(idx, self.device))
+
+    def _gather(self, idx: int, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every rank's share of layer ``idx`` on this rank's device (one broadcast per tensor)."""
+        w = self.world
+        metas = w.all_gather_object({k: (tuple(t.shape), t.dtype) for k, t in mine.items()})
+        out = {}
+        for src, meta in enumerate(metas):
+            for key, (shape, dtype) in meta.items():
+                t = mine[key].to(self.device) if src == w.rank else torch.empty(shape, dtype=dtype, device=self.device)
+                w.broadcast_tensor(t, src)
+                out[key] = t
+        return out
+
+
 class Layerwise:
     """Run a model layer by layer over fixed calibration tokens ``[N, S]``."""
 
@@ -73,9 +130,7 @@ class Layerwise:
         self.budget = activation_budget_bytes
         self.model = build_skeleton(source, self.dtype)
         self.runner = LayerRunner(self.model, self.device, self.dtype)
-        self.prefetch = self.device.type == "cuda"
-        self._ahead: tuple[int, Future] | None = None
-        self._reader: ThreadPoolExecutor | None = None
+        self.reader = _LayerReader(source, world, self.device)
 
     def _store(self, like_shape: tuple[int, ...]) -> torch.device:
         n_bytes = torch.Size(like_shape).numel() * torch.finfo(self.dtype).bits // 8
@@ -106,22 +161,10 @@ class Layerwise:
         release(emb)
         return hidden
 
-    def _read_ahead(self, idx: int) -> dict | None:
-        """Layer ``idx``'s tensors if a prefetch of it was started (waiting for it), and start reading ``idx + 1``."""
-        raw = None
-        if self._ahead is not None:
-            ahead_idx, fut = self._ahead
-            self._ahead = None
-            raw = fut.result() if ahead_idx == idx else (fut.cancel() and None)
-        if self.prefetch and idx + 1 < self.source.n_layers:
-            self._reader = self._reader or ThreadPoolExecutor(1, thread_name_prefix="quant-prefetch")
-            self._ahead = (idx + 1, self._reader.submit(read_layer_tensors, self.source, idx + 1, "cpu"))
-        return raw
-
     @contextlib.contextmanager
     def layer(self, idx: int) -> Iterator[nn.Module]:
         """Layer ``idx`` materialized on the device for the duration of the block."""
-        layer = load_layer(self.source, self.model, idx, self.device, self.dtype, self._read_ahead(idx))
+        layer = load_layer(self.source, self.model, idx, self.device, self.dtype, self.reader.take(idx))
         try:
             yield layer
         finally:

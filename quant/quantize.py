@@ -6,11 +6,12 @@ accumulate Hessians (GPTQ), quantize every planned module — experts of one pro
 weights into the layer and propagate the activations through the *quantized* layer, so later layers calibrate
 on what they will see at inference. A layer whose file exists is not recomputed (resume after a crash).
 
-With several ranks (``lw.world``) each rank owns a contiguous range of a layer's experts and one rank owns its
-other modules (``dist.split_work``, balanced by estimated solve cost); calibration batches run data-parallel and
-``quant.relay`` hands each owner its experts' routed tokens in global batch order, so every Hessian, and so
-every code, is the one a single process computes. Owners exchange codes (``World.exchange_tensors``), every rank
-puts the dequantized layer together and propagates its own batches; only the writer writes the layer file.
+With several ranks (``lw.world``) each rank owns a contiguous range of a layer's experts, and the layer's other
+modules (solved in groups that share an input) go to ranks by estimated solve time (``dist.assign``, longest
+first onto the least-loaded rank). Calibration batches run data-parallel and ``quant.relay`` hands each owner its
+experts' routed tokens (and every rank the other modules' inputs) in global batch order, so every Hessian, and
+so every code, is the one a single process computes. Owners exchange codes (``World.exchange_tensors``), every
+rank puts the dequantized layer together and propagates its own batches; only the writer writes the layer file.
 AWQ runs replicated (every rank computes the whole layer) for now.
 """
 
@@ -29,16 +30,17 @@ from torch import nn
 from quant.algos.grid import QuantizedWeight, QuantSpec
 from quant.algos.rtn import rtn
 from quant.calibration import CalibrationSet
-from quant.dist import World, split_work
+from quant.dist import World, even_ranges
 from quant.errors import QuantError
 from quant.hessians import ExpertStats, linear_stats
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
-from quant.models.layers import ExpertsView, experts_of, layer_weights, linears_of
+from quant.models.layers import ExpertsView, experts_of, linears_of
 from quant.plan import BitPlan, ModulePlan
-from quant.qstore import LayerWriter, dequantize_2d, layer_file, load_into_layer
+from quant.qstore import LayerWriter, layer_file, load_into_layer
 from quant.recipe import QuantizeSpec
 from quant.relay import Relay
+from quant.sharing import my_linear_groups, share_results, sub_batches
 from quant.smooth import run_awq
 
 log = logging.getLogger(__name__)
@@ -68,12 +70,14 @@ class LayerReport:
     worst_rel_error: float = 0.0
     worst_module: str = ""
     seconds: float = 0.0
+    load_seconds: float = 0.0
     stats_seconds: float = 0.0
     solve_seconds: float = 0.0
     forward_seconds: float = 0.0
     rtn_fallbacks: list[str] = field(default_factory=list)
     repairs: list[str] = field(default_factory=list)
     resumed: bool = False
+    rank_solve_seconds: list[float] = field(default_factory=list)  # several ranks: each rank's solve time
 
 
 @contextlib.contextmanager
@@ -87,20 +91,8 @@ def _timed(report: LayerReport, field_name: str, device: torch.device):
     setattr(report, field_name, getattr(report, field_name) + time.perf_counter() - t0)
 
 
-def _sub_batches(experts: list[int], out_f: int, in_f: int, budget_gb: float) -> list[list[int]]:
-    """Split a batch so one solve's fp32 working set (weights + ~3 Hessian-sized buffers) fits the budget."""
-    per_expert = 4 * (2 * out_f * in_f + 3 * in_f * in_f)
-    n = max(1, int(budget_gb * 1e9) // per_expert)
-    return [experts[i : i + n] for i in range(0, len(experts), n)]
-
-
 def _spec_of(p: ModulePlan) -> QuantSpec:
     return QuantSpec(p.bits, p.group_size, p.symmetric)
-
-
-def _solve_cost(n_out: int, n_in: int) -> float:
-    """Rough GPTQ cost of one ``[out, in]`` module: column-loop updates plus the Cholesky factorizations."""
-    return float(n_out) * n_in * n_in + 2.0 * n_in ** 3
 
 
 class _LayerJob:
@@ -117,23 +109,9 @@ class _LayerJob:
         self.results: dict[str, QuantizedWeight] = {}
         self.report = LayerReport(idx)
         self.replicated = plan.algorithm == "awq"  # every rank computes the whole layer
-        self.ranges, self.linear_owner = self._split()
-
-    def _split(self) -> tuple[list[range], int]:
-        """Each rank's contiguous expert range and the rank that owns the layer's other modules."""
-        v, size = self.view, 1 if self.replicated else self.world.size
-        n_experts = v.n_experts if v is not None and self.experts_planned() else 0
-        expert_cost = 0.0 if not n_experts else (_solve_cost(v.gate_up.shape[1], v.gate_up.shape[2])
-                                                 + _solve_cost(v.down.shape[1], v.down.shape[2]))
-        linear_cost = sum(_solve_cost(m.out_features, m.in_features) for m in self.linears.values())
-        ranges, owner = split_work(size, n_experts, expert_cost, linear_cost)
-        if self.replicated:
-            return ranges * self.world.size, self.world.rank
-        return ranges, owner
-
-    @property
-    def owns_linears(self) -> bool:
-        return self.world.rank == self.linear_owner
+        n_experts = self.view.n_experts if self.view is not None and self.experts_planned() else 0
+        size = 1 if self.replicated else world.size
+        self.ranges = even_ranges(n_experts, size) * (world.size if self.replicated else 1)
 
     def experts_planned(self) -> dict[str, ModulePlan]:
         return {n: p for n, p in self.mods.items() if ".experts." in n}
@@ -153,7 +131,7 @@ class _LayerJob:
         makes as many passes as the rank with the most chunks (they run in lockstep).
         """
         relay = Relay(self.world)
-        lin_stats = linear_stats(self.linears, relay, {self.linear_owner})
+        lin_stats = linear_stats(self.linears, relay)  # every rank: the solve groups are shared out afterwards
         has_experts = self.view is not None and bool(self.experts_planned())
         chunks = [self.expert_chunks(r) if has_experts else [] for r in self.ranges]
         for i in range(max(1, *map(len, chunks))):
@@ -176,9 +154,8 @@ class _LayerJob:
                     with _timed(self.report, "solve_seconds", lw.device):
                         self.run_experts(exp_stats)
                 del exp_stats
-        if self.owns_linears:
-            with _timed(self.report, "solve_seconds", lw.device):
-                self.run_linears(lin_stats)
+        with _timed(self.report, "solve_seconds", lw.device):
+            self.run_linears(lin_stats)
 
     def spec_of(self, name: str) -> QuantSpec:
         return _spec_of(self.mods[name])
@@ -223,7 +200,7 @@ class _LayerJob:
                     break
             else:
                 groups.append((spec, H, [name]))
-        for spec, H, names in groups:
+        for spec, H, names in my_linear_groups(self, groups):
             mods = [self.linears[n] for n in names]
             w = torch.cat([m.weight.data for m in mods], dim=0)[None]
             bounds = torch.cumsum(torch.tensor([0] + [m.out_features for m in mods]), 0).tolist()
@@ -263,7 +240,7 @@ class _LayerJob:
                  "up": (v.gate_up.data[:, I:], H_gu), "down": (v.down.data, H_down)}
         for (proj, spec, fallback), experts in self.expert_groups(first, count, counts).items():
             weights, H = views[proj]
-            for sub in _sub_batches(experts, weights.shape[1], weights.shape[2], self.spec.solve_budget_gb):
+            for sub in sub_batches(experts, weights.shape[1], weights.shape[2], self.spec.solve_budget_gb):
                 local = None if H is None or fallback else H[torch.tensor([e - first for e in sub], device=H.device)]
                 self._solve_experts(proj, weights, local, spec, sub, fallback, I)
 
@@ -275,37 +252,6 @@ class _LayerJob:
         if fallback:
             self.report.rtn_fallbacks += [name for parts in rows for name, _ in parts]
         weights[sel] = self.solve(weights[sel], H, spec, rows, algorithm="rtn" if fallback else None)
-
-    def share_results(self) -> None:
-        """Every rank's codes on every rank; other ranks' modules are dequantized into this rank's layer."""
-        if not self.world.distributed or self.replicated:
-            return
-        mine = {}
-        for name, qw in self.results.items():
-            mine[name + ".q"], mine[name + ".scale"] = qw.q, qw.scale
-            if qw.zero is not None:
-                mine[name + ".zero"] = qw.zero
-        everything = self.world.exchange_tensors(mine)
-        weights = layer_weights(self.source, self.layer, self.idx)
-        for name in self.mods:
-            if name in self.results or name + ".q" not in everything:
-                continue
-            spec = self.spec_of(name)
-            qw = QuantizedWeight(everything[name + ".q"], everything[name + ".scale"], everything.get(name + ".zero"),
-                                 spec)
-            self.results[name] = qw
-            weights[name].copy_(dequantize_2d(qw).to(weights[name].device))
-        self.merge_reports()
-
-    def merge_reports(self) -> None:
-        """The layer's report from every rank's part: the worst error over ranks, every repair and fallback."""
-        r = self.report
-        parts = self.world.all_gather_object((r.worst_rel_error, r.worst_module, r.repairs, r.rtn_fallbacks,
-                                              r.stats_seconds, r.solve_seconds))
-        r.worst_rel_error, r.worst_module = max(parts, key=lambda p: p[0])[:2]
-        r.repairs = [x for p in parts for x in p[2]]
-        r.rtn_fallbacks = [x for p in parts for x in p[3]]
-        r.stats_seconds, r.solve_seconds = max(p[4] for p in parts), max(p[5] for p in parts)
 
     def finish_report(self, seconds: float) -> LayerReport:
         r = self.report
@@ -335,10 +281,9 @@ def _quantize_layer(job: _LayerJob, lw: Layerwise, hidden: torch.Tensor, path: P
         job.run_with_statistics(lw, hidden)
     else:
         with _timed(job.report, "solve_seconds", lw.device):
-            if job.owns_linears:
-                job.run_linears({})
+            job.run_linears({})
             job.run_experts(None)
-    job.share_results()
+    share_results(job)
     job.results = {n: job.results[n] for n in job.mods if n in job.results}  # plan order: the same file at any size
     if job.world.is_writer:
         writer.submit(path, job.results, job.params)
@@ -374,6 +319,7 @@ def _one_layer(source, plan, spec, lw: Layerwise, out_dir: Path, idx: int, hidde
     world, t0 = lw.world, time.perf_counter()
     with lw.layer(idx) as layer:
         job = _LayerJob(source, plan, spec, idx, layer, world)
+        job.report.load_seconds = time.perf_counter() - t0
         path = layer_file(out_dir, idx)
         if world.broadcast_object(path.is_file() if world.is_writer else None):
             _apply_stored(job, path, lw.device)

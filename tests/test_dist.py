@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from quant.dist import SINGLE, World, init_world, split_work
+from quant.dist import SINGLE, World, assign, even_ranges, init_world
 from quant.errors import DistError, QuantError, RecipeError
 from quant.relay import Relay
 
@@ -50,13 +50,22 @@ def test_relay_consumes_at_once_in_a_world_of_one():
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 8])
-def test_split_work_covers_every_item_and_balances_cost(size):
-    for n, item, extra in ((128, 16.7, 150.0), (256, 10.0, 0.0), (3, 1.0, 50.0), (0, 1.0, 5.0), (7, 1.0, 1.0)):
-        ranges, owner = split_work(size, n, item, extra)
-        assert len(ranges) == size and owner == size - 1
-        assert [i for r in ranges for i in r] == list(range(n))
-        costs = [len(r) * item + (extra if i == owner else 0) for i, r in enumerate(ranges)]
-        assert max(costs) <= (n * item + extra) / size + max(item, extra) + 1e-9
+def test_even_ranges_cover_every_item_in_contiguous_near_equal_parts(size):
+    for n in (0, 1, 7, 128, 256):
+        parts = even_ranges(n, size)
+        assert len(parts) == size and [i for r in parts for i in r] == list(range(n))
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_assign_puts_the_longest_item_on_the_least_loaded_rank():
+    # Qwen3-30B-A3B-like: two equal expert halves, then o_proj (long) and q/k/v (short) on different ranks
+    assert assign([6.0, 4.0], [10.0, 10.0]) == [0, 1]
+    assert assign([1.0, 1.0, 1.0], [0.0, 5.0, 0.5]) == [0, 2, 0]
+    assert assign([], [1.0]) == []
+    loads = [3.0, 0.0, 1.0]
+    owner = assign([2.0, 2.0, 1.0, 1.0], loads)
+    final = [loads[r] + sum(c for c, o in zip([2.0, 2.0, 1.0, 1.0], owner, strict=True) if o == r) for r in range(3)]
+    assert max(final) - min(final) <= 1.0
 
 
 def _free_port() -> int:
@@ -118,7 +127,23 @@ def _peer_dies(world: World):
     return "no error"
 
 
-SCENARIOS = {"relay": _relay_order, "exchange": _exchange, "writer_error": _writer_error, "peer_dies": _peer_dies}
+def _shared_read(world: World):
+    """Layer 1 of a builtin model read in one share per rank and broadcast (the NCCL path, forced on gloo)."""
+    from quant.layerwise import _LayerReader
+    from quant.models import resolve_model
+    from quant.models.layers import read_layer_tensors
+
+    src = resolve_model("builtin:qwen3-moe-tiny")
+    reader = _LayerReader(src, world, torch.device("cpu"))
+    reader.shared = True
+    got = reader.take(1)
+    full = read_layer_tensors(src, 1)
+    shares = reader.shares(1)
+    return (sorted(got) == sorted(full) and all(torch.equal(got[k], full[k]) for k in full),
+            [len(s) for s in shares], sorted(k for s in shares for k in s) == sorted(full))
+
+
+SCENARIOS = {"relay": _relay_order, "shared_read": _shared_read, "exchange": _exchange, "writer_error": _writer_error, "peer_dies": _peer_dies}
 
 
 def _spawn(scenario: str, size: int = 3) -> dict[int, object]:
@@ -140,7 +165,7 @@ def _spawn(scenario: str, size: int = 3) -> dict[int, object]:
 @pytest.fixture(scope="module")
 def gloo_results():
     """One spawn per scenario, 3 gloo ranks each (a few seconds each)."""
-    return {name: _spawn(name) for name in ("relay", "exchange", "writer_error", "peer_dies")}
+    return {name: _spawn(name) for name in ("relay", "exchange", "writer_error", "peer_dies", "shared_read")}
 
 
 def test_relay_delivers_in_global_batch_order_to_consumers_only(gloo_results):
@@ -163,6 +188,12 @@ def test_writer_error_reaches_every_rank_and_only_the_writer_prints_it(gloo_resu
     res = gloo_results["writer_error"]
     assert res[0] == ("RecipeError", "bad recipe value", False)
     assert res[1] == res[2] == ("RecipeError", "bad recipe value", True)
+
+
+def test_each_rank_reads_a_share_of_a_layer_and_every_rank_gets_all_of_it(gloo_results):
+    for rank in range(3):
+        same, sizes, covered = gloo_results["shared_read"][rank]
+        assert same and covered and all(sizes), (rank, sizes)
 
 
 def test_a_dead_peer_is_one_dist_error_not_a_hang(gloo_results):

@@ -12,7 +12,7 @@ LAYERS = [
     {"report", "export", "publish"},
     {"quantize", "evaluate", "runtimes", "plan_summary", "footprint"},
     {"plan"},
-    {"profile", "hessians", "smooth"},
+    {"profile", "hessians", "smooth", "sharing"},
     {"layerwise", "calibration", "qstore", "lmeval", "humaneval"},
     {"relay"},
     {"sandbox", "routing", "models", "rundir", "dist"},

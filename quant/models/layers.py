@@ -40,7 +40,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def read_layer_tensors(source: ModelSource, idx: int, device="cpu") -> dict[str, torch.Tensor]:
-    """Every on-disk tensor of decoder layer ``idx`` (read ahead of ``load_layer`` by a prefetching caller)."""
+    """Every on-disk tensor of decoder layer ``idx``, by on-disk name."""
     prefix = f"model.layers.{idx}."
     return source.read_tensors([k for k in source.weight_map if k.startswith(prefix)], device)
 
@@ -79,8 +79,8 @@ def _layer_state(source: ModelSource, idx: int, device, moe_attr: str, raw: dict
 
 def load_layer(source: ModelSource, model: nn.Module, idx: int, device, dtype: torch.dtype,
                raw: dict | None = None) -> nn.Module:
-    """Materialize decoder layer ``idx`` of the meta skeleton on ``device`` with its checkpoint weights (``raw``:
-    from :func:`read_layer_tensors`, when read ahead)."""
+    """Materialize decoder layer ``idx`` of the meta skeleton on ``device`` with its checkpoint weights (``raw``: the
+    layer's on-disk tensors when the caller has read them, e.g. ahead of time)."""
     layer = decoder_layers(model)[idx]
     found = moe_block(source.family, layer)
     moe_attr = found[0] if found else "mlp"
