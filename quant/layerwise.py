@@ -41,9 +41,14 @@ log = logging.getLogger(__name__)
 
 
 def pick_device(spec: str) -> torch.device:
+    """``auto``: this process's GPU when there is one, else the CPU. A CUDA device always carries its index (the
+    rank's GPU under torchrun), since readers such as safetensors take a bare ``cuda`` to mean GPU 0."""
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -40,8 +40,11 @@ class Channel:
         self.pending = tensors
 
     def close(self) -> None:
-        """Stop taking payloads (the hook is gone); the channel still takes part in later flushes, empty."""
+        """Stop taking payloads (the hook is gone); the channel still takes part in later flushes, empty. The
+        consumer is dropped: a closed channel must not keep its statistics (GBs of Hessian sums) alive."""
         self.closed = True
+        self.consume = None
+        self.pending = None
 
 
 class Relay:
