@@ -1,8 +1,9 @@
 """Engine benchmark (GPU): quant's layer-wise engine vs llm-compressor on MoE layers with real shapes.
 
 Builds a random-weight model with Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, top-8, expert
-intermediate 768) or DeepSeek-V3 layer shapes (hidden 7168, 256 routed experts + 1 shared, expert
-intermediate 2048, top-8, MLA), saves it as a real safetensors checkpoint, and on the same random calibration
+intermediate 768), DeepSeek-V3 layer shapes (hidden 7168, 256 routed experts + 1 shared, expert
+intermediate 2048, top-8, MLA) or Mixtral-8x7B layer shapes (hidden 4096, 8 experts, top-2, intermediate 14336),
+saves it as a real safetensors checkpoint, and on the same random calibration
 tokens runs, in one process:
   - quant: profile (tokens/s), then quantize (rtn / gptq / awq) layer by layer; seconds per layer split into
     statistics passes, solve and propagation; peak GPU memory; export to compressed-tensors;
@@ -51,6 +52,9 @@ SHAPES = {
                         n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                         qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=2.5, norm_topk_prob=True,
                         max_position_embeddings=4096, tie_word_embeddings=False),
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_local_experts=8,
+                         num_experts_per_tok=2, max_position_embeddings=4096, tie_word_embeddings=False),
     "tiny": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=256, intermediate_size=512,
                  moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
                  num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False),
@@ -99,6 +103,47 @@ def build_model(shape: str, n_layers: int, path: Path, seed: int) -> None:
     tok.save_pretrained(path)
     del model
     reset_peak()
+
+
+def write_shapes_only(shape: str, n_layers: int, path: Path) -> Path:
+    """config.json and a header-only model.safetensors (names, dtypes, shapes; no data) of a ``shape`` model with
+    ``n_layers`` layers, in the per-expert on-disk layout save_pretrained writes: what ``quant estimate`` reads.
+    The model is built on the meta device, so a 671 B architecture costs no memory."""
+    import re
+    import struct
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quant.models.families import family_for
+
+    kw = dict(SHAPES[shape])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), num_hidden_layers=n_layers, **kw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    fam = family_for(cfg.model_type)
+    shapes: dict[str, list[int]] = {}
+    for key, t in model.state_dict().items():
+        m = re.match(r"model\.layers\.(\d+)\.(.+)\.experts\.(gate_up_proj|down_proj)$", key)
+        if not m:
+            layer = re.match(r"model\.layers\.(\d+)\.(.+)$", key)
+            shapes[fam.disk_key(int(layer[1]), layer[2]) if layer else key] = list(t.shape)
+            continue
+        layer, block, E = int(m[1]), m[2], t.shape[0]
+        parts = ({"gate": t.shape[1] // 2, "up": t.shape[1] // 2} if m[3] == "gate_up_proj" else {"down": t.shape[1]})
+        for e in range(E):
+            for proj, rows in parts.items():
+                local = f"{block}.experts.{e}.{fam.expert_proj[proj]}.weight"
+                shapes[fam.disk_key(layer, local)] = [rows, t.shape[2]]
+    header, offset = {}, 0
+    for key, shp in sorted(shapes.items()):
+        n = 2 * int(torch.Size(shp).numel())
+        header[key] = {"dtype": "BF16", "shape": shp, "data_offsets": [offset, offset + n]}
+        offset += n
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(path)
+    blob = json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob)
+    return path
 
 
 class TiledSource(ModelSource):
@@ -154,6 +199,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     prof = profile_routing(src, calib, Layerwise(src, "bfloat16", dev, batch))
     sync()
     prof_s = time.perf_counter() - t0
+    prof_peak = peak_gb()
     sym = algo != "awq"
     spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=128, symmetric=sym,
                     protect={"attention": 4 if quant_all else "keep", "shared_experts": 4, "dense_mlp": 4})
@@ -174,7 +220,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
            "stats_s_per_layer": sum(r.stats_seconds for r in reports) / len(reports),
            "solve_s_per_layer": sum(r.solve_seconds for r in reports) / len(reports),
            "forward_s_per_layer": sum(r.forward_seconds for r in reports) / len(reports),
-           "peak_gpu_gb": peak, "repairs": sum(len(r.repairs) for r in reports)}
+           "peak_gpu_gb": peak, "profile_peak_gpu_gb": prof_peak, "repairs": sum(len(r.repairs) for r in reports)}
     t0 = time.perf_counter()
     ckpt = write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}", 20 << 30)
     out["export_s"] = time.perf_counter() - t0
@@ -290,7 +336,8 @@ def main() -> None:
               f"{r.get('solve_s_per_layer', float('nan')):7.2f} {r.get('forward_s_per_layer', float('nan')):7.2f} "
               f"{r['peak_gpu_gb']:8.1f} {r.get('mean_rel_layer_error', float('nan')):8.4f}")
     if "profile_tokens_per_s" in (rows[0] if rows else {}):
-        print(f"profile throughput: {rows[0]['profile_tokens_per_s']:.0f} tokens/s ({a.samples}x{a.seqlen} tokens)")
+        print(f"profile throughput: {rows[0]['profile_tokens_per_s']:.0f} tokens/s ({a.samples}x{a.seqlen} tokens), "
+              f"peak GPU {rows[0]['profile_peak_gpu_gb']:.1f} GB")
     for r in rows:
         if "end_to_end_s" in r:
             print(f"{r['algo']} end to end, {r['layers']} layers: profile {r['profile_s']:.1f} s + quantize "

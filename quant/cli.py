@@ -1,14 +1,13 @@
 """``quant`` command line: argv -> Recipe (+ --set, --model) -> pipeline. Exit codes: 0 ok, 1 bad input or
 unusable model/run directory (one line on stderr), 2 usage, 3 quality gates failed, 75 stopped on request
 (SIGUSR1/SIGTERM or a STOP file; rerun to resume), 130 interrupted.
-Logging is configured here and only here. Under torchrun the pipeline commands join the process group here;
-ranks other than 0 log warnings only and print nothing to stdout."""
+Logging is configured here and only here (through quant/console.py). Under torchrun the pipeline commands join the
+process group here; ranks other than 0 log warnings only and print nothing to stdout."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -26,22 +25,6 @@ OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="run dire
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override a recipe key: a.b=value (repeatable)")]
 ModelOpt = Annotated[str | None, typer.Option("--model", help="model folder, hub id or builtin:NAME")]
 ForceOpt = Annotated[str | None, typer.Option("--force", help="redo this stage and all later ones ('all': every stage)")]
-
-
-def _setup_logging(verbose: bool) -> None:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("transformers", "compressed_tensors", "datasets", "urllib3", "filelock", "matplotlib"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
 
 
 def _recipe(recipe: Path, overrides: list[str] | None, model: str | None):
@@ -115,6 +98,22 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, model: ModelOpt = None) -> 
 
 
 @app.command()
+def estimate(recipe: RecipeArg, set_: SetOpt = None, model: ModelOpt = None,
+             gpus: Annotated[int, typer.Option("--gpus", help="GPUs of the job (experts divided over ranks)")] = 1,
+             gpu_memory_gb: Annotated[float, typer.Option("--gpu-memory-gb", help="memory of one GPU")] = 80.0) -> None:
+    """Forecast peak GPU/host memory, disk and time per stage from config.json and tensor shapes (no weights);
+    exit 1 if the plan cannot fit."""
+    from quant.estimate import check_fits, forecast, render
+    from quant.models.headers import load_headers
+
+    r = _recipe(recipe, set_, model)
+    source = load_headers(r.model.path, r.model.trust_remote_code, r.model.family)
+    f = forecast(r, source, gpus, gpu_memory_gb)
+    typer.echo(render(f, r))
+    check_fits(f, r)
+
+
+@app.command()
 def inspect(checkpoint: Annotated[Path, typer.Argument(help="a checkpoint folder written by quant")]) -> None:
     """Print the per-module bits table of a checkpoint (compressed-tensors or GPTQ format)."""
     from quant.export.inspect import format_table, read_checkpoint_bits
@@ -134,8 +133,11 @@ def publish(run_dir: Annotated[Path, typer.Argument(help="a finished run directo
 
 
 @app.callback()
-def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
-    _setup_logging(verbose)
+def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show debug lines and third-party "
+                                                "output (library logs, progress bars, warnings)")] = False) -> None:
+    from quant.console import configure
+
+    configure(verbose)
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from quant.dist import SINGLE, World
 from quant.errors import GateFailed, RunDirError, StopRequested
 from quant.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
 from quant.models import ModelSource, resolve_model
+from quant.progress import step as progress_step
 from quant.recipe import Recipe
 from quant.rundir import RunDir, hash_path
 
@@ -36,7 +37,7 @@ STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "report"
 DEPENDS = {
     "calibrate": (("model", "calibration"), (), ("calibration.safetensors", "calibration.json")),
     "profile": (("model", "profile"), ("calibrate",), ("profile.json",)),
-    "plan": (("plan", "quantize"), ("profile",), ("plan.json",)),
+    "plan": (("plan", "quantize", "export"), ("profile",), ("plan.json",)),  # formats decide group units
     "quantize": (("model", "quantize"), ("calibrate", "plan"), ("quantized",)),
     "export": (("export",), ("plan", "quantize"), ()),  # outputs: one folder per format
     "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
@@ -108,10 +109,11 @@ class Run:
                 continue
             if stage == "quantize" or (stage == "export" and "quantize" not in ran):
                 w.on_writer(lambda stage=stage: stages.check_disk(self.recipe, self.source, self.dir.path, stage))
+            position = (i, len(todo))
             if stage in DISTRIBUTED:
-                self._run_stage(stage, h, outputs, m)
+                self._run_stage(stage, h, outputs, m, position)
             else:
-                w.on_writer(lambda stage=stage, h=h, outputs=outputs: self._run_stage(stage, h, outputs, m))
+                w.on_writer(lambda stage=stage, h=h, outputs=outputs, p=position: self._run_stage(stage, h, outputs, m, p))
             ran.append(stage)
             if i + 1 < len(todo):
                 w.raise_if_stopped(f"stage {stage}")
@@ -131,10 +133,11 @@ class Run:
             raise GateFailed(f"quality gates failed: {'; '.join(failed)} (see {self.dir.path / 'report.md'})")
         return passed
 
-    def _run_stage(self, stage: str, input_hash: str, outputs: list[str], m: dict) -> None:
-        """Run one stage (on every rank when it is distributed, else on the writer alone); the writer records it."""
-        w, distributed = self.world, stage in DISTRIBUTED
-        log.info("stage %s: running", stage)
+    def _run_stage(self, stage: str, input_hash: str, outputs: list[str], m: dict, position: tuple[int, int]) -> None:
+        """Run one stage (on every rank when it is distributed, else on the writer alone); the writer records it.
+        ``position``: (stages before it, stages in this invocation) for the progress display."""
+        w, distributed, (i, n) = self.world, stage in DISTRIBUTED, position
+        log.info("stage %s: running", stage, extra=progress_step("run", i, n, "stages", eta=False))
         device = pick_device(self.recipe.quantize.device)
         reset_peak_memory(device)
         if w.is_writer:
@@ -153,7 +156,8 @@ class Run:
             self.dir.mark(m, stage, status="done", input_hash=input_hash, wall_s=round(time.perf_counter() - t0, 3),
                           peak_memory_bytes=peak, device=str(device), ranks=w.size if distributed else 1,
                           outputs={o: hash_path(self.dir.path / o) for o in outputs}, **info)
-            log.info("stage %s: done in %.1fs", stage, m["stages"][stage]["wall_s"])
+            log.info("stage %s: done in %.1fs", stage, m["stages"][stage]["wall_s"],
+                     extra=progress_step("run", i + 1, n, "stages", eta=False))
 
 
 def run(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None,

@@ -9,12 +9,12 @@ what vLLM can serve (one scheme per fused MoE layer).
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from quant.algos.grid import effective_group_size
 from quant.errors import PlanError
 from quant.models import ModuleInfo
 from quant.profile import RoutingProfile
@@ -48,6 +48,7 @@ class BitPlan:
     model_fingerprint: str
     schema_version: int = SCHEMA_VERSION
     notes: list[str] = field(default_factory=list)
+    group_rule: str = ""  # how each module's group size was chosen (see ``resolve_group_sizes``)
 
     def quantized(self) -> dict[str, ModulePlan]:
         return {n: p for n, p in self.modules.items() if not p.keep}
@@ -162,6 +163,51 @@ def _high_mask(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pl
     return mask
 
 
+GROUP_RULE = (
+    "plan.group_size {requested} is the largest group: every scheme unit gets one group size, the largest power of "
+    "two <= {requested} dividing the input width of each of its projections (-1: one group per row). Units: the "
+    "experts of one MoE layer (gate, up and down of every expert: vLLM and SGLang build one scheme per fused MoE "
+    "layer, GPTQ rules address whole experts); with GPTQ export also each attention, shared-expert and dense-MLP "
+    "block (one dynamic rule per block); any other module alone."
+)
+
+
+def scheme_unit(m: ModuleInfo, formats: tuple[str, ...]) -> str:
+    """Name of the group of modules that must share one group size (see ``GROUP_RULE``)."""
+    if m.kind == "expert":
+        return f"layers.{m.layer}.experts"
+    if "gptq" in formats and m.kind in ("attn", "shared", "dense_mlp"):
+        return m.name.rsplit(".", 1)[0]
+    return m.name
+
+
+def resolve_group_sizes(modules: dict[str, ModuleInfo], requested: int, formats: tuple[str, ...]) -> dict[str, int]:
+    """Module name -> effective group size along its input dim, one per scheme unit (``GROUP_RULE``).
+
+    A unit whose widths are all >= ``requested`` takes ``requested`` (each width must be a multiple of it); a unit
+    with a narrower projection (tiny models: down_proj 32 wide under a 128 request) takes the largest power of two
+    that divides every width, so one expert never mixes group sizes. ``-1``: each module's own width.
+    """
+    units: dict[str, list[ModuleInfo]] = defaultdict(list)
+    for m in modules.values():
+        units[scheme_unit(m, formats)].append(m)
+    out: dict[str, int] = {}
+    for unit, members in units.items():
+        widths = sorted({m.in_features for m in members})
+        if requested == -1:
+            out.update({m.name: m.in_features for m in members})
+            continue
+        bad = [w for w in widths if w >= requested and w % requested]
+        if bad:
+            raise PlanError(f"{unit}: in_features {bad[0]} is not divisible by plan.group_size {requested}; use a "
+                            f"group size dividing {bad[0]} (e.g. 32, 64) or -1 (per channel)")
+        group = requested
+        while group > 1 and any(w % group for w in widths):
+            group //= 2
+        out.update({m.name: group for m in members})
+    return out
+
+
 def _rule_bits(m: ModuleInfo, spec: PlanSpec, n_layers: int) -> tuple[int | str | None, str] | None:
     """Bits (or 'keep') a protection rule forces on module ``m``, with the rule's name; None if no rule."""
     p = spec.protect
@@ -179,11 +225,12 @@ def _rule_bits(m: ModuleInfo, spec: PlanSpec, n_layers: int) -> tuple[int | str 
 
 
 def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec, algorithm: str,
-              n_layers: int) -> BitPlan:
-    """Decide every module's bits from the profile and the plan spec (pure: no I/O, no model)."""
+              n_layers: int, formats: tuple[str, ...] = ("compressed-tensors",)) -> BitPlan:
+    """Decide every module's bits from the profile and the plan spec (pure: no I/O, no model). ``formats``: the
+    checkpoint formats the plan will be exported to (they decide which modules share a group size)."""
     high = _high_mask(profile, modules, spec)
     supers = set(profile.super_experts(spec.protect.super_expert_ratio)) if spec.protect.super_experts else set()
-    out: dict[str, ModulePlan] = {}
+    decided: dict[str, tuple[int | None, str]] = {}
     for name, m in modules.items():
         rule = _rule_bits(m, spec, n_layers)
         if rule is None and (m.layer, m.expert) in supers:
@@ -194,14 +241,10 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
             bits, reason = spec.high_bits, f"{spec.policy}:high"
         else:
             bits, reason = spec.low_bits, f"{spec.policy}:low"
-        if bits == "keep":
-            out[name] = ModulePlan(None, reason=reason)
-            continue
-        group = effective_group_size(spec.group_size, m.in_features)
-        if m.in_features % group:
-            raise PlanError(
-                f"{name}: in_features {m.in_features} is not divisible by plan.group_size {spec.group_size}; "
-                f"use a group size dividing {m.in_features} (e.g. 32, 64) or -1 (per channel)"
-            )
-        out[name] = ModulePlan(int(bits), group, spec.symmetric, reason)
-    return BitPlan(out, algorithm, spec.granularity, spec.target_runtime, spec.policy, profile.model_fingerprint)
+        decided[name] = (None if bits == "keep" else int(bits), reason)
+    quantized = {n: modules[n] for n, (bits, _) in decided.items() if bits is not None}
+    groups = resolve_group_sizes(quantized, spec.group_size, formats)
+    out = {n: ModulePlan(bits, groups[n], spec.symmetric, reason) if bits is not None else ModulePlan(None, reason=reason)
+           for n, (bits, reason) in decided.items()}
+    return BitPlan(out, algorithm, spec.granularity, spec.target_runtime, spec.policy, profile.model_fingerprint,
+                   group_rule=GROUP_RULE.format(requested=spec.group_size))

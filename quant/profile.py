@@ -23,6 +23,7 @@ from quant.errors import ModelError
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of
+from quant.progress import step
 from quant.relay import Relay
 from quant.routing import chunk_budget, expert_intermediate, expert_output, load_buckets, with_zero_row
 
@@ -216,6 +217,7 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise) -
     hidden = lw.embed(calib.tokens)
     per_layer: dict[int, _LayerStats] = {}
     moe_layers = set(source.moe_layers())
+    log.info("profile: %d layers", source.n_layers, extra=step("profile", 0, source.n_layers))
     for idx in range(source.n_layers):
         relay = Relay(lw.world)
         with lw.layer(idx) as layer:
@@ -239,10 +241,13 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise) -
             hidden = lw.forward(layer, hidden, before_batch=before, out=hidden, after_step=relay.flush)
             if handle is not None:
                 handle.remove()
+        done = step("profile", idx + 1, source.n_layers)
         if acc is not None:
             c = acc.stat("counts")
             log.info("profile layer %d: %d experts, max/min share %.1f, cold %d", idx, c.numel(),
-                     (c.max() / c.min().clamp_min(1)).item(), int((c == 0).sum()))
+                     (c.max() / c.min().clamp_min(1)).item(), int((c == 0).sum()), extra=done)
+        else:
+            log.info("profile layer %d: dense", idx, extra=done)
     layers = sorted(per_layer)
     stack = lambda key: torch.stack([per_layer[i].stat(key).cpu() for i in layers])  # noqa: E731
     return RoutingProfile(

@@ -30,17 +30,18 @@ from torch import nn
 from quant.algos.grid import QuantizedWeight, QuantSpec
 from quant.algos.rtn import rtn
 from quant.calibration import CalibrationSet
-from quant.dist import World, even_ranges
+from quant.dist import SINGLE, World, even_ranges
 from quant.errors import QuantError
 from quant.hessians import ExpertStats, linear_stats
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
 from quant.plan import BitPlan, ModulePlan
+from quant.progress import step
 from quant.qstore import LayerWriter, layer_file, load_into_layer
 from quant.recipe import QuantizeSpec
 from quant.relay import Relay
-from quant.sharing import my_linear_groups, share_results, sub_batches
+from quant.sharing import my_linear_groups, share_results, solve_bytes, sub_batches  # noqa: F401 - solve_bytes: quant estimate
 from quant.smooth import run_awq
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,11 @@ def _timed(report: LayerReport, field_name: str, device: torch.device):
     setattr(report, field_name, getattr(report, field_name) + time.perf_counter() - t0)
 
 
+def expert_hessian_bytes(hidden: int, intermediate: int) -> int:
+    """fp32 Hessians of one expert: gate/up share ``[D, D]``, down ``[I, I]``."""
+    return 4 * (hidden**2 + intermediate**2)
+
+
 def _spec_of(p: ModulePlan) -> QuantSpec:
     return QuantSpec(p.bits, p.group_size, p.symmetric)
 
@@ -99,7 +105,7 @@ class _LayerJob:
     """Quantizes the planned modules of one materialized layer."""
 
     def __init__(self, source: ModelSource, plan: BitPlan, spec: QuantizeSpec, idx: int, layer: nn.Module,
-                 world: World):
+                 world: World = SINGLE):
         self.source, self.plan, self.spec, self.idx, self.layer, self.world = source, plan, spec, idx, layer, world
         self.params: dict[str, torch.Tensor] = {}
         prefix = f"layers.{idx}."
@@ -119,7 +125,7 @@ class _LayerJob:
     def expert_chunks(self, experts: range) -> list[tuple[int, int]]:
         """(first, count) ranges of ``experts`` whose fp32 Hessians fit ``hessian_budget_gb`` (one pass each)."""
         v = self.view
-        per_expert = 4 * (v.gate_up.shape[2] ** 2 + v.intermediate ** 2)
+        per_expert = expert_hessian_bytes(v.gate_up.shape[2], v.intermediate)
         count = max(1, min(v.n_experts, int(self.spec.hessian_budget_gb * 1e9) // per_expert))
         return [(f, min(count, experts.stop - f)) for f in range(experts.start, experts.stop, count)]
 
@@ -301,6 +307,8 @@ def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, sp
     hidden = lw.embed(calib.tokens)
     reports = []
     writer = LayerWriter(background=lw.device.type == "cuda")
+    log.info("quantize: %d layers, algorithm %s", source.n_layers, plan.algorithm,
+             extra=step("quantize", 0, source.n_layers))
     try:
         for idx in range(source.n_layers):
             reports.append(_one_layer(source, plan, spec, lw, out_dir, idx, hidden, writer))
@@ -329,11 +337,11 @@ def _one_layer(source, plan, spec, lw: Layerwise, out_dir: Path, idx: int, hidde
         with _timed(job.report, "forward_seconds", lw.device):
             lw.forward(layer, hidden, out=hidden)
     report = job.finish_report(time.perf_counter() - t0)
-    _log_layer(report)
+    _log_layer(report, source.n_layers)
     return report
 
 
-def _log_layer(report: LayerReport) -> None:
+def _log_layer(report: LayerReport, n_layers: int) -> None:
     idx = report.layer
     for repair in report.repairs:
         log.warning("layer %d: numerical repair: %s", idx, repair)
@@ -342,4 +350,5 @@ def _log_layer(report: LayerReport) -> None:
                     len(report.rtn_fallbacks))
     log.info("layer %d: %d modules (%d experts), mean %.2f bits, worst rel err %.4f (%s), %.2fs%s",
              idx, report.n_modules, report.n_experts, report.mean_bits, report.worst_rel_error,
-             report.worst_module, report.seconds, " (resumed)" if report.resumed else "")
+             report.worst_module, report.seconds, " (resumed)" if report.resumed else "",
+             extra=step("quantize", idx + 1, n_layers))

@@ -25,6 +25,10 @@ from quant.models import ModelSource
 from quant.plan import BitPlan
 
 RUNTIMES = ("any", "vllm", "sglang", "transformers", "gptqmodel")
+ATEN_INT4_GROUPS = (32, 64, 128, 256)  # torch's _weight_int4pack_mm_for_cpu (GPTQModel's TorchAtenLinear)
+TRANSFORMERS_NO_GPTQ = ("transformers cannot load GPTQ-format MoE checkpoints (fused experts); export "
+                        "compressed-tensors or serve the GPTQ checkpoint with gptqmodel/vllm")
+GPTQMODEL_NEEDS_GPTQ = "GPTQModel loads GPTQ-format checkpoints only; add gptq to export.formats"
 # canonical leaf groups a runtime fuses into one module, so they must share one scheme
 FUSED = (("attn", ("q", "k", "v")), ("attn", ("q_a", "kv_a_proj_with_mqa")), ("mlp", ("gate", "up")),
          ("shared", ("gate", "up")))
@@ -47,17 +51,34 @@ def expert_schemes_by_layer(plan: BitPlan, source: ModelSource) -> dict[int, set
     return out
 
 
+def _per_expert_hint(source: ModelSource) -> str:
+    if source.family.name == "mixtral":  # GPTQModel renames Mixtral's experts and cannot read quant's checkpoint
+        return ""
+    return ", or plan.target_runtime: gptqmodel with export.formats: [gptq] for per-expert bits"
+
+
+def _mix_hint(plan: BitPlan, source: ModelSource, layer: int, schemes: set[tuple]) -> str:
+    """What to change when a layer's experts mix schemes: depends on what made them differ."""
+    if len({s[0::2] for s in schemes}) == 1:  # same bits and symmetry: only the group sizes differ
+        widths = ", ".join(sorted({str(s[1]) for s in schemes}, key=int))
+        return (f"only their group sizes differ ({widths}: per-channel groups follow each projection's width); set "
+                f"plan.group_size to 32, 64 or 128")
+    if plan.granularity == "per_expert":
+        return "set plan.granularity: per_layer (bits per MoE layer)" + _per_expert_hint(source)
+    reasons = sorted({plan.modules[n].reason for n, m in source.modules.items()
+                      if m.kind == "expert" and m.layer == layer and not plan.modules[n].reason.endswith((":high", ":low"))})
+    rules = ", ".join(f"plan.{r}" for r in reasons) or "a protection rule"
+    return (f"plan.granularity is per_layer, but {rules} gives single experts of the layer other bits; unset it or "
+            f"give it the layer's bits" + _per_expert_hint(source))
+
+
 def _per_layer_uniform(plan: BitPlan, source: ModelSource, runtime: str) -> list[str]:
-    problems = []
     for layer, schemes in sorted(expert_schemes_by_layer(plan, source).items()):
         if len(schemes) > 1:
-            problems.append(
-                f"{runtime} applies one quantization scheme to all experts of a fused MoE layer (it reads expert "
-                f"0's), but layer {layer} mixes {', '.join(sorted(map(_fmt, schemes)))}; set plan.granularity: "
-                f"per_layer (bits per MoE layer), or plan.target_runtime: gptqmodel for per-expert bits"
-            )
-            break
-    return problems
+            return [f"{runtime} applies one quantization scheme to all experts of a fused MoE layer (it reads expert "
+                    f"0's gate, up and down), but layer {layer} mixes {', '.join(sorted(map(_fmt, schemes)))}; "
+                    f"{_mix_hint(plan, source, layer, schemes)}"]
+    return []
 
 
 def _moe_kernels(plan: BitPlan, source: ModelSource, runtime: str) -> list[str]:
@@ -101,24 +122,51 @@ def _transformers(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) 
     if any(s != ("keep",) and not s[2] for s in schemes):
         problems.append("transformers 5.x cannot load asymmetric (zero-point) experts; set plan.symmetric: true")
     if "gptq" in formats:
-        problems.append("transformers cannot load GPTQ-format MoE checkpoints (fused experts); export "
-                        "compressed-tensors or serve the GPTQ checkpoint with gptqmodel/vllm")
+        problems.append(TRANSFORMERS_NO_GPTQ)
     return problems
 
 
+def _gptq_types(plan: BitPlan, runtime: str, formats: tuple[str, ...]) -> list[str]:
+    """vLLM's and SGLang's GPTQ loaders take symmetric 4- or 8-bit weights only (their TYPE_MAP)."""
+    if "gptq" not in formats:
+        return []
+    for name, p in plan.quantized().items():
+        if p.bits not in (4, 8) or not p.symmetric:
+            return [f"{runtime}'s GPTQ loader takes symmetric 4- or 8-bit weights, not {_fmt(_scheme(plan, name))} "
+                    f"({name}); export compressed-tensors, or set plan.symmetric: true and bits 4/8"]
+    return []
+
+
+def gptqmodel_kernel_problem(plan: BitPlan) -> str | None:
+    """Why GPTQModel's default 4-bit CPU kernel (TorchAtenLinear: ``_weight_int4pack_mm_for_cpu``, group 32, 64,
+    128 or 256) cannot run this plan; its ``BACKEND.TORCH`` kernel (TorchLinear) takes any group. None if it can."""
+    for name, p in plan.quantized().items():
+        if p.bits == 4 and p.group_size not in ATEN_INT4_GROUPS:
+            return (f"GPTQModel's default 4-bit CPU kernel (TorchAtenLinear) takes group sizes "
+                    f"{', '.join(map(str, ATEN_INT4_GROUPS))}, not {p.group_size} ({name}); load with "
+                    f"backend=BACKEND.TORCH")
+    return None
+
+
+def _gptqmodel(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> list[str]:
+    if formats and "gptq" not in formats:
+        return [GPTQMODEL_NEEDS_GPTQ]
+    if source.family.name == "mixtral":
+        return ["gptqmodel reads Mixtral experts as mlp.experts.N.gate_proj, not the original "
+                "block_sparse_moe.experts.N.w1 names the checkpoint keeps; serve Mixtral with vllm (per_layer)"]
+    return []
+
+
 def problems_for(plan: BitPlan, source: ModelSource, runtime: str, formats: tuple[str, ...] = ()) -> list[str]:
-    """Reasons ``runtime`` cannot serve ``plan`` (empty when it can)."""
+    """Reasons ``runtime`` cannot serve ``plan`` exported as ``formats`` (empty when it can)."""
     if runtime == "any":
         return []
     if runtime == "transformers":
         return _transformers(plan, source, formats)
     if runtime == "gptqmodel":
-        if source.family.name == "mixtral" and "gptq" in formats:
-            return ["gptqmodel reads Mixtral experts as mlp.experts.N.gate_proj, not the original "
-                    "block_sparse_moe.experts.N.w1 names the checkpoint keeps; serve Mixtral with vllm"]
-        return []
+        return _gptqmodel(plan, source, formats)
     problems = _per_layer_uniform(plan, source, runtime) + _fused_shards(plan, source, runtime)
-    problems += _moe_kernels(plan, source, runtime)
+    problems += _moe_kernels(plan, source, runtime) + _gptq_types(plan, runtime, formats)
     if runtime == "sglang" and "gptq" in formats and len(set().union(*expert_schemes_by_layer(plan, source).values())) > 1:
         problems.append("sglang's GPTQ-Marlin MoE ignores dynamic rules: GPTQ checkpoints need one expert scheme "
                         "for the whole model; export compressed-tensors for per-layer bits")
@@ -126,6 +174,10 @@ def problems_for(plan: BitPlan, source: ModelSource, runtime: str, formats: tupl
 
 
 def check_runtime(plan: BitPlan, source: ModelSource, runtime: str, formats: tuple[str, ...] = ()) -> None:
+    """Raise PlanError with the first reason ``runtime`` cannot serve the plan; for ``gptqmodel`` group sizes its
+    default CPU kernel rejects are kept out of the plan too (the model card names the backend otherwise)."""
     problems = problems_for(plan, source, runtime, formats)
+    if runtime == "gptqmodel" and (kernel := gptqmodel_kernel_problem(plan)):
+        problems.append(kernel.replace("; load with", "; set plan.group_size to 32, 64 or 128, or load with"))
     if problems:
         raise PlanError(f"plan cannot be served by {runtime}: {problems[0]}")

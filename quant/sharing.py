@@ -22,11 +22,15 @@ def solve_cost(n_out: int, n_in: int, batch: float = 1.0) -> float:
     return n_in * (1.0 + batch * n_out / 65536)
 
 
+def solve_bytes(out_f: int, in_f: int) -> int:
+    """One expert's estimated fp32 solve working set (weights + ~3 Hessian-sized buffers); quant estimate uses it."""
+    return 4 * (2 * out_f * in_f + 3 * in_f * in_f)
+
+
 def sub_batches(experts: list[int], out_f: int, in_f: int, budget_gb: float) -> list[list[int]]:
-    """Split a batch into equal parts so one solve's fp32 working set (weights + ~3 Hessian-sized buffers) fits
-    the budget."""
-    per_expert = 4 * (2 * out_f * in_f + 3 * in_f * in_f)
-    cap = max(1, int(budget_gb * 1e9) // per_expert)
+    """Split a batch into equal parts so one solve's fp32 working set (``solve_bytes`` per expert) fits the
+    budget."""
+    cap = max(1, int(budget_gb * 1e9) // solve_bytes(out_f, in_f))
     n = -(-len(experts) // -(-len(experts) // cap)) if experts else 1
     return [experts[i : i + n] for i in range(0, len(experts), n)]
 

@@ -76,11 +76,14 @@ def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World
 
 
 def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    from quant.export import check_formats
     from quant.runtimes import check_runtime
 
     profile = RoutingProfile.load(run_dir / "profile.json")
-    plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers)
-    check_runtime(plan, source, recipe.plan.target_runtime, recipe.export.formats)
+    formats = recipe.export.formats
+    plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers, formats)
+    check_runtime(plan, source, recipe.plan.target_runtime, formats)
+    check_formats(plan, source, formats)
     summary = summarize(plan, source, profile)
     plan.notes.append(json.dumps(summary["headline"]))
     tmp = run_dir / ".plan.json.tmp"

@@ -6,18 +6,18 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "quant"
 # a module may import only modules of its own layer or lower layers
 LAYERS = [
-    {"cli"},
+    {"cli", "console"},
     {"pipeline"},
     {"stages"},
     {"report", "export", "publish"},
-    {"quantize", "evaluate", "runtimes", "plan_summary", "footprint"},
+    {"quantize", "evaluate", "runtimes", "plan_summary", "estimate", "footprint"},
     {"plan"},
     {"profile", "hessians", "smooth", "sharing"},
     {"layerwise", "calibration", "qstore", "lmeval", "humaneval"},
     {"relay"},
-    {"sandbox", "routing", "models", "rundir", "dist"},
+    {"sandbox", "routing", "models", "rundir", "dist", "progress"},
     {"algos"},
-    {"recipe"},
+    {"recipe", "throughputs"},
     {"errors"},
 ]
 

@@ -147,10 +147,37 @@ def test_group_size_must_divide_in_features():
         plan_bits(_profile([list(range(10))] * 3), mods, _spec(), "rtn", 3)
 
 
-def test_group_size_clamped_to_dimension():
+def test_group_size_fits_every_projection_of_an_expert():
+    """A 128 request on experts whose down projection is 32 wide: gate/up/down all get 32 (one scheme per expert
+    and per fused MoE layer), not 64/64/32; attention keeps its own fit (64)."""
     plan = plan_bits(_profile([list(range(10))] * 3), _modules(), PlanSpec(group_size=128), "rtn", 3)
-    assert plan.modules["layers.0.experts.0.down"].group_size == 32
-    assert plan.modules["layers.0.experts.0.up"].group_size == 64
+    for L in range(3):
+        groups = {plan.modules[f"layers.{L}.experts.{e}.{p}"].group_size for e in range(E) for p in ("gate", "up", "down")}
+        assert groups == {32}
+    assert plan.modules["layers.0.attn.q"].group_size == 64
+    assert "128" in plan.group_rule and "experts of one MoE layer" in plan.group_rule
+
+
+def test_gptq_export_gives_each_block_one_group_size():
+    """With GPTQ export an attention block (one dynamic rule) shares one group size across different widths."""
+    mods = _modules()
+    mods["layers.0.attn.o"] = ModuleInfo("layers.0.attn.o", "model.layers.0.self_attn.o_proj", "attn", 0, None, 64, 16)
+    ct = plan_bits(_profile([list(range(10))] * 3), mods, PlanSpec(group_size=128), "rtn", 3)
+    assert ct.modules["layers.0.attn.q"].group_size == 64 and ct.modules["layers.0.attn.o"].group_size == 16
+    both = plan_bits(_profile([list(range(10))] * 3), mods, PlanSpec(group_size=128), "rtn", 3,
+                     ("compressed-tensors", "gptq"))
+    assert {both.modules[f"layers.0.attn.{p}"].group_size for p in ("q", "k", "v", "o")} == {16}
+    assert both.modules["layers.1.attn.q"].group_size == 64
+
+
+def test_group_size_per_channel_and_kept_modules():
+    mods = _modules()
+    plan = plan_bits(_profile([list(range(10))] * 3), mods, PlanSpec(group_size=-1), "rtn", 3)
+    assert plan.modules["layers.0.experts.0.up"].group_size == 64 and plan.modules["layers.0.experts.0.down"].group_size == 32
+    # a kept module's width never blocks a plan
+    mods["layers.0.attn.o"] = ModuleInfo("layers.0.attn.o", "model.layers.0.self_attn.o_proj", "attn", 0, None, 64, 200)
+    kept = plan_bits(_profile([list(range(10))] * 3), mods, PlanSpec(group_size=64, protect={"attention": "keep"}), "rtn", 3)
+    assert kept.modules["layers.0.attn.o"].keep
 
 
 def test_plan_roundtrip(tmp_path):
@@ -158,3 +185,4 @@ def test_plan_roundtrip(tmp_path):
     plan.save(tmp_path / "plan.json")
     again = BitPlan.load(tmp_path / "plan.json")
     assert again.modules == plan.modules and again.algorithm == "gptq"
+    assert again.group_rule == plan.group_rule != ""

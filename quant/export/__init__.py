@@ -14,6 +14,14 @@ def checkpoint_dirs(recipe: Recipe) -> dict[str, str]:
     return {fmt: "checkpoint" if i == 0 else f"checkpoint-{fmt}" for i, fmt in enumerate(recipe.export.formats)}
 
 
+def check_formats(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> None:
+    """Raise PlanError if a checkpoint format cannot hold the plan (called at plan time, before quantizing)."""
+    if "gptq" in formats:
+        from quant.export.gptq import check_gptq_plan
+
+        check_gptq_plan(plan, source)
+
+
 def export_all(source: ModelSource, plan: BitPlan, recipe: Recipe, run_dir: Path) -> dict[str, Path]:
     from quant.export.compressed_tensors import write_compressed_tensors
     from quant.export.gptq import write_gptq
@@ -35,12 +43,37 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     from quant.plan_summary import summarize
     from quant.profile import RoutingProfile
     from quant.rundir import atomic_write_text
-    from quant.runtimes import problems_for
+    from quant.runtimes import gptqmodel_kernel_problem, problems_for
 
     plan = BitPlan.load(run_dir / "plan.json")
     summary = summarize(plan, source, RoutingProfile.load(run_dir / "profile.json"))
     ev = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").is_file() else None
     for fmt, folder in checkpoint_dirs(recipe).items():
         problems = {rt: problems_for(plan, source, rt, (fmt,)) for rt in RUNTIMES}
-        card = render_card(recipe, source, summary, ev, problems, version("moe-quant"), fmt=fmt)
+        backend = "TORCH" if fmt == "gptq" and gptqmodel_kernel_problem(plan) else None
+        card = render_card(recipe, source, summary, ev, problems, version("moe-quant"), fmt=fmt,
+                           runtime_notes=runtime_notes(plan, source, fmt), gptqmodel_backend=backend)
         atomic_write_text(run_dir / folder / CARD, card)
+
+
+def runtime_notes(plan: BitPlan, source: ModelSource, fmt: str) -> dict[str, str]:
+    """Warnings the card shows per runtime: where a runtime would load the checkpoint without an error and compute
+    wrong outputs (read from their code, docs/runtimes.md), and which GPTQModel backend the plan needs."""
+    from quant.runtimes import expert_schemes_by_layer, gptqmodel_kernel_problem
+
+    by_layer = expert_schemes_by_layer(plan, source)
+    notes = {}
+    if any(len(s) > 1 for s in by_layer.values()):
+        notes["vllm"] = (
+            "**vLLM may load this checkpoint without an error and serve wrong outputs**: it builds each MoE layer "
+            "from expert 0's scheme and narrows the smaller tensors of other experts into those buffers without a "
+            "size check." if fmt == "compressed-tensors" else
+            "vLLM refuses this checkpoint at load: a guard rule in its `dynamic` config stops it, since it would "
+            "apply one scheme to every expert of a layer."
+        )
+    if fmt == "compressed-tensors" and len(set().union(*by_layer.values())) > 1:
+        notes["transformers"] = ("**transformers 5.x loads this checkpoint without an error and computes wrong "
+                                 "outputs**: it decompresses every expert of the model with one scheme.")
+    if fmt == "gptq" and (kernel := gptqmodel_kernel_problem(plan)):
+        notes["gptqmodel"] = kernel
+    return notes

@@ -3,8 +3,10 @@ from the plan summary and the eval result passed in, every serving claim from th
 
 Front matter: ``base_model`` when the model path looks like a hub id (``ORG/NAME``, not a builtin or a local
 folder), ``license`` copied from the source model (its README front matter, else ``config.json``), ``tags``
-and ``library_name``. Body: what was done, the plan, the evaluation with gate status, how to serve it with each
-runtime (a snippet only where the runtime check found no problem), and the tool version.
+and ``library_name`` (only a library the runtime check found able to serve the checkpoint). Body: what was
+done (from the resolved recipe, never its free-text description), the plan, the evaluation with gate status, how
+to serve it with each runtime (a snippet only where the runtime check found no problem, warnings where a runtime
+would load the checkpoint silently wrong), and the tool version.
 """
 
 from __future__ import annotations
@@ -16,15 +18,14 @@ import yaml
 
 from quant.models import ModelSource
 from quant.recipe import Recipe
+from quant.runtimes import GPTQMODEL_NEEDS_GPTQ, TRANSFORMERS_NO_GPTQ
 
 RUNTIMES = ("vllm", "sglang", "transformers", "gptqmodel")
 RUNTIME_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "transformers": "transformers", "gptqmodel": "GPTQModel"}
 # what a checkpoint format rules out regardless of the plan
-FORMAT_PROBLEMS = {
-    ("gptq", "transformers"): "transformers cannot load GPTQ-format MoE checkpoints (fused experts); export "
-                              "compressed-tensors or serve the GPTQ checkpoint with gptqmodel/vllm",
-    ("compressed-tensors", "gptqmodel"): "GPTQModel loads GPTQ-format checkpoints; this one is compressed-tensors",
-}
+FORMAT_PROBLEMS = {("gptq", "transformers"): TRANSFORMERS_NO_GPTQ, ("compressed-tensors", "gptqmodel"): GPTQMODEL_NEEDS_GPTQ}
+# front matter library_name: the first runtime (hub library) that can serve the checkpoint; none if none can
+LIBRARY_FOR = (("transformers", "transformers"), ("vllm", "vllm"))
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -51,7 +52,11 @@ def source_license(source: ModelSource) -> str | None:
     return str(lic) if lic else None
 
 
-def _front_matter(recipe: Recipe, source: ModelSource, fmt: str) -> str:
+def _servable(runtime_problems: dict[str, list[str]], fmt: str, rt: str) -> bool:
+    return rt in runtime_problems and not runtime_problems[rt] and (fmt, rt) not in FORMAT_PROBLEMS
+
+
+def _front_matter(recipe: Recipe, source: ModelSource, fmt: str, runtime_problems: dict[str, list[str]]) -> str:
     meta: dict = {}
     base = hub_id(recipe.model.path)
     if base:
@@ -60,7 +65,9 @@ def _front_matter(recipe: Recipe, source: ModelSource, fmt: str) -> str:
     lic = source_license(source)
     if lic:
         meta["license"] = lic
-    meta["library_name"] = "transformers"
+    library = next((lib for rt, lib in LIBRARY_FOR if _servable(runtime_problems, fmt, rt)), None)
+    if library:
+        meta["library_name"] = library
     meta["tags"] = ["quantized", "mixture-of-experts", fmt, "moe-quant"]
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
 
@@ -73,9 +80,8 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
     elif p.policy == "budget":
         policy += f" ({f'{p.budget_avg_bits} average expert bits' if p.budget_avg_bits else f'{p.budget_gb} GB'})"
     group = "per channel" if p.group_size == -1 else f"group size {p.group_size}"
+    # the recipe's free-text description is not repeated: --set overrides (e.g. the algorithm) may contradict it
     lines = [f"`{source.display_name}` ({source.family.name}) quantized by moe-quant with recipe `{recipe.name}`."]
-    if recipe.description:
-        lines += ["", recipe.description]
     return lines + [
         "",
         f"- algorithm: `{q.algorithm}`",
@@ -134,7 +140,7 @@ def _eval(ev: dict | None) -> list[str]:
     return lines + ["", verdict, "", f"Evaluated from the exported checkpoint on disk (loader: `{ev.get('loader', '?')}`)."]
 
 
-def _snippet(runtime: str, repo: str, trust: bool) -> list[str]:
+def _snippet(runtime: str, repo: str, trust: bool, backend: str | None = None) -> list[str]:
     flag, kw = (" --trust-remote-code", ", trust_remote_code=True") if trust else ("", "")
     if runtime == "vllm":
         return ["```bash", f"vllm serve {repo}{flag}", "```", "```python", "from vllm import LLM",
@@ -146,39 +152,48 @@ def _snippet(runtime: str, repo: str, trust: bool) -> list[str]:
                 "from transformers import AutoModelForCausalLM, AutoTokenizer",
                 f'tok = AutoTokenizer.from_pretrained("{repo}"{kw})',
                 f'model = AutoModelForCausalLM.from_pretrained("{repo}", dtype=torch.bfloat16{kw})', "```"]
-    return ["```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}"{kw})',
+    imports, kw = ("GPTQModel, BACKEND", f"{kw}, backend=BACKEND.{backend}") if backend else ("GPTQModel", kw)
+    return ["```python", f"from gptqmodel import {imports}", f'model = GPTQModel.load("{repo}"{kw})',
             'print(model.tokenizer.decode(model.generate("Hello")[0]))', "```"]
 
 
-def _serving(runtime_problems: dict[str, list[str]], fmt: str, repo: str, trust: bool) -> list[str]:
+def _serving(runtime_problems: dict[str, list[str]], fmt: str, repo: str, trust: bool,
+             notes: dict[str, str], gptqmodel_backend: str | None) -> list[str]:
     lines = []
     for rt in RUNTIMES:
         lines += [f"### {RUNTIME_NAMES[rt]}", ""]
         if rt not in runtime_problems:
             lines += ["Compatibility was not checked for this runtime.", ""]
             continue
+        if rt in notes:
+            lines += [notes[rt], ""]
         reasons = list(runtime_problems[rt])
         extra = FORMAT_PROBLEMS.get((fmt, rt))
         if extra and extra not in reasons:
             reasons.append(extra)
-        lines += ([f"not servable: {'; '.join(reasons)}"] if reasons else _snippet(rt, repo, trust)) + [""]
+        backend = gptqmodel_backend if rt == "gptqmodel" else None
+        lines += ([f"not servable: {'; '.join(reasons)}"] if reasons else _snippet(rt, repo, trust, backend)) + [""]
     return lines
 
 
 def render_card(recipe: Recipe, source: ModelSource, plan_summary: dict, eval_result: dict | None,
                 runtime_problems: dict[str, list[str]], tool_version: str, *, fmt: str | None = None,
-                repo_id: str | None = None) -> str:
+                repo_id: str | None = None, runtime_notes: dict[str, str] | None = None,
+                gptqmodel_backend: str | None = None) -> str:
     """README.md for the checkpoint of format ``fmt`` (default: the recipe's first export format, i.e. the run's
     ``checkpoint/``). ``plan_summary``: ``plan_summary.summarize`` output or its ``headline``. ``runtime_problems``:
-    runtime -> reasons it cannot serve the checkpoint (empty list: servable). ``repo_id`` goes into the
-    snippets (default ``ORG/NAME``)."""
+    runtime -> reasons it cannot serve the checkpoint (empty list: servable); ``library_name`` is the first of
+    transformers / vLLM that can. ``runtime_notes``: runtime -> a line shown in its section (warnings).
+    ``gptqmodel_backend``: the ``BACKEND`` member the GPTQModel snippet must name (its default kernel cannot run
+    the plan). ``repo_id`` goes into the snippets (default ``ORG/NAME``)."""
     fmt = fmt or recipe.export.formats[0]
     repo = repo_id or "ORG/NAME"
     title = repo_id.split("/")[-1] if repo_id else f"{source.display_name.split('/')[-1]} ({recipe.name})"
-    lines = [_front_matter(recipe, source, fmt), f"# {title}", "", "## What this is", ""]
+    lines = [_front_matter(recipe, source, fmt, runtime_problems), f"# {title}", "", "## What this is", ""]
     lines += _what(recipe, source, fmt)
     lines += ["", "## Plan", ""] + _plan(plan_summary)
     lines += ["", "## Evaluation", ""] + _eval(eval_result)
-    lines += ["", "## Serving", ""] + _serving(runtime_problems, fmt, repo, recipe.model.trust_remote_code)
+    lines += ["", "## Serving", ""] + _serving(runtime_problems, fmt, repo, recipe.model.trust_remote_code,
+                                               runtime_notes or {}, gptqmodel_backend)
     lines += ["## Provenance", "", f"Made with moe-quant {tool_version} (`quant run`)."]
     return "\n".join(lines) + "\n"

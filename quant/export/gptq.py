@@ -11,7 +11,8 @@ first matching rule) override the base scheme, the plan's most common one:
 - ``-:`` rules first: blocks kept in bf16 (e.g. ``-:model\\.layers\\.3\\.self_attn\\.``).
 - per-expert rules (``+:model\\.layers\\.3\\.mlp\\.experts\\.(1|6)\\.``) only where a layer mixes experts:
   GPTQModel honours them; vLLM matches rules against the fused layer prefix only, so per-expert plans are
-  GPTQModel-only (the runtime check says so).
+  GPTQModel-only (the runtime check says so). Such layers also get a guard rule (``VLLM_GUARD``) that makes vLLM
+  refuse the checkpoint at load instead of serving it silently wrong.
 - per-layer rules with no trailing ``\\.`` or ``$`` after ``experts``, so the same rule matches vLLM's fused
   prefix ``model.layers.3.mlp.experts`` and GPTQModel's ``model.layers.3.mlp.experts.12.gate_proj``;
   attention by block (``model\\.layers\\.3\\.self_attn\\.``), never by single projection, since vLLM sees the
@@ -33,6 +34,12 @@ from quant.models import ModelSource
 from quant.plan import BitPlan
 
 GPTQ_BITS = (2, 4, 8)
+# Appended to a rule that matches only vLLM's fused MoE prefix (``model.layers.3.mlp.experts``, never GPTQModel's
+# per-expert Linear names) of a layer whose experts mix schemes. The rule sets desc_act, which vLLM (0.33) refuses
+# for every dynamic rule when it builds its GPTQ config, so vLLM fails at load, naming this rule, instead of
+# narrowing mismatched expert tensors into expert 0's buffers silently (docs/runtimes.md). GPTQModel's kernels
+# accept desc_act and never match the rule. The regex comment is inert in both regex engines.
+VLLM_GUARD = "(?#quant: this layer mixes expert bits; vLLM cannot serve it, load with GPTQModel)"
 
 
 def pack_rows(u: torch.Tensor, bits: int) -> torch.Tensor:
@@ -120,11 +127,12 @@ def dynamic_rules(plan: BitPlan, source: ModelSource) -> tuple[tuple, dict]:
                 per_block[(block, s)].append(layer)
             continue
         if None in schemes:
-            raise PlanError(f"layer {layer}: a GPTQ block cannot mix kept and quantized modules ({block})")
+            raise PlanError(f"layer {layer}: a GPTQ block cannot mix kept and quantized modules ({block}); give "
+                            "the whole block bits or keep it (plan.protect), or export compressed-tensors only")
         by_scheme = defaultdict(list)
         for expert, ss in members.items():
             if len(ss) > 1:
-                raise PlanError(f"layer {layer} expert {expert}: GPTQ rules need one scheme per expert")
+                raise PlanError(_mixed_unit(layer, block, expert, ss))
             by_scheme[next(iter(ss))].append(expert)
         for s, experts in by_scheme.items():
             if s != base:
@@ -132,11 +140,25 @@ def dynamic_rules(plan: BitPlan, source: ModelSource) -> tuple[tuple, dict]:
     rules: dict[str, object] = {}
     for block, layers in skip.items():
         rules[f"-:model\\.layers\\.{_alt(layers)}\\.{block}"] = {}
+    mixed_layers = defaultdict(list)
+    for (layer, block, _), _experts in per_expert.items():
+        mixed_layers[block].append(layer)
+    for block, layers in mixed_layers.items():
+        rules[f"+:model\\.layers\\.{_alt(layers)}\\.{block}${VLLM_GUARD}"] = {"desc_act": True}
     for (layer, block, s), experts in per_expert.items():
         rules[f"+:model\\.layers\\.{layer}\\.{block}\\.{_alt(experts)}\\."] = _override(s)
     for (block, s), layers in per_block.items():
         rules[f"+:model\\.layers\\.{_alt(layers)}\\.{block}"] = _override(s)
     return base, rules
+
+
+def _mixed_unit(layer: int, block: str, expert: int | None, schemes: set) -> str:
+    name = block.replace("\\", "").rstrip(".")
+    what = f"expert {expert} of layer {layer}" if expert is not None else f"layer {layer}'s {name}"
+    got = ", ".join(sorted(f"W{b} g{g} {'sym' if sym else 'asym'}" for b, g, sym in schemes))
+    return (f"GPTQ dynamic rules hold one scheme per expert and per block, but {what} mixes {got}; set "
+            "plan.group_size to a size dividing every projection's width (32, 64 or 128 rather than -1), or export "
+            "compressed-tensors only")
 
 
 def _alt(numbers: list[int]) -> str:
@@ -156,12 +178,19 @@ def quantize_config(plan: BitPlan, source: ModelSource) -> dict:
     }
 
 
+def check_gptq_plan(plan: BitPlan, source: ModelSource) -> None:
+    """Raise PlanError if the plan cannot be written in GPTQ format (run at plan time, before any quantization)."""
+    bad = sorted({p.bits for p in plan.quantized().values()} - set(GPTQ_BITS))
+    if bad:
+        raise PlanError(f"the GPTQ format packs {GPTQ_BITS} bits, not {bad}; change plan.high_bits/low_bits or "
+                        "drop gptq from export.formats")
+    dynamic_rules(plan, source)
+
+
 def write_gptq(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
                extra_manifest: dict | None = None) -> Path:
     """Write the GPTQ-format checkpoint to ``out`` atomically; returns ``out``."""
-    bad = sorted({p.bits for p in plan.quantized().values()} - set(GPTQ_BITS))
-    if bad:
-        raise PlanError(f"the GPTQ writer packs {GPTQ_BITS} bits, not {bad}; export compressed-tensors instead")
+    check_gptq_plan(plan, source)
     qcfg = quantize_config(plan, source)
     v2 = qcfg["checkpoint_format"] == "gptq_v2"
     config = json.loads((source.path / "config.json").read_text())

@@ -155,3 +155,60 @@ def test_serving_follows_runtime_compatibility(builtin_source):
 
     _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, {"vllm": []}, "0.1.0"))
     assert "not checked" in _section(_section(body, "Serving"), "SGLang", "###")
+
+
+def test_recipe_description_is_not_repeated(builtin_source):
+    """The headline recipe says 'RTN baseline'; a run with --set quantize.algorithm=gptq must not claim it."""
+    recipe = parse_recipe({"name": "mixed_int8_int4", "description": "top-20% at INT8, RTN baseline."},
+                          overrides=("quantize.algorithm=gptq",))
+    _, body = _split(render_card(recipe, builtin_source, HEADLINE, None, ALL_OK, "0.1.0"))
+    assert "RTN" not in body and "- algorithm: `gptq`" in _section(body, "What this is")
+
+
+def test_library_name_follows_the_runtime_check(builtin_source):
+    def library(problems: dict, fmt: str = "compressed-tensors"):
+        meta, _ = _split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0", fmt=fmt))
+        return meta.get("library_name")
+
+    mixed = ["transformers 5.x decompresses every fused expert ... with one scheme"]
+    assert library(ALL_OK) == "transformers"
+    assert library({**ALL_OK, "transformers": mixed}) == "vllm"
+    assert library(ALL_OK, fmt="gptq") == "vllm"  # transformers cannot load GPTQ MoE checkpoints
+    assert library({rt: ["no"] for rt in ALL_OK}) is None
+
+
+def test_runtime_notes_and_backend_are_rendered(builtin_source):
+    notes = {"vllm": "**vLLM may load this checkpoint without an error and serve wrong outputs**: x"}
+    problems = {**ALL_OK, "vllm": ["vllm applies one quantization scheme to all experts"]}
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0", fmt="gptq",
+                                 runtime_notes=notes, gptqmodel_backend="TORCH", repo_id="me/x"))
+    serving = _section(body, "Serving")
+    vllm = _section(serving, "vLLM", "###")
+    assert vllm.strip().startswith(notes["vllm"]) and "not servable: vllm applies" in vllm
+    gptqmodel = _section(serving, "GPTQModel", "###")
+    assert "from gptqmodel import GPTQModel, BACKEND" in gptqmodel
+    assert 'GPTQModel.load("me/x", backend=BACKEND.TORCH)' in gptqmodel
+
+
+def test_cards_of_a_per_expert_mixtral_run(tmp_path):
+    """Real plan, both formats: the CT card warns in bold that vLLM and transformers would load it silently wrong,
+    the GPTQ card says vLLM refuses it; nothing points Mixtral users to GPTQModel; no library can serve it."""
+    from quant.export import write_cards
+    from quant.pipeline import run
+
+    recipe = parse_recipe({"name": "headline"}, overrides=("calibration.n_samples=4", "calibration.seq_len=32",
+                                                           "export.formats=[compressed-tensors,gptq]"),
+                          model="builtin:mixtral-tiny")
+    run(recipe, tmp_path, until="export")
+    write_cards(recipe, resolve_model("builtin:mixtral-tiny"), tmp_path)
+    meta, body = _split((tmp_path / "checkpoint" / "README.md").read_text())
+    serving = _section(body, "Serving")
+    vllm = _section(serving, "vLLM", "###")
+    assert "**vLLM may load this checkpoint without an error and serve wrong outputs**" in vllm
+    assert "gptqmodel" not in vllm.lower() and "not servable" in vllm
+    assert "**transformers 5.x loads this checkpoint without an error" in _section(serving, "transformers", "###")
+    assert "library_name" not in meta
+    _, body = _split((tmp_path / "checkpoint-gptq" / "README.md").read_text())
+    serving = _section(body, "Serving")
+    assert "vLLM refuses this checkpoint at load" in _section(serving, "vLLM", "###")
+    assert "not servable" in _section(serving, "GPTQModel", "###") and "serve Mixtral with vllm" in serving

@@ -8,10 +8,9 @@ scheme is the base one overridden by the first ``dynamic`` rule whose pattern ``
 rules skip the module: it stays a bf16 ``.weight``).
 
 Runs (in-process, up to export): qwen3-moe-tiny with a per-expert 8/4 plan, symmetric; olmoe-tiny with a
-per-expert 8/4 plan, asymmetric. ``plan.group_size=32`` is the only override the tiny builtins need; GPTQModel's
-torch kernel takes their 32/64 in/out features as they are. (With 128 or 64 the group is clamped to each module's
-in_features, 64 for gate/up and 32 for down, and the GPTQ writer refuses: one ``dynamic`` rule per expert cannot
-give its projections different group sizes.)
+per-expert 8/4 plan, asymmetric, both at ``plan.group_size=32``; GPTQModel's torch kernel takes their 32/64
+in/out features as they are. (The headline's 128 gives the same plans: the planner fits one group size to every
+projection of an expert, 32 on these models, since one ``dynamic`` rule per expert holds one group size.)
 """
 
 from __future__ import annotations
@@ -353,3 +352,75 @@ def test_mixtral_gptq_for_gptqmodel_is_refused(tmp_path, capsys):
     assert "plan cannot be served by gptqmodel" in errors[0]
     assert "block_sparse_moe.experts.N.w1" in errors[0] and "vllm" in errors[0]
     assert not (tmp_path / "r" / "plan.json").exists()
+
+
+# ------------------------------------------------------------------------------------- vLLM guard (per expert)
+def _vllm_refuses(qcfg: dict) -> list[str]:
+    """vLLM 0.33's GPTQ config check (``normalize_and_validate_gptq_desc_act``, run when it builds the config):
+    any ``+:`` rule enabling desc_act with a group size other than -1 raises. Returns the offending rules."""
+    base_g = qcfg["group_size"]
+    return [r for r, o in qcfg["dynamic"].items()
+            if not r.startswith("-:") and o.get("desc_act", qcfg["desc_act"]) and o.get("group_size", base_g) != -1]
+
+
+def test_per_expert_checkpoint_carries_a_guard_vllm_refuses(runs):
+    """vLLM matches rules against the fused MoE prefix and would narrow other-bit experts into expert 0's buffers
+    silently; the guard rule matches only that prefix (never a per-expert module, so GPTQModel ignores it, as the
+    GPTQModel test above shows) and trips vLLM's config check."""
+    r = runs["qwen3-sym"]
+    reader = GptqReader(r.ckpt)
+    guards = _vllm_refuses(reader.qcfg)
+    mixed = sorted({m.layer for n, m in r.source.modules.items() if m.kind == "expert"
+                    and r.plan.modules[n].bits != r.plan.modules[f"layers.{m.layer}.experts.0.up"].bits})
+    assert mixed and len(guards) == 1
+    pattern = guards[0][2:]
+    assert "vLLM cannot serve it" in pattern
+    assert [L for L in range(r.source.n_layers) if re.match(pattern, f"model.layers.{L}.mlp.experts")] == mixed
+    assert not [n for n in reader.quantized_modules() if re.match(pattern, n)]
+
+
+def test_per_layer_checkpoint_has_no_guard(tmp_path):
+    from quant.export.gptq import quantize_config
+    from quant.pipeline import run
+    from quant.recipe import load_recipe
+
+    recipe = load_recipe(RECIPE, overrides=(*SMALL, "plan.granularity=per_layer", "plan.target_runtime=vllm",
+                                            "export.formats=[compressed-tensors,gptq]"))
+    run(recipe, tmp_path, until="plan")
+    qcfg = quantize_config(BitPlan.load(tmp_path / "plan.json"), resolve_model("builtin:qwen3-moe-tiny"))
+    assert _vllm_refuses(qcfg) == [] and any("experts" in rule for rule in qcfg["dynamic"])
+
+
+# -------------------------------------------------------------------- GPTQModel's default CPU kernel (group 16)
+GENERATE_SCRIPT = r"""
+import sys
+from gptqmodel import BACKEND, GPTQModel
+kw = {"backend": getattr(BACKEND, sys.argv[2])} if len(sys.argv) > 2 else {}
+model = GPTQModel.load(sys.argv[1], **kw)
+print("GENERATED", len(model.generate("Hello")[0]))
+"""
+
+
+@pytest.mark.reference
+@pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None, reason="gptqmodel is not installed")
+def test_group_16_needs_the_backend_the_card_names(tmp_path):
+    """The card's GPTQModel snippet names BACKEND.TORCH for 4-bit groups outside 32/64/128/256: the default CPU
+    kernel (TorchAtenLinear) fails at generate, the named one works."""
+    from quant.export import write_cards
+    from quant.pipeline import run
+    from quant.recipe import load_recipe
+
+    recipe = load_recipe(RECIPE, overrides=("calibration.n_samples=4", "calibration.seq_len=32", "plan.group_size=16",
+                                            "export.formats=[gptq]"))
+    run(recipe, tmp_path / "r", until="export")
+    write_cards(recipe, resolve_model("builtin:qwen3-moe-tiny"), tmp_path / "r")
+    card = (tmp_path / "r" / "checkpoint" / "README.md").read_text()
+    assert 'GPTQModel.load("ORG/NAME", backend=BACKEND.TORCH)' in card and "TorchAtenLinear" in card
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "GPTQMODEL_CPU_WORKERS": "2"}
+    ckpt = str(tmp_path / "r" / "checkpoint")
+    default = subprocess.run([sys.executable, "-c", GENERATE_SCRIPT, ckpt], capture_output=True, text=True,
+                             timeout=600, env=env, cwd=tmp_path)
+    assert default.returncode != 0 and "qGroupSize" in default.stderr, default.stderr[-2000:]
+    torch_backend = subprocess.run([sys.executable, "-c", GENERATE_SCRIPT, ckpt, "TORCH"], capture_output=True,
+                                   text=True, timeout=600, env=env, cwd=tmp_path)
+    assert torch_backend.returncode == 0 and "GENERATED" in torch_backend.stdout, torch_backend.stderr[-2000:]

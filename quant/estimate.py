@@ -1,0 +1,399 @@
+"""``quant estimate``: peak GPU memory, host memory, disk and time per stage, from config.json and tensor shapes.
+
+Nothing is loaded but the shapes (``models.headers``). Memory is the sum of the tensors each stage's code holds at
+its peak, named after the code that allocates them (bytes, per GPU):
+
+- quantize = calibration activations ``[N, S, D]`` (on the GPU when they fit layerwise's 8 GiB budget, else one
+  batch in flight) + one decoder layer (model dtype) + linear-input Hessians (fp32) + max over expert chunks of
+  (that chunk's expert Hessians, fp32, chunks fit ``hessian_budget_gb`` + the int8 codes solved so far, which stay
+  on the GPU until the layer file is written) + max(forward transient, solve working set). The forward transient
+  is one batch's routed expert activations, the statistics' padded blocks and, where SDPA has no fused kernel for
+  the head dims (queries/keys and values of different width: MLA), the materialized attention scores. The solve
+  working set is ``SOLVE_FACTOR`` times the largest sub-batch ``quantize._sub_batches`` admits (a GPTQ solve
+  allocates ~2.8x that estimate: copies, act-order permutations, the loss terms).
+- profile = activations + layer + the W4 sensitivity probe, which rounds all of a layer's experts at once in fp32
+  (``profile_memory``).
+- eval = the whole model (transformers loads it to the CPU, then the GPU) + one batch of logits.
+
+Time comes from throughputs measured on one H200 (quant/throughputs.py, each naming its BENCHMARKS.md record).
+``--gpus N`` assumes every rank holds the whole layer and all activations (the forward is replicated) while the
+experts -- their statistics, Hessians, solves and codes -- are divided over ranks, and non-expert modules are
+solved on one rank (the worst rank holds them all); eval dispatches the model over the N GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from quant.errors import PlanError
+from quant.models import ModelSource
+from quant.models.headers import Dims, dims
+from quant.plan import BitPlan, plan_bits
+from quant.plan_summary import summarize
+from quant.profile import RoutingProfile
+from quant.recipe import Recipe
+from quant.throughputs import THROUGHPUTS
+
+GB = 1e9
+ACTIVATION_BUDGET = 8 << 30  # layerwise.Layerwise's default activation_budget_bytes
+STATS_BLOCK = 1 << 28  # routing.chunk_budget on a GPU: elements of one padded [n, C, .] block
+SOLVE_FACTOR = 2.8  # allocated / _sub_batches' estimate, fit to the Qwen3-30B-A3B GPTQ record (14.8 GB)
+HOST_BASE = 3 * GB  # python, torch, CUDA host state
+HEADROOM = 0.95  # share of the card a forecast may fill
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass
+class StageForecast:
+    stage: str
+    gpu_bytes: float
+    host_bytes: float
+    disk_bytes: float
+    seconds: float
+    parts: dict[str, float] = field(default_factory=dict)  # the largest terms of gpu_bytes, for messages
+    note: str = ""
+
+
+@dataclass
+class Forecast:
+    model: str
+    params: int
+    gpus: int
+    gpu_memory_gb: float
+    stages: list[StageForecast]
+    checkpoint_bytes: dict[str, float]
+    fitting_budgets: tuple[float, float] | None  # (hessian_budget_gb, solve_budget_gb) that fit, or None
+
+    def too_big(self) -> StageForecast | None:
+        return next((s for s in self.stages if s.gpu_bytes > HEADROOM * self.gpu_memory_gb * GB), None)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What one decoder layer costs: bytes in the model dtype, its experts and its quantized linears."""
+
+    index: int
+    weight_bytes: float
+    n_experts: int
+    expert_in: tuple[int, int]  # (D, I): gate/up read D, down reads I
+    expert_numel: float  # weights of one expert (all three projections)
+    expert_code_bytes: float  # int8 codes + scales of one expert's planned projections
+    linear_groups: tuple[tuple[int, int], ...]  # (in_features, summed out_features) of linears sharing an input
+    linear_code_bytes: float
+    active_params: float  # parameters a token passes through (attention, shared, top_k experts)
+
+
+def synthetic_profile(source: ModelSource) -> RoutingProfile:
+    """Equal routing everywhere: plans keep their budgets (top_fraction, budget) without calibration data."""
+    layers = source.moe_layers()
+    n = max(source.n_experts(L) for L in layers)
+    ones = torch.ones(len(layers), n, dtype=torch.float64)
+    return RoutingProfile("estimate", source.display_name, layers, n, source.top_k, 0, [], ones, ones.clone(),
+                          ones.clone(), ones.clone(), ones.clone(), sensitivity=ones.clone())
+
+
+def _code_bytes(plan: BitPlan, name: str, numel: int) -> float:
+    p = plan.modules[name]
+    return 0.0 if p.keep else numel * (1 + 2 / p.group_size + (0 if p.symmetric else 1 / p.group_size))
+
+
+def layer_shapes(source: ModelSource, plan: BitPlan, dtype_bytes: int, top_k: int) -> list[LayerShape]:
+    numel: dict[int, int] = defaultdict(int)
+    for key, shape in source.shapes().items():
+        parts = key.split(".")
+        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit():
+            numel[int(parts[2])] += math.prod(shape)
+    out = []
+    for L in range(source.n_layers):
+        mods = {n: m for n, m in source.modules.items() if m.layer == L}
+        experts = [m for m in mods.values() if m.kind == "expert"]
+        n_exp = len({m.expert for m in experts})
+        ins = {m.name.rsplit(".", 1)[1]: m.in_features for m in experts if m.expert == experts[0].expert} if experts else {}
+        e_codes = sum(_code_bytes(plan, m.name, m.numel) for m in experts) / max(n_exp, 1)
+        groups: dict[tuple, list] = defaultdict(list)
+        for m in mods.values():
+            if m.kind != "expert" and not plan.modules[m.name].keep:
+                groups[(m.kind, m.in_features)].append(m.out_features)
+        dense = sum(m.numel for m in mods.values() if m.kind not in ("expert", "router"))
+        expert_numel = sum(m.numel for m in experts) / max(n_exp, 1)
+        out.append(LayerShape(L, numel[L] * dtype_bytes, n_exp, (ins.get("gate", 0), ins.get("down", 0)),
+                              expert_numel, e_codes,
+                              tuple((k[1], sum(v)) for k, v in groups.items()),
+                              sum(_code_bytes(plan, m.name, m.numel) for m in mods.values() if m.kind != "expert"),
+                              dense + min(top_k, n_exp) * expert_numel))
+    return out
+
+
+@dataclass(frozen=True)
+class Run:
+    """The recipe's numbers a forecast reads, per GPU: tokens, batch, budgets, dtype, ranks."""
+
+    n_samples: int
+    seq_len: int
+    batch: int
+    dtype_bytes: int
+    algorithm: str
+    hessian_budget_gb: float
+    solve_budget_gb: float
+    gpus: int
+
+    @property
+    def tokens(self) -> int:
+        return self.n_samples * self.seq_len
+
+    @property
+    def hessians(self) -> bool:
+        return self.algorithm != "rtn"
+
+
+def _activations(run: Run, d: Dims) -> float:
+    """The cached hidden states on the GPU (layerwise keeps them there when they fit its budget)."""
+    full = run.tokens * d.hidden * run.dtype_bytes
+    return full if full <= ACTIVATION_BUDGET else 2 * run.batch * run.seq_len * d.hidden * run.dtype_bytes
+
+
+def forward_transient(layer: LayerShape, run: Run, d: Dims, stats_blocks: int) -> float:
+    """One batch through the layer: routed expert activations, hidden copies, attention (scores materialized when
+    SDPA has no fused kernel for unequal query/value head dims), plus ``stats_blocks`` padded statistics blocks."""
+    tokens = run.batch * run.seq_len
+    routed = tokens * min(d.top_k, max(layer.n_experts, 1)) * 2 * layer.expert_in[1] * run.dtype_bytes * 2
+    if d.qk_head_dim != d.v_head_dim:
+        attention = run.batch * d.heads * run.seq_len**2 * run.dtype_bytes * 2
+    else:
+        attention = tokens * d.heads * (2 * d.qk_head_dim + 2 * d.v_head_dim) * run.dtype_bytes
+    block = min(STATS_BLOCK, tokens * d.top_k * max(d.hidden, 2 * layer.expert_in[1]))  # padded rows, capped
+    return routed + attention + tokens * d.hidden * run.dtype_bytes * 4 + stats_blocks * block * run.dtype_bytes
+
+
+def _expert_chunks(layer: LayerShape, run: Run) -> list[int]:
+    """Experts per Hessian pass on one rank (quantize._LayerJob.expert_chunks)."""
+    from quant.quantize import expert_hessian_bytes
+
+    n = math.ceil(layer.n_experts / run.gpus)
+    if not n:
+        return []
+    per = expert_hessian_bytes(*layer.expert_in) if run.hessians else 0
+    count = n if not per else max(1, min(n, int(run.hessian_budget_gb * GB) // per))
+    return [min(count, n - f) for f in range(0, n, count)]
+
+
+def _solve_sets(layer: LayerShape, run: Run, n_rank: int) -> tuple[list[tuple[int, float]], list[float]]:
+    """Expert problems as (experts per sub-batch, its working set) and each linear group's working set."""
+    from quant.quantize import solve_bytes
+
+    D, I = layer.expert_in
+    experts = []
+    for out_f, in_f in ((2 * I, D), (D, I)) if n_rank else ():
+        per = solve_bytes(out_f, in_f)
+        n = max(1, min(n_rank, int(run.solve_budget_gb * GB) // per))
+        experts.append((n, n * per))
+    return experts, [solve_bytes(out_f, in_f) for in_f, out_f in layer.linear_groups]
+
+
+def quantize_memory(layer: LayerShape, run: Run, d: Dims) -> dict[str, float]:
+    """Peak GPU bytes of quantizing ``layer`` on the busiest rank, by term (``total`` is the peak)."""
+    from quant.quantize import expert_hessian_bytes
+
+    chunks = _expert_chunks(layer, run)
+    per_h = expert_hessian_bytes(*layer.expert_in) if run.hessians else 0
+    done, chunk_peak = 0, 0.0
+    for count in chunks:  # a chunk's Hessians beside the codes of every expert solved so far
+        done += count
+        chunk_peak = max(chunk_peak, count * per_h + done * layer.expert_code_bytes)
+    lin_h = sum(4 * in_f**2 for in_f, _ in layer.linear_groups) if run.hessians else 0.0
+    experts, linears = _solve_sets(layer, run, max(chunks, default=0))
+    ws_experts = SOLVE_FACTOR * max((b for _, b in experts), default=0.0)
+    transient = forward_transient(layer, run, d, 3 if run.hessians else 0)
+    base = {"activations": _activations(run, d), "layer": layer.weight_bytes, "linear Hessians": lin_h}
+    phase_experts = chunk_peak + max(ws_experts, transient)
+    phase_linears = sum(chunks) * layer.expert_code_bytes + SOLVE_FACTOR * max(linears, default=0.0)
+    parts = {**base, "expert Hessians + codes": chunk_peak, "solve working set": ws_experts,
+             "forward transient": transient}
+    return {**parts, "total": sum(base.values()) + max(phase_experts, phase_linears)}
+
+
+def quantize_seconds(layer: LayerShape, run: Run, d: Dims) -> float:
+    """Load, statistics (one pass per expert chunk), solve (GPTQ columns, launch bound) and propagation."""
+    t = THROUGHPUTS
+    seconds = layer.weight_bytes / t["load_bytes_per_s"] + run.tokens * layer.active_params / t["forward_param_tokens_per_s"]
+    chunks = _expert_chunks(layer, run)
+    if not run.hessians:
+        return seconds + layer.weight_bytes / t["rtn_bytes_per_s"]
+    D, I = layer.expert_in
+    macs = (run.tokens * d.top_k * (D**2 + I**2) * (layer.n_experts > 0) / run.gpus
+            + run.tokens * sum(in_f**2 for in_f, _ in layer.linear_groups)
+            + max(len(chunks), 1) * run.tokens * layer.active_params)
+    experts, _ = _solve_sets(layer, run, max(chunks, default=0))
+    columns = sum(math.ceil(c / n) * in_f for c in chunks for (n, _), in_f in zip(experts, (D, I), strict=True))
+    columns += sum(in_f for in_f, _ in layer.linear_groups)
+    return seconds + macs / t["stats_macs_per_s"] + columns * t["gptq_seconds_per_column"]
+
+
+def _run_of(recipe: Recipe, gpus: int, hessian_budget_gb: float | None = None,
+            solve_budget_gb: float | None = None) -> Run:
+    q, c = recipe.quantize, recipe.calibration
+    return Run(c.n_samples, c.seq_len, q.batch_size, DTYPE_BYTES[recipe.model.dtype], q.algorithm,
+               hessian_budget_gb or q.hessian_budget_gb, solve_budget_gb or q.solve_budget_gb, gpus)
+
+
+def profile_memory(layer: LayerShape, run: Run, d: Dims) -> dict[str, float]:
+    """Peak GPU bytes of profiling ``layer`` by term. The W4 sensitivity probe (profile._LayerStats._probe_weights)
+    rounds all of the rank's experts at once: fp32 copies of the fused ``[E, 2I, D]`` weights (~12 bytes per weight
+    at the peak of grid fitting and rounding), then keeps both dequantized tensors for the layer's batches."""
+    D, I = layer.expert_in
+    n = math.ceil(layer.n_experts / run.gpus)
+    gate_up, down = n * 2 * I * D, n * D * I
+    probe = max(12 * gate_up, 2 * gate_up + 12 * down, 2 * (gate_up + down) + forward_transient(layer, run, d, 4))
+    parts = {"activations": _activations(run, d), "layer": layer.weight_bytes, "W4 sensitivity probe": probe}
+    return {**parts, "total": sum(parts.values())}
+
+
+def _profile_stage(layers: list[LayerShape], run: Run, d: Dims) -> StageForecast:
+    t = THROUGHPUTS
+    seconds = sum(L.weight_bytes / t["load_bytes_per_s"] + run.tokens * L.active_params / t["profile_param_tokens_per_s"]
+                  for L in layers)
+    worst = max((profile_memory(L, run, d) for L in layers), key=lambda m: m["total"])
+    return StageForecast("profile", worst["total"], _host(layers, run, d), 0.0, seconds,
+                         parts={k: v for k, v in worst.items() if k != "total"})
+
+
+def _host(layers: list[LayerShape], run: Run, d: Dims) -> float:
+    """Process baseline, one layer read from safetensors and its codes copied out, activations kept on the CPU."""
+    acts = run.tokens * d.hidden * run.dtype_bytes
+    layer = max(L.weight_bytes + L.n_experts * L.expert_code_bytes + L.linear_code_bytes for L in layers)
+    return HOST_BASE + layer + (acts if acts > ACTIVATION_BUDGET else 0.0)
+
+
+def _quantize_stage(layers: list[LayerShape], run: Run, d: Dims) -> StageForecast:
+    mems = [quantize_memory(L, run, d) for L in layers]
+    worst = max(mems, key=lambda m: m["total"])
+    store = sum(L.n_experts * L.expert_code_bytes + L.linear_code_bytes for L in layers)
+    seconds = sum(quantize_seconds(L, run, d) for L in layers)
+    return StageForecast("quantize", worst["total"], _host(layers, run, d), store, seconds,
+                         parts={k: v for k, v in worst.items() if k != "total"})
+
+
+def checkpoint_bytes(plan: BitPlan, source: ModelSource, profile: RoutingProfile, formats: tuple[str, ...]) -> dict:
+    """Format -> bytes: the plan summary's size (packed codes, scales, kept tensors); GPTQ adds g_idx and qzeros."""
+    size = summarize(plan, source, profile)["headline"]["size_gb"] * GB
+    out = {}
+    for fmt in formats:
+        extra = 0.0
+        if fmt == "gptq":
+            for name, p in plan.quantized().items():
+                m = source.modules[name]
+                extra += 4 * m.in_features + (m.out_features * m.in_features // p.group_size * p.bits / 8 if p.symmetric else 0)
+        out[fmt] = size + extra
+    return out
+
+
+def _eval_stage(recipe: Recipe, source: ModelSource, plan: BitPlan, model_bytes: float, run: Run, d: Dims) -> StageForecast:
+    """transformers loads the whole model (CPU, then the GPUs); per-expert mixes are first dequantized to disk."""
+    from quant.runtimes import problems_for
+
+    e, t = recipe.eval, THROUGHPUTS
+    logits = e.batch_size * e.perplexity.seq_len * d.vocab * 4 * 2
+    dense_copy = model_bytes if problems_for(plan, source, "transformers") else 0.0
+    host = HOST_BASE + model_bytes + e.perplexity.n_samples * e.perplexity.seq_len * d.vocab * 4 * 2
+    seconds = 2 * model_bytes / t["load_bytes_per_s"] + dense_copy / t["export_bytes_per_s"]
+    note = "lm-eval tasks not included" if e.tasks else ""
+    return StageForecast("eval", model_bytes / run.gpus + logits, host, dense_copy, seconds, note=note)
+
+
+def plan_for(recipe: Recipe, source: ModelSource) -> tuple[BitPlan, RoutingProfile]:
+    profile = synthetic_profile(source)
+    return plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers,
+                     recipe.export.formats), profile
+
+
+def fitting_budgets(layers: list[LayerShape], recipe: Recipe, d: Dims, gpus: int, gpu_memory_gb: float):
+    """The largest (hessian_budget_gb, solve_budget_gb) up to the recipe's whose quantize peak fits the card (halving
+    the Hessian budget first, then the solve budget); None if nothing down to 1/256 of them fits."""
+    limit = HEADROOM * gpu_memory_gb * GB
+    q = recipe.quantize
+    for solve in [q.solve_budget_gb / 2**k for k in range(6)]:
+        for hessian in [q.hessian_budget_gb / 2**k for k in range(9)]:
+            run = _run_of(recipe, gpus, hessian, solve)
+            if max(quantize_memory(L, run, d)["total"] for L in layers) <= limit:
+                return round(hessian, 3), round(solve, 3)
+    return None
+
+
+def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: float = 80.0) -> Forecast:
+    """Every stage's forecast for ``recipe`` on ``source`` (shapes only) with ``gpus`` GPUs of ``gpu_memory_gb``."""
+    if gpus < 1 or gpu_memory_gb <= 0:
+        raise PlanError(f"--gpus must be >= 1 and --gpu-memory-gb > 0, got {gpus} and {gpu_memory_gb}")
+    d = dims(source.config_dict)
+    plan, profile = plan_for(recipe, source)
+    run = _run_of(recipe, gpus)
+    layers = layer_shapes(source, plan, run.dtype_bytes, d.top_k)
+    model_bytes = sum(math.prod(s) for s in source.shapes().values()) * run.dtype_bytes
+    ckpt = checkpoint_bytes(plan, source, profile, recipe.export.formats)
+    tokens_bytes = recipe.calibration.n_samples * recipe.calibration.seq_len * 8
+    profile_run = dataclasses.replace(run, batch=recipe.profile.batch_size)
+    stages = [StageForecast("calibrate", 0.0, HOST_BASE, tokens_bytes, 0.0), _profile_stage(layers, profile_run, d),
+              StageForecast("plan", 0.0, HOST_BASE, 0.0, 0.0), _quantize_stage(layers, run, d),
+              StageForecast("export", 0.0, HOST_BASE + max(L.weight_bytes for L in layers)
+                            + recipe.export.max_shard_gb * GB, sum(ckpt.values()),
+                            sum(ckpt.values()) / THROUGHPUTS["export_bytes_per_s"]),
+              _eval_stage(recipe, source, plan, model_bytes, run, d)]
+    params = sum(math.prod(s) for s in source.shapes().values())
+    return Forecast(source.display_name, params, gpus, gpu_memory_gb, stages, ckpt,
+                    fitting_budgets(layers, recipe, d, gpus, gpu_memory_gb))
+
+
+def _gb(b: float) -> str:
+    return f"{b / GB:.1f} GB" if b >= 0.1 * GB else f"{b / 1e6:.0f} MB"
+
+
+def _duration(s: float) -> str:
+    if s < 60:
+        return f"{s:.0f} s"
+    m = round(s / 60)
+    return f"{m // 60}h {m % 60:02d}m" if m >= 60 else f"{m} min"
+
+
+def render(f: Forecast, recipe: Recipe) -> str:
+    q = recipe.quantize
+    lines = [f"{f.model}: {f.params / 1e9:.1f} B parameters; {f.gpus} GPU(s) x {f.gpu_memory_gb:g} GB; "
+             f"{recipe.calibration.n_samples} x {recipe.calibration.seq_len} calibration tokens, {q.algorithm}",
+             f"{'stage':<10} {'peak GPU':>10} {'host':>10} {'disk':>10} {'time (H200)':>12}"]
+    for s in f.stages:
+        lines.append(f"{s.stage:<10} {_gb(s.gpu_bytes):>10} {_gb(s.host_bytes):>10} {_gb(s.disk_bytes):>10} "
+                     f"{_duration(s.seconds):>12}{'  (' + s.note + ')' if s.note else ''}")
+    lines.append("checkpoints: " + ", ".join(f"{fmt} {_gb(b)}" for fmt, b in f.checkpoint_bytes.items()))
+    quant = next(s for s in f.stages if s.stage == "quantize")
+    lines.append("quantize peak: " + ", ".join(f"{k} {_gb(v)}" for k, v in quant.parts.items()))
+    if f.fitting_budgets == (q.hessian_budget_gb, q.solve_budget_gb):
+        lines.append(f"budgets: the recipe's quantize.hessian_budget_gb {q.hessian_budget_gb:g} and solve_budget_gb "
+                     f"{q.solve_budget_gb:g} fit the card")
+    elif f.fitting_budgets:
+        h, s = f.fitting_budgets
+        lines.append(f"budgets: quantize.hessian_budget_gb {h:g} and solve_budget_gb {s:g} fit the card (the recipe's "
+                     f"{q.hessian_budget_gb:g} and {q.solve_budget_gb:g} do not)")
+    else:
+        lines.append("budgets: no quantize.hessian_budget_gb / solve_budget_gb fits the card")
+    lines.append(f"assumes: {'experts divided over ranks, every rank holds the layer and activations; ' if f.gpus > 1 else ''}"
+                 "time from one H200's throughputs (BENCHMARKS.md)")
+    return "\n".join(lines)
+
+
+def check_fits(f: Forecast, recipe: Recipe) -> None:
+    """Raise PlanError (one line) naming the stage that does not fit and what to change."""
+    stage = f.too_big()
+    if stage is None:
+        return
+    need = (f"the {stage.stage} stage needs {_gb(stage.gpu_bytes)} per GPU but {f.gpus} x {f.gpu_memory_gb:g} GB "
+            f"cards leave {_gb(HEADROOM * f.gpu_memory_gb * GB)}")
+    if stage.stage == "quantize" and f.fitting_budgets:
+        h, s = f.fitting_budgets
+        raise PlanError(f"{need}; set quantize.hessian_budget_gb: {h:g} and quantize.solve_budget_gb: {s:g}, or "
+                        f"use more GPUs")
+    biggest = max(stage.parts, key=stage.parts.get) if stage.parts else "the model"
+    raise PlanError(f"{need} ({biggest} alone: {_gb(stage.parts.get(biggest, stage.gpu_bytes))}); use more or "
+                    f"larger GPUs (--gpus, --gpu-memory-gb)")

@@ -1,0 +1,126 @@
+"""A model known by its config and tensor shapes only: what ``quant estimate`` reads before any job runs.
+
+Local folders (and builtins): ``config.json`` and the safetensors headers, parsed directly (8-byte length, then a
+JSON table of name -> dtype, shape, offsets), so no weight is read and a header-only file serves as well. Hub ids:
+``config.json`` alone through ``hf_hub_download`` and every shard's header through huggingface_hub's
+``get_safetensors_metadata`` (HTTP range requests): nothing else is downloaded, so a 671 B model is sized in
+seconds on a login node.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from quant.errors import ModelError
+from quant.models.source import ModelSource
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (dtype, shape) from a safetensors file's header (the data section is never touched)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ModelError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 1 << 30:
+            raise ModelError(f"{path}: safetensors header of {n} bytes is not plausible; is the file corrupt?")
+        try:
+            header = json.loads(f.read(n))
+        except json.JSONDecodeError as e:
+            raise ModelError(f"{path}: unreadable safetensors header ({e})") from None
+    return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+
+
+class HeaderSource(ModelSource):
+    """A ModelSource whose tensors are a shape table: module inventory, family and shapes, never weights."""
+
+    def __init__(self, config: dict, tensors: dict[str, tuple[str, tuple[int, ...]]], display_name: str,
+                 trust_remote_code: bool = False, family: str | None = None, path: Path | None = None):
+        self.path = path or Path(display_name)
+        self.display_name = display_name
+        self.trust_remote_code = trust_remote_code
+        self.config_dict = config
+        self.family = self._family(config.get("model_type", "?"), family)
+        self.tensors = tensors
+        self.weight_map = {k: "(header)" for k in tensors}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: shape for k, (_, shape) in self.tensors.items()}
+
+    def read_tensors(self, keys, device="cpu"):
+        raise ModelError(f"{self.display_name}: only tensor shapes are known here (quant estimate), not weights")
+
+
+def _local(path: Path) -> tuple[dict, dict]:
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} is not a model folder (no config.json)")
+    index = path / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else sorted(p.name for p in path.glob("*.safetensors")))
+    if not files:
+        raise ModelError(f"{path} has no safetensors files (quant reads safetensors only)")
+    tensors: dict = {}
+    for name in files:
+        tensors.update(read_safetensors_header(path / name))
+    return json.loads((path / "config.json").read_text()), tensors
+
+
+def _hub(repo_id: str, hub) -> tuple[dict, dict]:
+    try:
+        config = json.loads(Path(hub.hf_hub_download(repo_id, "config.json")).read_text())
+        meta = hub.get_safetensors_metadata(repo_id)
+    except Exception as e:  # noqa: BLE001 - any hub failure is the same user-facing problem
+        raise ModelError(f"model '{repo_id}' is not a local folder and its config/safetensors headers could not be "
+                         f"read from the hub: {e}") from None
+    tensors = {name: (info.dtype, tuple(info.shape)) for f in meta.files_metadata.values()
+               for name, info in f.tensors.items()}
+    return config, tensors
+
+
+def load_headers(spec: str, trust_remote_code: bool = False, family: str | None = None, hub=None) -> HeaderSource:
+    """``builtin:NAME``, a local folder or a hub id -> HeaderSource (config and shapes only). ``hub``: the module
+    providing ``hf_hub_download`` and ``get_safetensors_metadata`` (default: huggingface_hub)."""
+    from quant.models.builtin import builtin_path
+
+    if spec.startswith("builtin:"):
+        path = builtin_path(spec.split(":", 1)[1])
+        config, tensors = _local(path)
+    elif (path := Path(spec).expanduser()).exists():
+        config, tensors = _local(path)
+    elif spec.count("/") == 1 and not spec.startswith((".", "/")):
+        if hub is None:
+            import huggingface_hub as hub
+        config, tensors = _hub(spec, hub)
+        path = None
+    else:
+        raise ModelError(f"model path does not exist: {spec} (use a folder, a hub id, or builtin:NAME)")
+    return HeaderSource(config, tensors, spec, trust_remote_code, family, path)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Model facts a memory forecast needs, from config.json."""
+
+    hidden: int
+    n_layers: int
+    heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    top_k: int
+    vocab: int
+
+
+def dims(config: dict) -> Dims:
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    if "qk_nope_head_dim" in config:  # MLA (DeepSeek-V3): queries/keys carry a rope part, values do not
+        qk, v = int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"]), int(config["v_head_dim"])
+    else:
+        qk = v = int(config.get("head_dim") or hidden // heads)
+    top_k = int(config.get("num_experts_per_tok") or config.get("moe_topk") or 1)
+    return Dims(hidden, int(config["num_hidden_layers"]), heads, qk, v, top_k, int(config["vocab_size"]))

@@ -1,0 +1,195 @@
+"""quant estimate: the forecast against the GPU runs recorded in BENCHMARKS.md (peak memory within 25 %), shapes read
+from headers only (local and hub metadata), refusal of plans that cannot fit, the per-rank split."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from quant.errors import ModelError, PlanError
+from quant.estimate import check_fits, forecast, render
+from quant.models import ModelSource, resolve_model
+from quant.models.headers import HeaderSource, load_headers, read_safetensors_header
+from quant.recipe import parse_recipe
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO))
+from benchmarks.engine import write_shapes_only  # noqa: E402
+
+BENCHMARKS = (REPO / "BENCHMARKS.md").read_text()
+
+
+def _cell(row_start: str, column: int) -> float:
+    """A number from the BENCHMARKS.md table row starting with ``row_start`` (bold marks stripped)."""
+    row = next(ln for ln in BENCHMARKS.splitlines() if ln.startswith(row_start))
+    return float(row.strip("|").split("|")[column].strip().strip("*"))
+
+
+def _text(pattern: str) -> float:
+    m = re.search(pattern, BENCHMARKS)
+    assert m, pattern
+    return float(m.group(1))
+
+
+# (record, shape, saved layers, samples, algorithm, solve budget, measured peak GB, measured s/layer or None)
+RECORDS = [
+    ("Qwen3-30B-A3B GPTQ at defaults", "qwen3-30b-a3b", 2, 256, "gptq", 3.0,
+     _cell("| quant GPTQ (act-order, static groups)", 5), _cell("| quant GPTQ (act-order, static groups)", 1)),
+    ("Qwen3-30B-A3B AWQ at defaults", "qwen3-30b-a3b", 2, 256, "awq", 3.0,
+     _text(r"then measured [\d.]+ s/layer \(solve [\d.]+\), \*\*([\d.]+) GB\*\* peak"), None),
+    ("Qwen3-30B-A3B GPTQ, solve_budget_gb 6", "qwen3-30b-a3b", 2, 256, "gptq", 6.0,
+     _text(r"`solve_budget_gb: 6`: [\d.]+ s/layer at ([\d.]+) GB"), None),
+    ("Qwen3-30B-A3B GPTQ, 48 layers, 1 M tokens", "qwen3-30b-a3b", 48, 512, "gptq", 3.0,
+     _text(r"Peak GPU memory ([\d.]+) GB\."), None),
+    ("DeepSeek-V3 layer GPTQ at defaults", "deepseek-v3", 1, 32, "gptq", 3.0,
+     _cell("| quant GPTQ, second session at defaults", 4), _cell("| quant GPTQ, second session at defaults", 1)),
+    ("DeepSeek-V3 layer GPTQ, solve_budget_gb 6", "deepseek-v3", 1, 32, "gptq", 6.0,
+     _cell("| quant GPTQ (CUDA-graph column loop, `solve_budget_gb: 6`)", 4), None),
+]
+
+
+@pytest.fixture(scope="module")
+def shapes_dir(tmp_path_factory):
+    cache: dict[tuple, Path] = {}
+
+    def get(shape: str, layers: int) -> Path:
+        if (shape, layers) not in cache:
+            cache[(shape, layers)] = write_shapes_only(shape, layers, tmp_path_factory.mktemp(f"{shape}-{layers}"))
+        return cache[(shape, layers)]
+
+    return get
+
+
+def _bench_recipe(path: Path, samples: int, algorithm: str, solve: float, *extra: str):
+    """engine.py's plan: every expert and attention projection W4 g128 (GPTQ symmetric, AWQ asymmetric)."""
+    return parse_recipe({"name": "bench"}, model=str(path), overrides=(
+        "plan.policy=uniform", "plan.low_bits=4", "plan.high_bits=4", "plan.protect.attention=4",
+        "plan.protect.shared_experts=4", "plan.protect.dense_mlp=4", f"plan.symmetric={str(algorithm != 'awq').lower()}",
+        f"quantize.algorithm={algorithm}", f"quantize.solve_budget_gb={solve}", f"calibration.n_samples={samples}",
+        "calibration.seq_len=2048", *extra))
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=[r[0] for r in RECORDS])
+def test_forecast_matches_benchmark_records(record, shapes_dir):
+    name, shape, layers, samples, algorithm, solve, peak_gb, s_per_layer = record
+    path = shapes_dir(shape, layers)
+    f = forecast(_bench_recipe(path, samples, algorithm, solve), load_headers(str(path)), gpu_memory_gb=143)
+    quant = next(s for s in f.stages if s.stage == "quantize")
+    assert quant.gpu_bytes / 1e9 == pytest.approx(peak_gb, rel=0.25), (name, quant.parts)
+    if s_per_layer is not None:
+        assert quant.seconds / layers == pytest.approx(s_per_layer, rel=0.3), name
+
+
+def test_headers_only_and_equal_to_the_real_source(quant_cache, tmp_path):
+    """A builtin read through its headers has the same module inventory as the loaded source; a header-only file
+    (no data section) is enough, and weights can never be read from it."""
+    real = resolve_model("builtin:qwen3-moe-tiny")
+    headers = load_headers("builtin:qwen3-moe-tiny")
+    assert headers.modules == real.modules and headers.shapes() == real.shapes()
+    path = write_shapes_only("tiny", 2, tmp_path / "m")
+    assert (path / "model.safetensors").stat().st_size < 100_000  # headers, no data
+    src = load_headers(str(path))
+    assert src.n_layers == 2 and len(src.moe_layers()) == 2
+    with pytest.raises(ModelError, match="only tensor shapes"):
+        src.read_tensors(["lm_head.weight"])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text((path / "config.json").read_text())
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\x01")
+    with pytest.raises(ModelError, match="not a safetensors file"):
+        load_headers(str(tmp_path / "bad"))
+
+
+class FakeHub:
+    """huggingface_hub's two calls, answered from a local folder with huggingface_hub's own metadata types (the
+    hub itself is unreachable here); records what was asked."""
+
+    def __init__(self, folder: Path, fail: bool = False):
+        self.folder, self.fail, self.calls = folder, fail, []
+
+    def hf_hub_download(self, repo_id: str, filename: str) -> str:
+        self.calls.append(("download", repo_id, filename))
+        if self.fail:
+            raise OSError("offline")
+        return str(self.folder / filename)
+
+    def get_safetensors_metadata(self, repo_id: str):
+        from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+
+        self.calls.append(("metadata", repo_id))
+        header = read_safetensors_header(self.folder / "model.safetensors")
+        offsets, tensors = 0, {}
+        for k, (dtype, shape) in header.items():
+            tensors[k] = TensorInfo(dtype=dtype, shape=list(shape), data_offsets=(offsets, offsets))
+        files = {"model.safetensors": SafetensorsFileMetadata(metadata={}, tensors=tensors)}
+        return SafetensorsRepoMetadata(metadata=None, sharded=False, weight_map={k: "model.safetensors" for k in tensors},
+                                       files_metadata=files)
+
+
+def test_hub_model_reads_config_and_safetensors_metadata_only(quant_cache):
+    local = resolve_model("builtin:olmoe-tiny")
+    hub = FakeHub(local.path)
+    src = load_headers("acme/Tiny-OLMoE", hub=hub)
+    assert isinstance(src, HeaderSource) and src.modules == local.modules
+    assert hub.calls == [("download", "acme/Tiny-OLMoE", "config.json"), ("metadata", "acme/Tiny-OLMoE")]
+    with pytest.raises(ModelError, match="could not be read from the hub: offline"):
+        load_headers("acme/Tiny-OLMoE", hub=FakeHub(local.path, fail=True))
+
+
+def test_more_gpus_split_expert_work_not_the_layer(shapes_dir):
+    path = shapes_dir("deepseek-v3", 1)
+    recipe, src = _bench_recipe(path, 32, "gptq", 3.0), load_headers(str(path))
+    one, four = forecast(recipe, src, gpus=1, gpu_memory_gb=143), forecast(recipe, src, gpus=4, gpu_memory_gb=143)
+    q1, q4 = (next(s for s in f.stages if s.stage == "quantize") for f in (one, four))
+    assert q4.parts["layer"] == q1.parts["layer"] and q4.parts["activations"] == q1.parts["activations"]
+    assert q4.parts["expert Hessians + codes"] < q1.parts["expert Hessians + codes"]  # 64 experts per rank, one chunk
+    assert q4.seconds < q1.seconds and q4.gpu_bytes < q1.gpu_bytes
+
+
+def test_refuses_what_cannot_fit_and_names_budgets_that_do(shapes_dir):
+    path = shapes_dir("deepseek-v3", 1)
+    src = load_headers(str(path))
+    # 60 GB cards: quantize needs ~73 GB at the recipe's budgets; smaller Hessian chunks make it fit
+    recipe = _bench_recipe(path, 32, "gptq", 3.0, "quantize.hessian_budget_gb=32")
+    f = forecast(recipe, src, gpus=4, gpu_memory_gb=60)
+    assert f.too_big() is not None and f.too_big().stage == "quantize"
+    with pytest.raises(PlanError) as e:
+        check_fits(f, recipe)
+    h, s = f.fitting_budgets
+    assert f"quantize.hessian_budget_gb: {h:g} and quantize.solve_budget_gb: {s:g}" in str(e.value)
+    refit = forecast(_bench_recipe(path, 32, "gptq", s, f"quantize.hessian_budget_gb={h}"), src, gpus=4, gpu_memory_gb=60)
+    assert refit.too_big() is None and "fit the card" in render(refit, recipe)
+    # a card smaller than one layer: nothing to tune
+    with pytest.raises(PlanError, match="use more or larger GPUs"):
+        check_fits(forecast(recipe, src, gpu_memory_gb=16), recipe)
+    with pytest.raises(PlanError, match="--gpus must be >= 1"):
+        forecast(recipe, src, gpus=0)
+
+
+def test_cli_estimate(shapes_dir, capsys):
+    from tests.export.test_gptq_format import quant_cli
+
+    path = shapes_dir("qwen3-30b-a3b", 2)
+    recipe = str(REPO / "recipes" / "mixed_int8_int4.yaml")
+    code, out, err = quant_cli(capsys, "estimate", recipe, "--model", str(path), "--set", "quantize.algorithm=gptq",
+                               "--gpus", "2", "--gpu-memory-gb", "80")
+    assert code == 0, err
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.split() and ln.split()[0] in
+            ("calibrate", "profile", "plan", "quantize", "export", "eval")}
+    assert len(rows) == 6 and "GB" in rows["quantize"]
+    assert "checkpoints: compressed-tensors" in out and "experts divided over ranks" in out
+    code, out, err = quant_cli(capsys, "estimate", recipe, "--model", str(path), "--gpu-memory-gb", "2")
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "per GPU" in errors[0], err
+    assert json.loads(json.dumps(out))  # the table still went to stdout
+
+
+def test_real_source_and_header_source_forecast_alike(quant_cache):
+    recipe = parse_recipe({"name": "x"}, model="builtin:deepseek-v3-tiny")
+    a = forecast(recipe, load_headers("builtin:deepseek-v3-tiny"))
+    b = forecast(recipe, ModelSource(resolve_model("builtin:deepseek-v3-tiny").path))
+    assert [(s.stage, s.gpu_bytes, s.disk_bytes) for s in a.stages] == [(s.stage, s.gpu_bytes, s.disk_bytes)
+                                                                        for s in b.stages]
