@@ -37,25 +37,32 @@ def checkpoint_hashes(run_dir: Path) -> dict:
     return {"checkpoint": files, "layers": layers}
 
 
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun gives each rank: CPU kernels' sums depend on the thread count
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, Path]:
-    """One process, no launcher: the headline recipe with GPTQ on each family, up to the checkpoint."""
+    """One process, no launcher: the headline recipe with GPTQ on each family (and AWQ on the first), up to the
+    checkpoint."""
     out = {}
-    for fam in FAMILIES:
-        d = tmp_path_factory.mktemp("ref") / fam
-        p = run_cli("export", HEADLINE, "-o", str(d), "--model", f"builtin:{fam}", *GPTQ)
+    for fam, algo in [(f, "gptq") for f in FAMILIES] + [(FAMILIES[0], "awq")]:
+        d = tmp_path_factory.mktemp("ref") / f"{fam}-{algo}"
+        p = run_cli("export", HEADLINE, "-o", str(d), "--model", f"builtin:{fam}", "--set",
+                    f"quantize.algorithm={algo}", env=ONE_THREAD)
         assert p.returncode == 0, p.stderr[-3000:]
-        out[fam] = d
+        out[fam if algo == "gptq" else f"{fam}-{algo}"] = d
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_two_ranks_give_the_one_process_plan_and_checkpoint(reference, tmp_path, family):
+@pytest.mark.parametrize("family,algorithm", [(f, "gptq") for f in FAMILIES] + [(FAMILIES[0], "awq")])
+def test_two_ranks_give_the_one_process_plan_and_checkpoint(reference, tmp_path, family, algorithm):
+    """GPTQ: experts and modules shared out over ranks; AWQ: every rank computes the whole layer (replicated)."""
     d = tmp_path / "r2"
-    p = subprocess.run(torchrun(2, "export", HEADLINE, "-o", str(d), "--model", f"builtin:{family}", *GPTQ),
+    p = subprocess.run(torchrun(2, "export", HEADLINE, "-o", str(d), "--model", f"builtin:{family}", "--set",
+                                f"quantize.algorithm={algorithm}"),
                        capture_output=True, text=True, env=_env(), timeout=900, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
-    ref = reference[family]
+    ref = reference[family if algorithm == "gptq" else f"{family}-{algorithm}"]
     assert (d / "plan.json").read_bytes() == (ref / "plan.json").read_bytes()
     assert (d / "profile.json").read_bytes() == (ref / "profile.json").read_bytes()
     assert checkpoint_hashes(d) == checkpoint_hashes(ref)
@@ -94,7 +101,7 @@ def test_stop_file_stops_every_rank_after_the_layer_and_one_process_resumes(refe
     m = json.loads((d / "manifest.json").read_text())
     assert m["stages"]["quantize"]["status"] == "stopped"
     assert len(list((d / "quantize.partial").glob("layer_*.safetensors"))) < 4
-    p = run_cli("export", HEADLINE, "-o", str(d), *GPTQ)  # one process takes over the two ranks' run
+    p = run_cli("export", HEADLINE, "-o", str(d), *GPTQ, env=ONE_THREAD)  # one process takes over two ranks' run
     assert p.returncode == 0, p.stderr[-3000:]
     assert "ran quantize, export; up to date: calibrate, profile, plan" in p.stdout
     assert json.loads((d / "manifest.json").read_text())["stages"]["quantize"]["resumed_layers"] >= 1
@@ -104,8 +111,8 @@ def test_stop_file_stops_every_rank_after_the_layer_and_one_process_resumes(refe
 def test_sigusr1_stops_one_process_with_exit_75_and_three_ranks_resume(reference, tmp_path):
     d = tmp_path / "usr1"
     proc = subprocess.Popen([sys.executable, SLOW, "quantize", HEADLINE, "-o", str(d), *GPTQ], cwd=REPO,
-                            env=_env(QUANT_TEST_LAYER_SLEEP="3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            env=_env(QUANT_TEST_LAYER_SLEEP="3", **ONE_THREAD), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     _wait_for(d / "quantize.partial" / "layer_00000.safetensors.written", proc)
     proc.send_signal(signal.SIGUSR1)
     _, err = proc.communicate(timeout=120)
@@ -130,7 +137,8 @@ def test_a_killed_rank_ends_the_other_with_one_error_line_and_the_run_resumes(re
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, SLOW, "quantize", HEADLINE, "-o", str(d), *GPTQ], cwd=REPO,
                               env=_env(QUANT_TEST_LAYER_SLEEP="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                       WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), QUANT_DIST_TIMEOUT_S="600"),
+                                       WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), QUANT_DIST_TIMEOUT_S="600",
+                                       **ONE_THREAD),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     _wait_for(d / "quantize.partial" / "layer_00000.safetensors.written", procs[0])
     procs[1].kill()
@@ -140,7 +148,7 @@ def test_a_killed_rank_ends_the_other_with_one_error_line_and_the_run_resumes(re
     assert len(_error_lines(err)) == 1 and "Traceback" not in err, err[-3000:]
     assert "error: rank 0 of 2:" in err and "another rank stopped, crashed or did not answer" in err
     procs[1].communicate()
-    p = run_cli("export", HEADLINE, "-o", str(d), *GPTQ)
+    p = run_cli("export", HEADLINE, "-o", str(d), *GPTQ, env=ONE_THREAD)
     assert p.returncode == 0, p.stderr[-3000:]
     assert checkpoint_hashes(d)["checkpoint"] == checkpoint_hashes(reference["qwen3-moe-tiny"])["checkpoint"]
 
