@@ -34,7 +34,9 @@ def _recipe(recipe: Path, overrides: list[str] | None, model: str | None):
 
 
 def _on_stop_signals(world) -> None:
-    """SIGUSR1 (a scheduler's warning) and SIGTERM ask the run to stop after the layer in hand (exit 75)."""
+    """SIGUSR1 (a scheduler's warning) and SIGTERM ask the run to stop after the layer in hand (exit 75). Repeats
+    change nothing (under Slurm and torchrun a rank receives SIGTERM twice: from slurmstepd and forwarded by the
+    agent); SIGINT (Ctrl-C) and SIGKILL stop at once."""
     import signal
 
     def handler(signum, _frame) -> None:

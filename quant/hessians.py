@@ -123,6 +123,16 @@ def linear_stats(modules: dict[str, nn.Linear], relay: Relay | None = None,
     return {name: LinearStats(m, name, last, relay, consumers) for name, m in modules.items()}
 
 
+def agree_leaders(stats: dict[str, LinearStats], world) -> None:
+    """Which linears share an input is seen by the hooks, so a rank that ran no calibration batch (more ranks than
+    batches) saw none of it: every rank takes the sharing from the first rank that saw some. Call after the pass."""
+    mine = {n: s.leader.name for n, s in stats.items() if s.leader is not None}
+    saw = any(s._seen_own for s in stats.values())
+    agreed = next((m for m, seen in world.all_gather_object((mine, saw)) if seen), mine)
+    for name, leader in agreed.items():
+        stats[name].leader = stats[leader]
+
+
 class ExpertStats:
     """Per-expert Hessians of the fused experts' two inputs, from the experts module's pre-hook.
 

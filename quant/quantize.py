@@ -32,7 +32,7 @@ from quant.algos.rtn import rtn
 from quant.calibration import CalibrationSet
 from quant.dist import SINGLE, World, even_ranges
 from quant.errors import QuantError
-from quant.hessians import ExpertStats, linear_stats
+from quant.hessians import ExpertStats, agree_leaders, linear_stats
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
@@ -154,6 +154,7 @@ class _LayerJob:
             if i == 0:
                 for st in lin_stats.values():
                     st.remove()
+                agree_leaders(lin_stats, self.world)
             if exp_stats is not None:
                 exp_stats.remove()
                 if exp_stats.count:

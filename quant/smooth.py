@@ -21,7 +21,7 @@ import torch
 
 from quant.algos.awq import AWQExtra, awq_search
 from quant.algos.grid import QuantSpec
-from quant.hessians import ExpertStats, LinearStats, linear_stats
+from quant.hessians import ExpertStats, LinearStats, agree_leaders, linear_stats
 from quant.models.layers import smoothing_sites
 from quant.relay import Relay
 
@@ -145,6 +145,7 @@ def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
     lw.run(job.layer, hidden, after_step=relay.flush)
     for st in lin_stats.values():
         st.remove()
+    agree_leaders(lin_stats, lw.world)
     params: dict[str, torch.Tensor] = {}
     if stats is not None:
         stats.remove()

@@ -190,3 +190,15 @@ def test_torchrun_job_ends_when_the_writer_rank_dies(tmp_path):
     t0 = time.time()
     proc.communicate(timeout=180)
     assert proc.returncode != 0 and time.time() - t0 < 120
+
+
+def test_more_ranks_than_calibration_batches_give_the_one_process_checkpoint(tmp_path):
+    """8 samples = one batch of 8: ranks 1 and 2 run no batch at all, so they see no forward pass and must learn
+    from rank 0 which linears share an input (q/k/v are one solve group); a third family (Mixtral)."""
+    few = ("--model", "builtin:mixtral-tiny", *GPTQ, "--set", "calibration.n_samples=8")
+    one = run_cli("export", HEADLINE, "-o", str(tmp_path / "one"), *few, env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr[-3000:]
+    p = subprocess.run(torchrun(3, "export", HEADLINE, "-o", str(tmp_path / "three"), *few), capture_output=True,
+                       text=True, env=_env(), timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert checkpoint_hashes(tmp_path / "three") == checkpoint_hashes(tmp_path / "one")
