@@ -1,7 +1,9 @@
 """``quant`` command line: argv -> Recipe (+ --set, --model) -> pipeline. Exit codes: 0 ok, 1 bad input or
 unusable model/run directory (one ``error:`` line on stderr), 2 usage (click's message), 3 quality gates failed,
-70 internal error (a bug: one line naming the log file that holds the traceback), 130 interrupted.
-Logging is configured here and only here (through quant/console.py)."""
+70 internal error (a bug: one line naming the log file that holds the traceback), 75 stopped on request
+(SIGUSR1/SIGTERM or a STOP file; rerun to resume), 130 interrupted.
+Logging is configured here and only here (through quant/console.py). Under torchrun the pipeline commands join the
+process group here; ranks other than 0 log warnings only and print nothing to stdout."""
 
 from __future__ import annotations
 
@@ -42,13 +44,39 @@ def _recipe(recipe: Path, overrides: list[str] | None, model: str | None):
     return load_recipe(recipe, overrides=tuple(overrides or ()), model=model)
 
 
+def _on_stop_signals(world) -> None:
+    """SIGUSR1 (a scheduler's warning) and SIGTERM ask the run to stop after the layer in hand (exit 75). Repeats
+    change nothing (under Slurm and torchrun a rank receives SIGTERM twice: from slurmstepd and forwarded by the
+    agent); SIGINT (Ctrl-C) and SIGKILL stop at once."""
+    import signal
+
+    def handler(signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        log.warning("%s received: stopping after the layer in hand (rerun to resume)", name)
+        world.stop.set(name)
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
 def _stage(until: str, recipe: Path, output: Path | None, overrides, model, force) -> None:
+    from quant.dist import close_world, init_world
+    from quant.layerwise import pick_device
     from quant.pipeline import run
 
     r = _recipe(recipe, overrides, model)
     run_dir = output or Path("runs") / r.name
-    with _crash_log_in(run_dir):
-        result = run(r, run_dir, until=until, force=force)
+    world = init_world(pick_device(r.quantize.device).type)
+    _on_stop_signals(world)
+    if not world.is_writer:
+        logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
+    try:
+        with _crash_log_in(run_dir):
+            result = run(r, run_dir, until=until, force=force, world=world)
+    finally:
+        close_world(world)
+    if not world.is_writer:
+        return
     typer.echo(f"{until}: ran {', '.join(result.ran) or 'nothing'}"
                f"{'; up to date: ' + ', '.join(result.skipped) if result.skipped else ''} -> {result.run_dir}")
     if until == "plan":
@@ -188,7 +216,8 @@ def cli_exit_code(argv: list[str] | None = None) -> int:
     try:
         rv = _command().main(args=argv, prog_name="quant", standalone_mode=False)
     except QuantError as e:
-        typer.echo(f"error: {_one_line(str(e))}", err=True)
+        if not getattr(e, "elsewhere", False):  # a rank that only relays another rank's error stays quiet
+            typer.echo(f"error: {_one_line(str(e))}", err=True)
         return e.exit_code
     except KeyboardInterrupt:  # outside typer's own handling (startup)
         rv = EXIT_INTERRUPTED

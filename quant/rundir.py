@@ -34,11 +34,17 @@ def temp_path(path: Path) -> Path:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary beside ``path``, then rename it over ``path``; on failure (a full disk) the
+    temporary is removed and ``path`` is unchanged."""
     tmp = temp_path(path)
-    tmp.write_text(text)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def hash_path(path: Path) -> str | None:

@@ -139,12 +139,12 @@ def test_hub_model_reads_config_and_safetensors_metadata_only(quant_cache):
         load_headers("acme/Tiny-OLMoE", hub=FakeHub(local.path, fail=True))
 
 
-def test_more_gpus_split_expert_work_not_the_layer(shapes_dir):
+def test_more_gpus_split_expert_work_and_activations_not_the_layer(shapes_dir):
     path = shapes_dir("deepseek-v3", 1)
     recipe, src = _bench_recipe(path, 32, "gptq", 3.0), load_headers(str(path))
     one, four = forecast(recipe, src, gpus=1, gpu_memory_gb=143), forecast(recipe, src, gpus=4, gpu_memory_gb=143)
     q1, q4 = (next(s for s in f.stages if s.stage == "quantize") for f in (one, four))
-    assert q4.parts["layer"] == q1.parts["layer"] and q4.parts["activations"] == q1.parts["activations"]
+    assert q4.parts["layer"] == q1.parts["layer"] and q4.parts["activations"] == q1.parts["activations"] / 4
     assert q4.parts["expert Hessians + codes"] < q1.parts["expert Hessians + codes"]  # 64 experts per rank, one chunk
     assert q4.seconds < q1.seconds and q4.gpu_bytes < q1.gpu_bytes
 

@@ -16,6 +16,8 @@ from quant.humaneval import load_problems
 from quant.lmeval import TaskScore, default_tasks_dir, run_lm_eval, scores_from_results
 
 REPO = Path(__file__).resolve().parents[1]
+needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                                   reason="lm-eval is not installed (the `eval` extra; the GPU machine lacks it)")
 MMLU_PATH = REPO / "evals" / "data" / "mmlu.jsonl.gz"
 
 
@@ -90,6 +92,7 @@ def _load_task_module(name: str) -> ModuleType:
     return module
 
 
+@needs_lm_eval
 def test_offline_tasks_run_end_to_end(
     tiny_moe_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -116,6 +119,7 @@ def test_offline_tasks_run_end_to_end(
     assert list(tmp_path.iterdir()) == []
 
 
+@needs_lm_eval
 def test_quant_mmlu_holds_out_five_questions_per_subject() -> None:
     mmlu = _load_task_module("quant_mmlu")
     test = mmlu.load_dataset(version=1.0)["test"]
@@ -132,6 +136,7 @@ def test_quant_mmlu_holds_out_five_questions_per_subject() -> None:
     assert all(row["answer"] in (0, 1, 2, 3) and len(row["choices"]) == 4 for row in test.select(range(200)))
 
 
+@needs_lm_eval
 def test_quant_mmlu_fewshot_comes_from_the_same_subject_in_order() -> None:
     mmlu = _load_task_module("quant_mmlu")
     sampler = mmlu.HeldOutSubjectSampler([], rnd=1234)
@@ -152,11 +157,13 @@ def test_quant_humaneval_metric_runs_completions_in_the_sandbox() -> None:
     assert len(task.load_dataset()["test"]) == 164
 
 
+@needs_lm_eval
 def test_unknown_offline_task_names_the_closest(tiny_moe_dir: Path) -> None:
     with pytest.raises(RecipeError, match="quant_mmlu"):
         run_lm_eval(tiny_moe_dir, ["quant_mmlx"], limit=1)
 
 
+@needs_lm_eval
 def test_bad_arguments_are_rejected_before_evaluating(tiny_moe_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="config.json"):
         run_lm_eval(tmp_path, ["quant_mmlu"])
@@ -196,6 +203,7 @@ def test_scores_from_results_picks_headline_metrics_and_sums_groups() -> None:
         scores_from_results(results, ["arc_easy"])
 
 
+@needs_lm_eval
 def test_unknown_lm_eval_task_is_checked_against_lm_evals_own_registry(tiny_moe_dir: Path) -> None:
     # A name outside our offline tasks makes run_lm_eval index lm-eval's built-in tasks (real names
     # such as `mmlu` pass straight through); a typo is reported with lm-eval's closest names.

@@ -39,8 +39,11 @@ def test_run_completes_with_every_artifact(family_runs, name):
     m = json.loads((d / "manifest.json").read_text())
     for stage in STAGES:
         entry = m["stages"][stage]
-        assert entry["status"] == "done" and entry["wall_s"] >= 0 and entry["peak_memory_bytes"] > 0
+        assert entry["status"] == "done" and entry["wall_s"] >= 0 and entry["peak_memory_bytes"] >= 0
         assert entry["input_hash"] and entry["outputs"]
+    # on a GPU a stage's peak is the device's (0 for stages that never touch it: calibrate, plan, report); the
+    # stages that hold a layer on the device always have one
+    assert all(m["stages"][s]["peak_memory_bytes"] > 0 for s in ("profile", "quantize"))
     assert m["versions"]["torch"] and m["versions"]["transformers"]
     calib = json.loads((d / "calibration.json").read_text())
     assert calib["seed"] == 0 and len(calib["sample_ids"]) == 8
