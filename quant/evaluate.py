@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ from quant.models.builtin import cache_root
 from quant.models.layers import DTYPES
 from quant.plan import BitPlan
 from quant.recipe import Recipe
+from quant.storage import remove_stale
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,8 @@ def servable_checkpoint(checkpoint: Path, plan: BitPlan, source: ModelSource):
     from compressed_tensors.entrypoints.convert import convert_checkpoint
     from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
 
-    tmp = Path(tempfile.mkdtemp(prefix="quant-dense-"))
+    remove_stale(Path(tempfile.gettempdir()), "quant-dense-")  # left by killed runs
+    tmp = Path(tempfile.mkdtemp(prefix=f"quant-dense-{os.getpid()}-"))
     try:
         convert_checkpoint(checkpoint, tmp, CompressedTensorsDequantizer(checkpoint), device="cpu")
         yield tmp, "compressed-tensors-dequantize"
@@ -184,7 +187,12 @@ def gate_results(recipe: Recipe, proxy: dict, tasks: dict) -> list[dict]:
         if limit is None:
             raise RecipeError(f"eval.gates.{name}: set {kind.split()[0]}")
         passed = observed >= limit if name == "top1_agreement" else observed <= limit
-        out.append({"name": name, "kind": kind, "observed": observed, "limit": limit, "passed": bool(passed)})
+        out.append({"name": name, "kind": kind, "observed": observed, "limit": limit,
+                    "passed": bool(passed) and math.isfinite(observed)})  # NaN never passes
+    bad = [k for k in ("perplexity", "kl", "top1_agreement") for v in proxy[k].values() if not math.isfinite(v)]
+    if bad:  # always on: non-finite proxies mean a broken checkpoint, gates configured or not
+        out.append({"name": "finite_proxies", "kind": "count of NaN/Inf proxy values", "observed": float(len(bad)),
+                    "limit": 0.0, "passed": False})
     return out
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from quant.dist import SINGLE, World
+from quant.errors import RecipeError
 from quant.models import ModelSource
 from quant.models.layers import (
     DTYPES,
@@ -41,11 +42,23 @@ log = logging.getLogger(__name__)
 
 
 def pick_device(spec: str) -> torch.device:
-    """``auto``: this process's GPU when there is one, else the CPU. A CUDA device always carries its index (the
-    rank's GPU under torchrun), since readers such as safetensors take a bare ``cuda`` to mean GPU 0."""
+    """``auto``: this process's GPU when there is one, else the CPU; otherwise a device this machine has (RecipeError
+    for one it lacks). A CUDA device always carries its index (the rank's GPU under torchrun), since readers such as
+    safetensors take a bare ``cuda`` to mean GPU 0."""
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(spec)
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise RecipeError(f"device '{spec}' is not a torch device (cpu, cuda, cuda:N, mps, xpu)") from None
+    backend = {"cuda": torch.cuda, "xpu": getattr(torch, "xpu", None), "mps": getattr(torch.backends, "mps", None)}
+    if device.type == "cpu":
+        return device
+    module = backend.get(device.type)
+    count = (module.device_count() if hasattr(module, "device_count") else 1) if module and module.is_available() else 0
+    if count == 0 or (device.index or 0) >= count:
+        raise RecipeError(f"device '{spec}' is not present on this machine ({count} {device.type} device(s)); "
+                          "set quantize.device / eval.device to auto or cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device

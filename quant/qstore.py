@@ -27,9 +27,11 @@ def layer_file(root: Path, layer: int | None) -> Path:
 PARAM_PREFIX = "__param__."
 
 
-def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[str, torch.Tensor] | None = None) -> None:
+def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[str, torch.Tensor] | None = None,
+                report: dict | None = None) -> None:
     """Write 2-D quantized modules (``q [out, in]``) atomically, plus ``params``: kept tensors the algorithm
-    changed (AWQ folds 1/s into norms and routers), by the layer's in-memory parameter name."""
+    changed (AWQ folds 1/s into norms and routers), by the layer's in-memory parameter name, and ``report``: the
+    layer's quantization report (errors, fallbacks, times), so a resumed run reports what was measured."""
     tensors = {PARAM_PREFIX + k: v.detach().contiguous().cpu() for k, v in (params or {}).items()}
     meta = {}
     for name, qw in weights.items():
@@ -40,7 +42,7 @@ def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[st
             tensors[f"{name}.zero"] = qw.zero.contiguous().cpu()
         meta[name] = [qw.spec.bits, qw.spec.group_size, qw.spec.symmetric]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata={"modules": json.dumps(meta)})
+    save_file(tensors, str(tmp), metadata={"modules": json.dumps(meta), "report": json.dumps(report or {})})
     os.replace(tmp, path)
 
 
@@ -54,6 +56,12 @@ def read_layer(path: Path, device: str | torch.device = "cpu") -> dict[str, Quan
             out[name] = QuantizedWeight(f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.scale"), zero,
                                         QuantSpec(bits, group, sym))
     return out
+
+
+def read_report(path: Path) -> dict:
+    """The layer report stored by ``write_layer`` (empty for a file written without one)."""
+    with safe_open(str(path), "pt") as f:
+        return json.loads((f.metadata() or {}).get("report") or "{}")
 
 
 def dequantize_2d(qw: QuantizedWeight) -> torch.Tensor:
@@ -93,19 +101,20 @@ class LayerWriter:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="quant-write") if background else None
         self.pending: Future | None = None
 
-    def submit(self, path: Path, results: dict[str, QuantizedWeight], params: dict[str, torch.Tensor]) -> None:
+    def submit(self, path: Path, results: dict[str, QuantizedWeight], params: dict[str, torch.Tensor],
+               report: dict | None = None) -> None:
         self.wait()
         if self.pool is None:
-            write_layer(path, results, params)
+            write_layer(path, results, params, report)
             return
         ready = torch.cuda.Event() if torch.cuda.is_available() else None
         if ready is not None:
             ready.record()
-        self.pending = self.pool.submit(self._copy_and_write, path, dict(results), dict(params), ready)
+        self.pending = self.pool.submit(self._copy_and_write, path, dict(results), dict(params), ready, report)
 
     @staticmethod
     def _copy_and_write(path: Path, results: dict[str, QuantizedWeight], params: dict[str, torch.Tensor],
-                        ready) -> None:
+                        ready, report: dict | None = None) -> None:
         stream = torch.cuda.Stream() if ready is not None else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if stream is not None:
@@ -113,7 +122,7 @@ class LayerWriter:
             host = {n: QuantizedWeight(q.q.cpu(), q.scale.cpu(), None if q.zero is None else q.zero.cpu(), q.spec)
                     for n, q in results.items()}
             host_params = {k: v.cpu() for k, v in params.items()}
-        write_layer(path, host, host_params)
+        write_layer(path, host, host_params, report)
 
     def wait(self) -> None:
         if self.pending is not None:

@@ -31,14 +31,14 @@ from quant.algos.grid import QuantizedWeight, QuantSpec
 from quant.algos.rtn import rtn
 from quant.calibration import CalibrationSet
 from quant.dist import SINGLE, World, even_ranges
-from quant.errors import QuantError
+from quant.errors import NumericalError, QuantError
 from quant.hessians import ExpertStats, agree_leaders, linear_stats
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
 from quant.plan import BitPlan, ModulePlan
 from quant.progress import step
-from quant.qstore import LayerWriter, layer_file, load_into_layer
+from quant.qstore import LayerWriter, layer_file, load_into_layer, read_report
 from quant.recipe import QuantizeSpec
 from quant.relay import Relay
 from quant.sharing import my_linear_groups, share_results, solve_bytes, sub_batches  # noqa: F401 - solve_bytes: quant estimate
@@ -179,13 +179,17 @@ class _LayerJob:
         return self.record(qw, rows, w)
 
     def record(self, qw: QuantizedWeight, rows: list[list[tuple[str, slice]]], w: torch.Tensor | None = None):
-        """Store each module's codes from a batched result; track the worst relative weight error vs ``w``."""
+        """Store each module's codes from a batched result; track the worst relative weight error vs ``w``.
+        Non-finite source weights or quantized values are a NumericalError naming the module."""
         deq = qw.dequantize()
+        finite = torch.isfinite(deq).all(dim=2) & (torch.isfinite(w).all(dim=2) if w is not None else True)  # [B, out]
         if w is not None:
             diff = (deq.float() - w.float()).pow(2).sum(dim=2)  # [B, out]
             ref = w.float().pow(2).sum(dim=2)
         for b, parts in enumerate(rows):
             for name, r in parts:
+                if not bool(finite[b, r].all()):
+                    raise _non_finite(name, w[b, r] if w is not None else None)
                 if w is not None:
                     err = (diff[b, r].sum() / ref[b, r].sum().clamp_min(1e-24)).sqrt().item()
                     if err >= self.report.worst_rel_error:
@@ -272,12 +276,27 @@ class _LayerJob:
         return r
 
 
+def _non_finite(name: str, w: torch.Tensor | None) -> NumericalError:
+    if w is not None and not bool(torch.isfinite(w).all()):
+        n = int((~torch.isfinite(w)).sum())
+        return NumericalError(f"{name}: {n} source weight(s) are NaN or infinite; the model folder is damaged (or "
+                              "was saved from a diverged training run): re-download or repair it")
+    return NumericalError(f"{name}: quantization produced NaN or infinite scales or weights (values too large for "
+                          "the model dtype?); keep this module (plan.protect) or use model.dtype float32")
+
+
 def _apply_stored(job: _LayerJob, path: Path, device) -> None:
-    """Put previously stored dequantized weights (and changed kept parameters) into the layer (resume path)."""
+    """Put previously stored dequantized weights (and changed kept parameters) into the layer, and its stored
+    report (worst error, fallbacks, repairs, solve times) into ``job.report`` (resume path)."""
     job.results, job.params = load_into_layer(job.source, job.layer, job.idx, path, device)
     missing = set(job.mods) - set(job.results)
     if missing:
         raise QuantError(f"stored layer {job.idx} lacks {sorted(missing)[:3]}; remove it and rerun with --force quantize")
+    stored = read_report(path)
+    keep = ("worst_rel_error", "worst_module", "stats_seconds", "solve_seconds", "rtn_fallbacks", "repairs")
+    for k in keep:
+        if k in stored:
+            setattr(job.report, k, stored[k])
 
 
 def _quantize_layer(job: _LayerJob, lw: Layerwise, hidden: torch.Tensor, path: Path, writer: LayerWriter) -> None:
@@ -294,7 +313,7 @@ def _quantize_layer(job: _LayerJob, lw: Layerwise, hidden: torch.Tensor, path: P
     share_results(job)
     job.results = {n: job.results[n] for n in job.mods if n in job.results}  # plan order: the same file at any size
     if job.world.is_writer:
-        writer.submit(path, job.results, job.params)
+        writer.submit(path, job.results, job.params, asdict(job.report))  # the report too: a resumed run shows it
 
 
 def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, spec: QuantizeSpec,

@@ -20,7 +20,7 @@ from quant.plan import BitPlan, plan_bits
 from quant.plan_summary import summarize
 from quant.profile import RoutingProfile, profile_routing
 from quant.recipe import Recipe
-from quant.rundir import atomic_write_text
+from quant.rundir import atomic_write_text, temp_path
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def dataset_hash(dataset: str) -> str:
 def save_calibration(calib: CalibrationSet, run_dir: Path) -> None:
     from safetensors.torch import save_file
 
-    tmp = run_dir / ".calibration.safetensors.tmp"
+    tmp = temp_path(run_dir / "calibration.safetensors")
     save_file({"tokens": calib.tokens.contiguous()}, str(tmp))
     tmp.replace(run_dir / "calibration.safetensors")
     meta = {"dataset": calib.manifest, "seed": calib.seed, "n_samples": len(calib.sample_ids),
@@ -69,7 +69,7 @@ def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World
     calib = load_calibration(run_dir)
     profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size, world))
     if world.is_writer:
-        tmp = run_dir / ".profile.json.tmp"
+        tmp = temp_path(run_dir / "profile.json")
         profile.save(tmp)
         tmp.replace(run_dir / "profile.json")
     return {"moe_layers": len(profile.layers), "n_experts": profile.n_experts}
@@ -86,7 +86,7 @@ def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     check_formats(plan, source, formats)
     summary = summarize(plan, source, profile)
     plan.notes.append(json.dumps(summary["headline"]))
-    tmp = run_dir / ".plan.json.tmp"
+    tmp = temp_path(run_dir / "plan.json")
     plan.save(tmp)
     tmp.replace(run_dir / "plan.json")
     log.info("plan: %s", summary["headline"])
@@ -150,7 +150,7 @@ def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = 
 
     result = evaluate_run(recipe, source, run_dir, world)
     if world.is_writer:
-        tmp = run_dir / ".eval.json.tmp"
+        tmp = temp_path(run_dir / "eval.json")
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(run_dir / "eval.json")
     failed = [f"{g['name']} {g['observed']:.4g} vs limit {g['limit']:.4g}" for g in result["gates"] if not g["passed"]]
@@ -164,3 +164,18 @@ def run_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     write_report(recipe, source, run_dir)
     write_cards(recipe, source, run_dir)
     return {}
+
+
+def output_bytes(stage: str, recipe: Recipe, source: ModelSource, run_dir: Path) -> int:
+    """About how many bytes ``stage`` writes (for the disk-full message): tokens, the quantized store, the
+    checkpoints (``footprint.estimate``), or the dense copy eval may make in the temp dir; 1 MB for the rest."""
+    if stage in ("quantize", "export"):
+        from quant.footprint import estimate
+
+        fp = estimate(source, BitPlan.load(run_dir / "plan.json"), recipe.export.formats)
+        return fp.store_bytes if stage == "quantize" else sum(fp.checkpoint_bytes.values())
+    if stage == "calibrate":
+        return recipe.calibration.n_samples * recipe.calibration.seq_len * 8
+    if stage == "eval":
+        return sum((source.path / f).stat().st_size for f in set(source.weight_map.values()))
+    return 1 << 20

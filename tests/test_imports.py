@@ -18,6 +18,7 @@ LAYERS = [
     {"sandbox", "routing", "models", "rundir", "dist", "progress"},
     {"algos"},
     {"recipe", "throughputs"},
+    {"strict_yaml", "storage"},
     {"errors"},
 ]
 

@@ -134,3 +134,17 @@ def test_each_statistics_chunk_is_freed_before_the_next_is_allocated(setup, tmp_
     finally:
         gc.enable()
     assert most[0] == 0, f"{most[0]} earlier statistics chunk(s) still alive when the next one was allocated"
+
+
+def test_resumed_layers_report_what_was_measured(setup, tmp_path):
+    """A rerun over stored layer files (a resumed quantize) reports each layer's stored worst error, module,
+    fallbacks and repairs, not zeros and empty names."""
+    src, calib, prof = setup
+    plan, out, first = _quantize(setup, tmp_path, "resume", min_tokens=10**6)
+    again = quantize_model(src, calib, plan, QuantizeSpec(min_tokens=10**6), Layerwise(src, "bfloat16", "cpu", 4), out)
+    assert all(r.resumed for r in again) and not any(r.resumed for r in first)
+    for a, b in zip(first, again, strict=True):
+        assert b.worst_module == a.worst_module and b.worst_rel_error == a.worst_rel_error
+        assert b.rtn_fallbacks == a.rtn_fallbacks and b.repairs == a.repairs and b.solve_seconds == a.solve_seconds
+    assert any(r.worst_rel_error > 0 and r.worst_module for r in again)
+    assert any(r.rtn_fallbacks for r in again)
