@@ -70,11 +70,13 @@ def _stage(until: str, recipe: Path, output: Path | None, overrides, model, forc
     _on_stop_signals(world)
     if not world.is_writer:
         logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
+    clean = False
     try:
         with _crash_log_in(run_dir):
             result = run(r, run_dir, until=until, force=force, world=world)
+        clean = True
     finally:
-        close_world(world)
+        close_world(world, clean)
     if not world.is_writer:
         return
     typer.echo(f"{until}: ran {', '.join(result.ran) or 'nothing'}"

@@ -306,12 +306,19 @@ def init_world(device: str, timeout_s: float | None = None) -> World:
     return world
 
 
-def close_world(world: World) -> None:
+def close_world(world: World, clean: bool = True) -> None:
+    """Leave the process group. ``clean`` (the job ends normally on every rank): first wait until every rank is here,
+    so that no rank tears its gloo pairs down while a peer still talks to them (which aborts the peer with
+    "terminate called without an active exception"); after an error the ranks leave without waiting."""
     if world.distributed:
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        if clean:
+            with world._collective("leaving the process group"):
+                dist.barrier(group=world.groups.get("idle"))
+        dist.destroy_process_group()
 
 
 SINGLE = World()
