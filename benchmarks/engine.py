@@ -61,6 +61,25 @@ SHAPES = {
 }
 
 
+TIMERS: dict[str, float] = {}  # seconds spent in the wrapped functions (layer loads, layer writes)
+
+
+def time_calls(module, name: str, key: str) -> None:
+    """Replace ``module.name`` by a wrapper that adds its wall time (after a device sync) to ``TIMERS[key]``."""
+    fn = getattr(module, name)
+
+    def wrapped(*args, **kwargs):
+        sync()
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sync()
+            TIMERS[key] = TIMERS.get(key, 0.0) + time.perf_counter() - t0
+
+    setattr(module, name, wrapped)
+
+
 def say(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
@@ -188,18 +207,19 @@ def calibration(n: int, seqlen: int, vocab: int, seed: int) -> CalibrationSet:
 
 
 def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, batch: int, quant_all: bool,
-              solve_budget_gb: float | None = None) -> dict:
+              solve_budget_gb: float | None = None, export: bool = True) -> dict:
     """Profile + quantize with quant's engine; export compressed-tensors; timings per layer and end to end."""
     from quant.export.compressed_tensors import write_compressed_tensors
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     reset_peak()
+    TIMERS.clear()
     sync()
     t0 = time.perf_counter()
     prof = profile_routing(src, calib, Layerwise(src, "bfloat16", dev, batch))
     sync()
     prof_s = time.perf_counter() - t0
-    prof_peak = peak_gb()
+    prof_load_s, prof_peak = TIMERS.get("load_s", 0.0), peak_gb()
     sym = algo != "awq"
     spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=128, symmetric=sym,
                     protect={"attention": 4 if quant_all else "keep", "shared_experts": 4, "dense_mlp": 4})
@@ -209,18 +229,25 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     qdir = work / f"q-{algo}"
     shutil.rmtree(qdir, ignore_errors=True)
     reset_peak()
+    TIMERS.clear()
     sync()
     t0 = time.perf_counter()
     reports = quantize_model(src, calib, plan, qspec, Layerwise(src, "bfloat16", dev, batch), qdir)
     sync()
     total = time.perf_counter() - t0
     peak = peak_gb()
-    out = {"algo": algo, "profile_s": prof_s, "profile_tokens_per_s": calib.tokens.numel() / prof_s,
-           "quantize_s": total, "layers": len(reports), "s_per_layer": total / len(reports),
+    n_tok = calib.tokens.numel()
+    out = {"algo": algo, "profile_s": prof_s, "profile_tokens_per_s": n_tok / prof_s, "profile_load_s": prof_load_s,
+           "profile_tokens_per_s_excl_load": n_tok / max(prof_s - prof_load_s, 1e-9), "profile_peak_gpu_gb": prof_peak,
+           "load_s_per_layer": TIMERS.get("load_s", 0.0) / len(reports),
+           "write_s_per_layer": TIMERS.get("write_s", 0.0) / len(reports), "quantize_s": total, "layers": len(reports),
+           "s_per_layer": total / len(reports),
            "stats_s_per_layer": sum(r.stats_seconds for r in reports) / len(reports),
            "solve_s_per_layer": sum(r.solve_seconds for r in reports) / len(reports),
            "forward_s_per_layer": sum(r.forward_seconds for r in reports) / len(reports),
-           "peak_gpu_gb": peak, "profile_peak_gpu_gb": prof_peak, "repairs": sum(len(r.repairs) for r in reports)}
+           "peak_gpu_gb": peak, "repairs": sum(len(r.repairs) for r in reports)}
+    if not export:
+        return out
     t0 = time.perf_counter()
     ckpt = write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}", 20 << 30)
     out["export_s"] = time.perf_counter() - t0
@@ -299,9 +326,15 @@ def main() -> None:
     ap.add_argument("--error-samples", type=int, default=16)
     ap.add_argument("--keep-attention", action="store_true", help="quantize experts only")
     ap.add_argument("--solve-budget-gb", type=float, default=None, help="default: quantize.solve_budget_gb's")
+    ap.add_argument("--no-export", action="store_true", help="time profile + quantize only")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    import quant.layerwise
+    import quant.quantize
+
+    time_calls(quant.layerwise, "load_layer", "load_s")
+    time_calls(quant.quantize, "write_layer", "write_s")
     work = Path(a.workdir or tempfile.mkdtemp(prefix="quant-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     say(torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -315,7 +348,8 @@ def main() -> None:
     calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     rows = []
     for algo in [x for x in a.algos.split(",") if x]:
-        r = run_quant(src, calib, algo, work, a.batch, quant_all=not a.keep_attention, solve_budget_gb=a.solve_budget_gb)
+        r = run_quant(src, calib, algo, work, a.batch, quant_all=not a.keep_attention, solve_budget_gb=a.solve_budget_gb,
+                      export=not a.no_export)
         say(**r)
         rows.append(r)
     for algo in [x for x in a.llmcompressor.split(",") if x]:
@@ -330,14 +364,19 @@ def main() -> None:
             say(algo=r["algo"], rel_layer_error=r["rel_layer_error"])
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
-    print(f"\n{'engine':24} {'s/layer':>8} {'stats':>7} {'solve':>7} {'fwd':>7} {'peak GB':>8} {'rel err':>8}")
+    nan = float("nan")
+    print(f"\n{'engine':24} {'s/layer':>8} {'stats':>7} {'solve':>7} {'fwd':>7} {'load':>7} {'write':>7} {'peak GB':>8} "
+          f"{'rel err':>8}")
     for r in rows:
-        print(f"{r['algo']:24} {r['s_per_layer']:8.2f} {r.get('stats_s_per_layer', float('nan')):7.2f} "
-              f"{r.get('solve_s_per_layer', float('nan')):7.2f} {r.get('forward_s_per_layer', float('nan')):7.2f} "
-              f"{r['peak_gpu_gb']:8.1f} {r.get('mean_rel_layer_error', float('nan')):8.4f}")
+        print(f"{r['algo']:24} {r['s_per_layer']:8.2f} {r.get('stats_s_per_layer', nan):7.2f} "
+              f"{r.get('solve_s_per_layer', nan):7.2f} {r.get('forward_s_per_layer', nan):7.2f} "
+              f"{r.get('load_s_per_layer', nan):7.2f} {r.get('write_s_per_layer', nan):7.2f} "
+              f"{r['peak_gpu_gb']:8.1f} {r.get('mean_rel_layer_error', nan):8.4f}")
     if "profile_tokens_per_s" in (rows[0] if rows else {}):
-        print(f"profile throughput: {rows[0]['profile_tokens_per_s']:.0f} tokens/s ({a.samples}x{a.seqlen} tokens), "
-              f"peak GPU {rows[0]['profile_peak_gpu_gb']:.1f} GB")
+        r = rows[0]
+        print(f"profile throughput: {r['profile_tokens_per_s']:.0f} tokens/s ({a.samples}x{a.seqlen} tokens; "
+              f"{r['profile_tokens_per_s_excl_load']:.0f} tokens/s without the {r['profile_load_s']:.1f} s of layer "
+              f"loads), peak GPU {r['profile_peak_gpu_gb']:.1f} GB")
     for r in rows:
         if "end_to_end_s" in r:
             print(f"{r['algo']} end to end, {r['layers']} layers: profile {r['profile_s']:.1f} s + quantize "

@@ -9,16 +9,19 @@ its peak, named after the code that allocates them (bytes, per GPU):
   on the GPU until the layer file is written) + max(forward transient, solve working set). The forward transient
   is one batch's routed expert activations, the statistics' padded blocks and, where SDPA has no fused kernel for
   the head dims (queries/keys and values of different width: MLA), the materialized attention scores. The solve
-  working set is ``SOLVE_FACTOR`` times the largest sub-batch ``quantize._sub_batches`` admits (a GPTQ solve
+  working set is ``SOLVE_FACTOR`` times the largest sub-batch ``sharing.sub_batches`` admits (a GPTQ solve
   allocates ~2.8x that estimate: copies, act-order permutations, the loss terms).
 - profile = activations + layer + the W4 sensitivity probe, which rounds all of a layer's experts at once in fp32
   (``profile_memory``).
-- eval = the whole model (transformers loads it to the CPU, then the GPU) + one batch of logits.
+- eval = the path ``evaluate.proxy_mode`` picks for the card: the whole model (transformers loads it to the CPU,
+  then the GPU) + one batch of logits, or streamed: one decoder layer + both lm_heads + final hidden states.
 
 Time comes from throughputs measured on one H200 (quant/throughputs.py, each naming its BENCHMARKS.md record).
-``--gpus N`` assumes every rank holds the whole layer and all activations (the forward is replicated) while the
-experts -- their statistics, Hessians, solves and codes -- are divided over ranks, and non-expert modules are
-solved on one rank (the worst rank holds them all); eval dispatches the model over the N GPUs.
+``--gpus N`` follows quant's distributed run (quant/quantize.py, quant/sharing.py): calibration batches are dealt
+out over ranks, so each rank holds 1/N of the activations and runs 1/N of the forward passes; the experts (their
+statistics, Hessians, solves and codes) are divided over ranks; every rank holds the whole layer and the
+non-expert modules' input Hessians, whose solves are shared out (the worst rank is assumed to solve them all);
+eval dispatches the model over the N GPUs.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from quant.throughputs import THROUGHPUTS
 GB = 1e9
 ACTIVATION_BUDGET = 8 << 30  # layerwise.Layerwise's default activation_budget_bytes
 STATS_BLOCK = 1 << 28  # routing.chunk_budget on a GPU: elements of one padded [n, C, .] block
-SOLVE_FACTOR = 2.8  # allocated / _sub_batches' estimate, fit to the Qwen3-30B-A3B GPTQ record (14.8 GB)
+SOLVE_FACTOR = 2.8  # allocated / sub_batches' estimate, fit to the Qwen3-30B-A3B GPTQ record (14.8 GB)
 HOST_BASE = 3 * GB  # python, torch, CUDA host state
 HEADROOM = 0.95  # share of the card a forecast may fill
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -153,8 +156,10 @@ class Run:
 
 
 def _activations(run: Run, d: Dims) -> float:
-    """The cached hidden states on the GPU (layerwise keeps them there when they fit its budget)."""
-    full = run.tokens * d.hidden * run.dtype_bytes
+    """This rank's cached hidden states on the GPU (its batches: layerwise deals batches out round-robin, and keeps
+    them on the GPU when they fit its budget)."""
+    rows = min(run.n_samples, math.ceil(math.ceil(run.n_samples / run.batch) / run.gpus) * run.batch)
+    full = rows * run.seq_len * d.hidden * run.dtype_bytes
     return full if full <= ACTIVATION_BUDGET else 2 * run.batch * run.seq_len * d.hidden * run.dtype_bytes
 
 
@@ -221,14 +226,15 @@ def quantize_memory(layer: LayerShape, run: Run, d: Dims) -> dict[str, float]:
 def quantize_seconds(layer: LayerShape, run: Run, d: Dims) -> float:
     """Load, statistics (one pass per expert chunk), solve (GPTQ columns, launch bound) and propagation."""
     t = THROUGHPUTS
-    seconds = layer.weight_bytes / t["load_bytes_per_s"] + run.tokens * layer.active_params / t["forward_param_tokens_per_s"]
+    seconds = (layer.weight_bytes / t["load_bytes_per_s"]
+               + run.tokens * layer.active_params / run.gpus / t["forward_param_tokens_per_s"])
     chunks = _expert_chunks(layer, run)
     if not run.hessians:
         return seconds + layer.weight_bytes / t["rtn_bytes_per_s"]
     D, I = layer.expert_in
     macs = (run.tokens * d.top_k * (D**2 + I**2) * (layer.n_experts > 0) / run.gpus
             + run.tokens * sum(in_f**2 for in_f, _ in layer.linear_groups)
-            + max(len(chunks), 1) * run.tokens * layer.active_params)
+            + max(len(chunks), 1) * run.tokens * layer.active_params / run.gpus)
     experts, _ = _solve_sets(layer, run, max(chunks, default=0))
     columns = sum(math.ceil(c / n) * in_f for c in chunks for (n, _), in_f in zip(experts, (D, I), strict=True))
     columns += sum(in_f for in_f, _ in layer.linear_groups)
@@ -317,17 +323,33 @@ def checkpoint_bytes(plan: BitPlan, source: ModelSource, profile: RoutingProfile
     return out
 
 
-def _eval_stage(recipe: Recipe, source: ModelSource, plan: BitPlan, model_bytes: float, run: Run, d: Dims) -> StageForecast:
-    """transformers loads the whole model (CPU, then the GPUs); per-expert mixes are first dequantized to disk."""
+def _eval_stage(recipe: Recipe, source: ModelSource, plan: BitPlan, model_bytes: float, run: Run, d: Dims,
+                layers: list[LayerShape], gpu_memory_gb: float) -> StageForecast:
+    """The proxies' path as ``evaluate.proxy_mode`` picks it for this card. whole: the model + one batch of logits
+    (a per-expert mix first dequantized to disk). streamed: max of streaming (a layer read + its fused copy, the
+    kept lm_head, both final hidden states) and scoring (both lm_heads, hidden states, chunked logits)."""
+    from quant.evalstream import LOGIT_CHUNK_BYTES, TEMPORARIES
+    from quant.evaluate import WHOLE_MAX_MEMORY_FRACTION
     from quant.runtimes import problems_for
 
     e, t = recipe.eval, THROUGHPUTS
-    logits = e.batch_size * e.perplexity.seq_len * d.vocab * 4 * 2
-    dense_copy = model_bytes if problems_for(plan, source, "transformers") else 0.0
-    host = HOST_BASE + model_bytes + e.perplexity.n_samples * e.perplexity.seq_len * d.vocab * 4 * 2
-    seconds = 2 * model_bytes / t["load_bytes_per_s"] + dense_copy / t["export_bytes_per_s"]
-    note = "lm-eval tasks not included" if e.tasks else ""
-    return StageForecast("eval", model_bytes / run.gpus + logits, host, dense_copy, seconds, note=note)
+    whole = e.mode == "whole" or (e.mode == "auto" and model_bytes <= WHOLE_MAX_MEMORY_FRACTION * gpu_memory_gb * GB)
+    note = f"proxies {'whole' if whole else 'streamed'}" + ("; lm-eval tasks not included" if e.tasks else "")
+    if whole:
+        logits = e.batch_size * e.perplexity.seq_len * d.vocab * 4 * 2
+        dense_copy = model_bytes if problems_for(plan, source, "transformers") else 0.0
+        host = HOST_BASE + model_bytes + e.perplexity.n_samples * e.perplexity.seq_len * d.vocab * 4 * 2
+        seconds = 2 * model_bytes / t["load_bytes_per_s"] + dense_copy / t["export_bytes_per_s"]
+        return StageForecast("eval", model_bytes / run.gpus + logits, host, dense_copy, seconds, note=note)
+    hidden = 2 * math.ceil(e.perplexity.n_samples / run.gpus) * e.perplexity.seq_len * d.hidden * run.dtype_bytes
+    on_gpu = hidden / 2 <= ACTIVATION_BUDGET
+    head = d.vocab * d.hidden * run.dtype_bytes
+    chunk = min(e.perplexity.seq_len - 1, LOGIT_CHUNK_BYTES // (TEMPORARIES * 4 * d.vocab)) * TEMPORARIES * 4 * d.vocab
+    parts = {"decoder layer read + fused copy": 2 * max(L.weight_bytes for L in layers), "lm_head": head,
+             "final hidden states": hidden * on_gpu}
+    gpu = max(sum(parts.values()), 2 * head + hidden * on_gpu + chunk)
+    return StageForecast("eval", gpu, HOST_BASE + hidden * (not on_gpu), 0.0, 2 * model_bytes / t["load_bytes_per_s"],
+                         parts=parts, note=note)
 
 
 def plan_for(recipe: Recipe, source: ModelSource) -> tuple[BitPlan, RoutingProfile]:
@@ -370,7 +392,7 @@ def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: 
               StageForecast("export", 0.0, HOST_BASE + max(L.weight_bytes for L in layers)
                             + recipe.export.max_shard_gb * GB, sum(ckpt.values()),
                             sum(ckpt.values()) / THROUGHPUTS["export_bytes_per_s"]),
-              _eval_stage(recipe, source, plan, model_bytes, run, d)]
+              _eval_stage(recipe, source, plan, model_bytes, run, d, layers, gpu_memory_gb)]
     params = sum(math.prod(s) for s in source.shapes().values())
     return Forecast(source.display_name, params, gpus, gpu_memory_gb, stages, ckpt,
                     fitting_budgets(layers, recipe, d, gpus, gpu_memory_gb))

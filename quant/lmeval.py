@@ -4,6 +4,13 @@
 asked and installed) on the directory as written by export, `trust_remote_code` off unless asked for, and
 returns one `TaskScore` per requested task. lm-eval is imported lazily, only when this runs.
 
+Models bigger than one GPU: with `gpus > 1` the hf backend loads the model over GPUs 0..gpus-1 through
+accelerate's big-model dispatch (`dispatch_map`: `infer_auto_device_map` over a balanced `max_memory`, whole
+decoder layers per GPU, passed to lm-eval with `parallelize=True`); the vllm backend takes
+`tensor_parallel_size` / `data_parallel_size` in `model_args`. In a torchrun job lm-eval runs in the calling
+(writer) process alone: the launcher's variables are hidden from it, so accelerate does not make it one member
+of a data-parallel group the other ranks never join.
+
 Task names:
 - Offline equivalents live in `<repo>/evals/tasks` and are registered through
   `TaskManager(include_path=...)`: `quant_mmlu` (the MMLU test set bundled in `evals/data`, 4-way
@@ -23,10 +30,12 @@ neither. lm-eval's own `humaneval` is refused unless `allow_unsandboxed_code=Tru
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,12 +85,16 @@ def run_lm_eval(
     model_args: Mapping[str, Any] | None = None,
     tasks_dir: str | Path | None = None,
     allow_unsandboxed_code: bool = False,
+    gpus: int = 1,
+    max_memory_per_gpu: int | None = None,
 ) -> dict[str, TaskScore]:
     """Evaluate the model saved in `model_dir` on `tasks`; returns {task name: TaskScore} in input order.
 
     `limit` caps documents per task (per subtask for groups), `num_fewshot=None` keeps each task's own
     default, `max_gen_toks=None` keeps each generative task's own budget. `model_args` adds backend options
     (e.g. `tensor_parallel_size`, `max_model_len` for vllm). `tasks_dir` defaults to `default_tasks_dir()`.
+    `gpus > 1` (hf): the model is dispatched over GPUs 0..gpus-1 by an accelerate device map (`dispatch_map`,
+    at most `max_memory_per_gpu` bytes each) and lm-eval loads it with `parallelize=True`.
     Raises CheckpointError for a directory without config.json; RecipeError for an unknown backend or task
     name (naming the closest ones), misplaced `model_args`, or an lm-eval task that would execute code
     outside the sandbox; FileNotFoundError for a missing tasks directory; ModuleNotFoundError when lm-eval
@@ -96,27 +109,33 @@ def run_lm_eval(
         raise RecipeError("run_lm_eval needs at least one task name")
     lm_eval = _import_lm_eval()
     task_manager = _task_manager(list(tasks), Path(tasks_dir) if tasks_dir else default_tasks_dir())
+    if gpus > 1 and backend != "hf":
+        raise RecipeError("gpus dispatches an hf model over GPUs; vllm takes tensor_parallel_size instead")
     args = _model_args(backend, model_dir, dtype, trust_remote_code, seed, model_args)
+    if gpus > 1:
+        args.update(parallelize=True, device_map=dispatch_map(model_dir, gpus, max_memory_per_gpu,
+                                                              trust_remote_code=trust_remote_code))
     logger.info("lm-eval %s on %s: tasks=%s limit=%s", backend, model_dir, list(tasks), limit)
     try:
-        results = lm_eval.simple_evaluate(
-            model=backend,
-            model_args=args,
-            tasks=list(tasks),
-            num_fewshot=num_fewshot,
-            batch_size=batch_size,
-            device=device,
-            limit=limit,
-            task_manager=task_manager,
-            gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks is not None else None,
-            log_samples=False,
-            bootstrap_iters=DEFAULT_BOOTSTRAP_ITERS,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-            confirm_run_unsafe_code=allow_unsandboxed_code,
-        )
+        with _one_process():
+            results = lm_eval.simple_evaluate(
+                model=backend,
+                model_args=args,
+                tasks=list(tasks),
+                num_fewshot=num_fewshot,
+                batch_size=batch_size,
+                device=device,
+                limit=limit,
+                task_manager=task_manager,
+                gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks is not None else None,
+                log_samples=False,
+                bootstrap_iters=DEFAULT_BOOTSTRAP_ITERS,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+                confirm_run_unsafe_code=allow_unsandboxed_code,
+            )
     except ValueError as exc:
         if "unsafe" not in str(exc):
             raise
@@ -128,6 +147,23 @@ def run_lm_eval(
     for name, score in scores.items():
         logger.info("%s: %s=%.4f (n=%d)", name, score.metric, score.value, score.n)
     return scores
+
+
+# torchrun / srun variables: accelerate (inside lm-eval's hf backend) reads LOCAL_RANK and would turn a torchrun
+# rank into one process of a data-parallel lm-eval run that the other ranks never join
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """lm-eval runs in this process alone (the writer rank of a torchrun job): launcher variables are hidden from it
+    for the duration and restored afterwards."""
+    saved = {k: os.environ.pop(k) for k in LAUNCHER_VARIABLES if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def _import_lm_eval():
@@ -193,6 +229,48 @@ def _model_args(
     if backend == "vllm":
         args["seed"] = seed
     return {**args, **extra}
+
+
+def dispatch_map(model_dir: Path, gpus: int, max_memory_per_gpu: int | None = None,
+                 dtype: str = "auto", trust_remote_code: bool = False) -> dict[str, int]:
+    """accelerate's big-model dispatch for an hf model over GPUs ``0..gpus-1``: module name -> GPU, whole decoder
+    layers (the model's ``_no_split_modules``) in order, balanced over the GPUs (``get_balanced_memory``) within
+    ``max_memory_per_gpu`` bytes each (default: each GPU's free memory). Built on the meta device: no weights
+    are read. Raises CheckpointError when the model does not fit (accelerate would offload to cpu/disk)."""
+    import torch
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from accelerate.utils import get_balanced_memory
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    torch_dtype = getattr(torch, dtype) if dtype != "auto" else (getattr(config, "dtype", None) or torch.bfloat16)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=torch_dtype)
+    if max_memory_per_gpu is None:
+        max_memory = {i: torch.cuda.mem_get_info(i)[0] for i in range(gpus)}
+    else:
+        max_memory = {i: max_memory_per_gpu for i in range(gpus)}
+    no_split = list(model._no_split_modules or [])
+    balanced = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=torch_dtype)
+    device_map = infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split,
+                                       dtype=torch_dtype)
+    offloaded = [name for name, dev in device_map.items() if not isinstance(dev, int)]
+    if offloaded:
+        raise CheckpointError(
+            f"{model_dir} does not fit on {gpus} GPU(s) of {min(max_memory.values()) / 1e9:.3g} GB "
+            f"({offloaded[0] or 'the model'} would go to {device_map[offloaded[0]]}); raise eval.gpus or "
+            "eval.max_memory_per_gpu_gb"
+        )
+    logger.info("dispatching %s over %d GPUs: %s", model_dir, gpus, _placement(device_map))
+    return device_map
+
+
+def _placement(device_map: Mapping[str, int]) -> str:
+    """``{gpu: number of top-level modules}`` for the log line."""
+    counts: dict[int, int] = {}
+    for dev in device_map.values():
+        counts[dev] = counts.get(dev, 0) + 1
+    return ", ".join(f"GPU {d}: {n} modules" for d, n in sorted(counts.items()))
 
 
 def scores_from_results(results: Mapping[str, Any], tasks: Sequence[str]) -> dict[str, TaskScore]:

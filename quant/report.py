@@ -79,7 +79,11 @@ def _eval_lines(ev: dict) -> list[str]:
         err = f" ± {r['stderr']:.4f}" if r["stderr"] is not None else ""
         lines.append(f"| {t} ({r['metric']}, n={r['n']}) | {r['base']:.4f} | {r['quantized']:.4f}{err} "
                      f"| {100 * r['delta']:+.2f} pts |")
-    lines += ["", f"Loaded through: `{ev['loader']}` (from the exported checkpoint on disk).", ""]
+    lines += ["", f"Loaded through: `{ev['loader']}` (from the exported checkpoint on disk)."]
+    if "proxy_mode" in ev:
+        how = "streamed layer by layer" if ev["proxy_mode"] == "streamed" else "whole models"
+        lines.append(f"Proxies computed on {how} ({ev['proxy_mode_reason']}), {ev['world_size']} rank(s).")
+    lines.append("")
     if ev["gates"]:
         lines += ["| gate | observed | limit | status |", "|---|---|---|---|"]
         lines += [f"| {g['name']} ({g['kind']}) | {g['observed']:.4g} | {g['limit']:.4g} | "

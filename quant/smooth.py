@@ -21,8 +21,9 @@ import torch
 
 from quant.algos.awq import AWQExtra, awq_search
 from quant.algos.grid import QuantSpec
-from quant.hessians import ExpertStats, LinearStats, linear_stats
+from quant.hessians import ExpertStats, LinearStats, agree_leaders, linear_stats
 from quant.models.layers import smoothing_sites
+from quant.relay import Relay
 
 
 def rows_from_hessian(H: torch.Tensor) -> torch.Tensor:
@@ -136,11 +137,15 @@ def _smooth_linears(job, names: list[str], lin_stats: dict[str, LinearStats], s:
 def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
     """AWQ for the planned modules of ``job``'s layer; returns the changed kept parameters."""
     sites = smoothing_sites(job.source, job.layer, job.idx, set(job.mods))
-    lin_stats = linear_stats(job.linears)
-    stats = ExpertStats(job.view, False, job.spec.all_experts) if job.view is not None and job.experts_planned() else None
-    lw.run(job.layer, hidden)
+    relay = Relay(lw.world)  # every rank consumes every batch: AWQ runs replicated
+    lin_stats = linear_stats(job.linears, relay)
+    stats = None
+    if job.view is not None and job.experts_planned():
+        stats = ExpertStats(job.view, False, job.spec.all_experts, relay=relay)
+    lw.run(job.layer, hidden, after_step=relay.flush)
     for st in lin_stats.values():
         st.remove()
+    agree_leaders(lin_stats, lw.world)
     params: dict[str, torch.Tensor] = {}
     if stats is not None:
         stats.remove()

@@ -12,11 +12,29 @@ from pathlib import Path
 
 import pytest
 
+# MKL's conditional numerical reproducibility: without it, fp32 products on the CPU may take another code path
+# (another summation order) depending on buffer alignment, and the tests that require two code paths (per-expert
+# vs fused experts) to give bit-identical checkpoints depend on the allocation pattern. Read when MKL starts.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+import torch  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU-only machines (read at import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The GPU tier (``@pytest.mark.gpu``) runs where CUDA is present and is skipped elsewhere (CI)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (the GPU tier; see README 'Tests on a GPU')")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,13 +10,15 @@ LAYERS = [
     {"pipeline"},
     {"stages"},
     {"report", "export", "publish"},
-    {"quantize", "evaluate", "runtimes", "plan_summary", "estimate", "servable"},
+    {"quantize", "evaluate", "runtimes", "plan_summary", "estimate", "footprint", "servable"},
     {"plan", "layer_plan"},
-    {"profile", "hessians", "smooth", "layer_damage"},
+    {"profile", "hessians", "smooth", "evalstream", "sharing", "layer_damage"},
     {"layerwise", "calibration", "qstore", "lmeval", "humaneval"},
+    {"relay"},
     {"sandbox", "routing", "models", "rundir", "dist", "progress"},
     {"algos"},
     {"recipe", "throughputs"},
+    {"strict_yaml", "storage"},
     {"errors"},
 ]
 

@@ -16,6 +16,8 @@ from quant.humaneval import load_problems
 from quant.lmeval import TaskScore, default_tasks_dir, run_lm_eval, scores_from_results
 
 REPO = Path(__file__).resolve().parents[1]
+needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                                   reason="lm-eval is not installed (the `eval` extra; the GPU machine lacks it)")
 MMLU_PATH = REPO / "evals" / "data" / "mmlu.jsonl.gz"
 
 
@@ -90,6 +92,7 @@ def _load_task_module(name: str) -> ModuleType:
     return module
 
 
+@needs_lm_eval
 def test_offline_tasks_run_end_to_end(
     tiny_moe_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -116,6 +119,7 @@ def test_offline_tasks_run_end_to_end(
     assert list(tmp_path.iterdir()) == []
 
 
+@needs_lm_eval
 def test_quant_mmlu_holds_out_five_questions_per_subject() -> None:
     mmlu = _load_task_module("quant_mmlu")
     test = mmlu.load_dataset(version=1.0)["test"]
@@ -132,6 +136,7 @@ def test_quant_mmlu_holds_out_five_questions_per_subject() -> None:
     assert all(row["answer"] in (0, 1, 2, 3) and len(row["choices"]) == 4 for row in test.select(range(200)))
 
 
+@needs_lm_eval
 def test_quant_mmlu_fewshot_comes_from_the_same_subject_in_order() -> None:
     mmlu = _load_task_module("quant_mmlu")
     sampler = mmlu.HeldOutSubjectSampler([], rnd=1234)
@@ -152,11 +157,13 @@ def test_quant_humaneval_metric_runs_completions_in_the_sandbox() -> None:
     assert len(task.load_dataset()["test"]) == 164
 
 
+@needs_lm_eval
 def test_unknown_offline_task_names_the_closest(tiny_moe_dir: Path) -> None:
     with pytest.raises(RecipeError, match="quant_mmlu"):
         run_lm_eval(tiny_moe_dir, ["quant_mmlx"], limit=1)
 
 
+@needs_lm_eval
 def test_bad_arguments_are_rejected_before_evaluating(tiny_moe_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="config.json"):
         run_lm_eval(tmp_path, ["quant_mmlu"])
@@ -196,6 +203,7 @@ def test_scores_from_results_picks_headline_metrics_and_sums_groups() -> None:
         scores_from_results(results, ["arc_easy"])
 
 
+@needs_lm_eval
 def test_unknown_lm_eval_task_is_checked_against_lm_evals_own_registry(tiny_moe_dir: Path) -> None:
     # A name outside our offline tasks makes run_lm_eval index lm-eval's built-in tasks (real names
     # such as `mmlu` pass straight through); a typo is reported with lm-eval's closest names.
@@ -216,3 +224,53 @@ def test_gate_presets_are_well_formed() -> None:
     strict, lenient = gates["presets"]["strict"], gates["presets"]["lenient"]
     assert strict["mmlu"]["max_drop"] <= lenient["mmlu"]["max_drop"]
     assert strict["humaneval"]["max_drop"] <= lenient["humaneval"]["max_drop"]
+
+
+def test_dispatch_map_spreads_whole_decoder_layers_over_the_gpus() -> None:
+    """accelerate's device map for the 8-layer reference MoE on 2 GPUs: balanced (4 layers each), every decoder
+    layer whole on one GPU, embedding on the first and lm_head on the last; a model that does not fit is refused
+    before anything loads."""
+    from quant.lmeval import dispatch_map
+    from quant.models.builtin import builtin_path
+
+    model_dir = builtin_path("reference-moe")
+    device_map = dispatch_map(model_dir, 2, max_memory_per_gpu=10**9, dtype="bfloat16")
+    layers = {k: v for k, v in device_map.items() if k.startswith("model.layers")}
+    assert layers == {f"model.layers.{i}": i // 4 for i in range(8)}
+    assert device_map["model.embed_tokens"] == 0 and device_map["lm_head"] == 1
+    with pytest.raises(CheckpointError, match="does not fit on 2 GPU"):
+        dispatch_map(model_dir, 2, max_memory_per_gpu=3_000_000, dtype="bfloat16")
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_hf_dispatch_reaches_lm_eval_as_one_process(
+    tiny_moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpus=2: lm-eval gets parallelize=True and accelerate's device map, and (inside a torchrun rank) sees none
+    of the launcher's variables; they are restored afterwards. The real 2-GPU run is in BENCHMARKS.md."""
+    import os
+
+    import lm_eval
+
+    from quant.lmeval import dispatch_map
+
+    seen: dict = {}
+
+    def spy(**kwargs):
+        seen.update(kwargs, env={k: os.environ.get(k) for k in ("LOCAL_RANK", "WORLD_SIZE", "RANK")})
+        raise _Stop
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", spy)
+    for name, value in (("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("RANK", "0")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(_Stop):
+        run_lm_eval(tiny_moe_dir, ["quant_mmlu"], limit=1, gpus=2, max_memory_per_gpu=10**9, dtype="float32")
+    assert seen["model"] == "hf" and seen["model_args"]["parallelize"] is True
+    assert seen["model_args"]["device_map"] == dispatch_map(tiny_moe_dir, 2, 10**9, "float32")
+    assert seen["env"] == {"LOCAL_RANK": None, "WORLD_SIZE": None, "RANK": None}
+    assert os.environ["LOCAL_RANK"] == "0" and os.environ["WORLD_SIZE"] == "2"
+    with pytest.raises(RecipeError, match="tensor_parallel_size"):
+        run_lm_eval(tiny_moe_dir, ["quant_mmlu"], backend="vllm", gpus=2)

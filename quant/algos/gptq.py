@@ -24,6 +24,12 @@ makes GPTQ round-to-nearest rather than zeroing the whole matrix; a Hessian that
 after dampening is retried with ten times the dampening up to ``_MAX_DAMPENING``. Each of these is reported in
 ``GPTQResult.repairs``. NaN/Inf inputs, a Hessian that stays unusable, or a loop that diverges raise
 ``NumericalError`` naming the batch index.
+
+Kernels: ``U`` comes from one Cholesky factorization of the reversed Hessian and a triangular inverse, both in
+batched matrix products (``cholesky.py``). The column loop runs, on a GPU with Triton, as one fused kernel per
+block of columns for the whole batch (``gptq_triton.py``); elsewhere (or with ``kernel="torch"``) as torch ops,
+each block's loop captured once as a CUDA graph on a GPU. The two loops agree up to fp32 contraction (the fused
+kernel may compute the rank-1 update with a fused multiply-add), which moves a rounding tie now and then.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.algos.cholesky import upper_inverse_factor
 from quant.algos.grid import QuantizedWeight, QuantSpec, dequantize, fit_grid, quantize
 from quant.errors import NumericalError
 
@@ -44,7 +51,8 @@ _MAX_DAMPENING = 10.0
 @dataclass(frozen=True)
 class GPTQResult:
     """``weight``: codes ``[B, O, I]`` in original column order with grids ``[B, O, G]``.
-    ``loss [B]``: ``tr((W - Ŵ) H (W - Ŵ)ᵀ)`` with the caller's (undamped) H and ``Ŵ = weight.dequantize()``.
+    ``loss [B]``: ``tr((W - Ŵ) H (W - Ŵ)ᵀ)`` with the caller's (undamped) H and ``Ŵ = weight.dequantize()``
+    (NaN when not asked for).
     ``repairs``: ``(batch index, reason)`` for every element whose Hessian had to be repaired."""
 
     weight: QuantizedWeight
@@ -62,6 +70,8 @@ def gptq(
     block_size: int = 128,
     act_order: bool = False,
     static_groups: bool = False,
+    kernel: str = "auto",
+    with_loss: bool = True,
 ) -> GPTQResult:
     """Quantize ``w [B, O, I]`` (any float dtype; computed in fp32) given Hessians ``H [B, I, I]``.
 
@@ -71,33 +81,55 @@ def gptq(
     ``act_order``) instead of on the updated weights when the group starts, as llm-compressor 0.14 always does.
     Alone it is no improvement: 1-3% lower symmetric W4 error on random Gaussian weights, but SmolLM2-135M W4 g64
     perplexity 36.8 against 33.5 for the default; ``act_order`` (static groups) gave 30.2 (base 24.3,
-    benchmarks/smollm2_gptq.py)."""
+    benchmarks/smollm2_gptq.py). ``kernel``: "auto" (Triton on a GPU when it is installed, else torch),
+    "torch" or "triton" (on a CPU: Triton's interpreter, for tests). ``with_loss=False`` skips the loss
+    (``2·O·I²`` flops per element, as much as the rest of the solve) and returns NaN instead."""
     B, n_out, n_in = w.shape
     assert H.shape == (B, n_in, n_in), f"H must be [B, I, I] = {(B, n_in, n_in)}, got {tuple(H.shape)}"
     assert n_in % spec.group_size == 0, f"group size {spec.group_size} does not divide in_features {n_in}"
     assert block_size > 0 and dampening >= 0, (block_size, dampening)
+    assert kernel in ("auto", "torch", "triton"), kernel
     _check_finite(w, H)
     W = w.detach().to(torch.float32, copy=True)
-    Hw = H.detach().to(torch.float32, copy=True)
-    dead_repairs = _repair_dead_inputs(W, Hw)
-    perm = torch.arange(n_in, device=w.device).expand(B, n_in)
-    static = None
+    dead_repairs, repaired = _repair_dead_inputs(W, H)
+    perm = None
     if act_order:
         perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1).float(), dim=-1, descending=True, stable=True)
-    if act_order or static_groups:
-        scale, zero = fit_grid(W, spec, scale_dtype)
-        static = _column_grids(scale, zero, perm, spec.group_size)
+    grids = fit_grid(W, spec, scale_dtype) if act_order or static_groups else None
     if act_order:
-        W, Hw = _permute(W, Hw, perm)
-    U, damp_repairs = _inverse_cholesky(Hw, dampening)
-    q, scale_dyn, zero_dyn = _quantize_columns(W, U, spec, scale_dtype, block_size, static)
+        W = W.gather(-1, perm[:, None, :].expand(B, n_out, n_in))
+    U, damp_repairs = _inverse_cholesky(_reversed_hessian(H, perm, repaired), dampening)
+    if _use_triton(kernel, W):
+        from quant.algos.gptq_triton import quantize_columns
+
+        q, scale, zero = quantize_columns(W, U, spec, scale_dtype, block_size, grids, perm)
+    else:
+        static = None if grids is None else _column_grids(*grids, _order(perm, B, n_in, W.device), spec.group_size)
+        q, scale, zero = _quantize_columns(W, U, spec, scale_dtype, block_size, static)
+    del U, W
     if act_order:
         q = torch.empty_like(q).scatter_(-1, perm[:, None, :].expand(B, n_out, n_in), q)
-    if static is None:
-        scale, zero = scale_dyn, zero_dyn
+    if grids is not None:
+        scale, zero = grids
     weight = QuantizedWeight(q, scale, zero, spec)
-    loss = hessian_error(w, weight.dequantize(), H)
+    loss = hessian_error(w, weight.dequantize(), H) if with_loss else torch.full((B,), float("nan"), device=w.device)
     return GPTQResult(weight, loss, tuple(sorted(dead_repairs + damp_repairs)))
+
+
+def _use_triton(kernel: str, W: torch.Tensor) -> bool:
+    if kernel != "auto":
+        return kernel == "triton"
+    if not W.is_cuda:
+        return False
+    try:
+        import quant.algos.gptq_triton  # noqa: F401
+    except ImportError:  # no Triton on this machine: the torch loop (CUDA graphs) computes the same thing
+        return False
+    return True
+
+
+def _order(perm: torch.Tensor | None, B: int, n_in: int, device) -> torch.Tensor:
+    return torch.arange(n_in, device=device).expand(B, n_in) if perm is None else perm
 
 
 def hessian_error(w: torch.Tensor, w_hat: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
@@ -127,29 +159,36 @@ def _check_converged(W: torch.Tensor) -> None:
         )
 
 
-def _repair_dead_inputs(W: torch.Tensor, H: torch.Tensor) -> list[tuple[int, str]]:
-    """In place on ``W [B, O, I]``, ``H [B, I, I]``: dead inputs get ``H_ii = 1`` and a zero weight column;
-    an all-zero Hessian becomes ``I`` (round-to-nearest) instead of zeroing the whole matrix."""
-    diag = torch.diagonal(H, dim1=-2, dim2=-1)
-    dead = diag == 0
+def _repair_dead_inputs(W: torch.Tensor, H: torch.Tensor) -> tuple[list[tuple[int, str]], torch.Tensor]:
+    """Dead inputs (``H_ii == 0``) get a zero weight column in ``W [B, O, I]`` (in place) and ``H_ii = 1``; an
+    all-zero Hessian becomes ``I`` (round-to-nearest) instead of zeroing the whole matrix. Returns the repairs
+    and the mask ``[B, I]`` of diagonal entries to set to 1 (``H`` itself is not changed)."""
+    dead = torch.diagonal(H, dim1=-2, dim2=-1) == 0
     unseen = dead.all(dim=-1)
     dead &= ~unseen[:, None]
-    diag.masked_fill_(dead | unseen[:, None], 1.0)
     W.masked_fill_(dead[:, None, :], 0.0)
     n_dead = dead.sum(dim=-1).tolist()
     repairs = [(b, "Hessian is all zero (no calibration tokens): quantized round-to-nearest")
                for b in unseen.nonzero().flatten().tolist()]
     repairs += [(b, f"{n} dead input channels (H_ii == 0): weight columns zeroed")
                 for b, n in enumerate(n_dead) if n]
-    return repairs
+    return repairs, dead | unseen[:, None]
 
 
-def _permute(W: torch.Tensor, H: torch.Tensor, perm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Columns of ``W [B, O, I]`` and both axes of ``H [B, I, I]`` in the order ``perm [B, I]``."""
-    B, n_out, n_in = W.shape
-    W = W.gather(-1, perm[:, None, :].expand(B, n_out, n_in))
-    H = H.gather(-1, perm[:, None, :].expand(B, n_in, n_in)).gather(-2, perm[:, :, None].expand(B, n_in, n_in))
-    return W, H
+def _reversed_hessian(H: torch.Tensor, perm: torch.Tensor | None, repaired: torch.Tensor) -> torch.Tensor:
+    """fp32 copy of ``H [B, I, I]`` with rows and columns in reversed processing order (``perm`` reversed, or
+    ``I-1 .. 0``) and the ``repaired [B, I]`` diagonal entries set to 1: the input of cholesky.upper_inverse_factor."""
+    B, n_in, _ = H.shape
+    if perm is None:
+        Hr = H.flip(-2, -1).float()
+        fix = repaired.flip(-1)
+    else:
+        rev = perm.flip(-1)
+        Hr = H.gather(-1, rev[:, None, :].expand(B, n_in, n_in)).gather(-2, rev[:, :, None].expand(B, n_in, n_in))
+        Hr = Hr.float()
+        fix = repaired.gather(-1, rev)
+    torch.diagonal(Hr, dim1=-2, dim2=-1).masked_fill_(fix, 1.0)
+    return Hr
 
 
 def _column_grids(scale: torch.Tensor, zero: torch.Tensor | None, perm: torch.Tensor, group_size: int):
@@ -160,39 +199,34 @@ def _column_grids(scale: torch.Tensor, zero: torch.Tensor | None, perm: torch.Te
     return scale.gather(-1, idx), None if zero is None else zero.gather(-1, idx)
 
 
-def _inverse_cholesky(H: torch.Tensor, dampening: float) -> tuple[torch.Tensor, list[tuple[int, str]]]:
-    """Upper Cholesky factor ``U [B, I, I]`` of ``(H + λ·mean(diag H)·1)⁻¹`` per element, with ``λ`` starting at
-    ``dampening`` and multiplied by ten for the elements where a factorization fails."""
-    B, n_in, _ = H.shape
-    mean_diag = torch.diagonal(H, dim1=-2, dim2=-1).mean(dim=-1)
-    frac = torch.full((B,), float(dampening), dtype=torch.float64, device=H.device)
-    eye = torch.eye(n_in, dtype=H.dtype, device=H.device)
-    U = torch.empty_like(H)
-    todo = torch.arange(B, device=H.device)
-    while True:
-        damp = (frac[todo] * mean_diag[todo].double()).to(H.dtype)
-        U_todo, ok = _try_inverse_cholesky(H[todo] + damp[:, None, None] * eye)
-        U[todo[ok]] = U_todo[ok]
-        todo = todo[~ok]
-        if todo.numel() == 0:
-            break
+def _inverse_cholesky(Hr: torch.Tensor, dampening: float) -> tuple[torch.Tensor, list[tuple[int, str]]]:
+    """Upper Cholesky factor ``U [B, I, I]`` of ``(H + λ·mean(diag H)·1)⁻¹`` per element from ``Hr``, the repaired
+    Hessian with rows and columns reversed (:func:`_reversed_hessian`; dampened here in place), with ``λ``
+    starting at ``dampening`` and multiplied by ten for the elements where a factorization fails."""
+    B = Hr.shape[0]
+    diag = torch.diagonal(Hr, dim1=-2, dim2=-1)
+    mean_diag = diag.mean(dim=-1).double()
+    frac = torch.full((B,), float(dampening), dtype=torch.float64, device=Hr.device)
+    applied = (frac * mean_diag).to(Hr.dtype)
+    diag.add_(applied[:, None])
+    U, ok = upper_inverse_factor(Hr)
+    todo = (~ok).nonzero().flatten()
+    while todo.numel():
         frac[todo] = (frac[todo] * _DAMPENING_GROWTH).clamp_min(1e-3)
         if bool((frac[todo] > _MAX_DAMPENING).any()):
             raise NumericalError(
                 f"GPTQ Hessian at batch index {todo.tolist()} is not positive definite even with dampening "
                 f"{_MAX_DAMPENING:g} x mean(diag H): it is not a Gram matrix of real activations"
             )
+        retry = Hr[todo]
+        damp = (frac[todo] * mean_diag[todo]).to(Hr.dtype)
+        torch.diagonal(retry, dim1=-2, dim2=-1).add_((damp - applied[todo])[:, None])
+        U_todo, ok = upper_inverse_factor(retry)
+        U[todo[ok]] = U_todo[ok]
+        todo = todo[~ok]
     repaired = (frac != float(dampening)).nonzero().flatten().tolist()
     return U, [(b, f"Hessian not positive definite with dampening {dampening:g}: "
                    f"factorized with {frac[b].item():g} x mean(diag H)") for b in repaired]
-
-
-def _try_inverse_cholesky(H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``U`` with ``Uᵀ U = H⁻¹`` for ``H [B, I, I]``, and ``ok [B]`` where both factorizations succeeded."""
-    L, info = torch.linalg.cholesky_ex(H)
-    U, info_u = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
-    ok = (info == 0) & (info_u == 0) & torch.isfinite(U).flatten(1).all(1)
-    return U, ok
 
 
 def _blocks(n_in: int, group_size: int, block_size: int) -> list[tuple[int, int]]:

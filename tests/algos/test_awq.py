@@ -154,3 +154,21 @@ def test_no_python_loop_over_batch(monkeypatch: pytest.MonkeyPatch) -> None:
         awq_search(weights(n), outlier_activations(n), full_mask(n), SPEC, torch.bfloat16, n_grid=7)
         counts.append(calls["n"])
     assert counts == [8, 8]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared", [False, True])
+def test_gpu_chunked_search_equals_whole_and_the_cpu(shared: bool) -> None:
+    """On the GPU: the trial errors a few experts at a time give the same search as all at once, and the same
+    scales as on the CPU up to fp32 reassociation in cuBLAS (the chosen alpha and codes agree)."""
+    w, x, mask = weights(), outlier_activations(), full_mask()
+    cpu = awq_search(w, x, mask, SPEC, torch.bfloat16, share_across_batch=shared)
+    wg, xg, mg = w.cuda(), x.cuda(), mask.cuda()
+    whole = awq_search(wg, xg, mg, SPEC, torch.bfloat16, share_across_batch=shared)
+    for chunk in (1, 3):
+        part = awq_search(wg, xg, mg, SPEC, torch.bfloat16, share_across_batch=shared, batch_chunk=chunk)
+        assert torch.equal(part.scales, whole.scales) and torch.equal(part.weight.q, whole.weight.q)
+    assert torch.equal(whole.alpha.cpu(), cpu.alpha)
+    torch.testing.assert_close(whole.scales.cpu(), cpu.scales, rtol=1e-5, atol=0)
+    assert (whole.weight.q.cpu() != cpu.weight.q).float().mean() < 1e-3
+    torch.testing.assert_close(whole.error.cpu(), cpu.error, rtol=1e-3, atol=0)

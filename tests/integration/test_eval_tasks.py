@@ -1,5 +1,6 @@
 """lm-eval through the pipeline, offline: MMLU-style and HumanEval-style tasks on base and exported model."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -10,6 +11,8 @@ from quant.pipeline import run
 from quant.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                                reason="lm-eval is not installed (the `eval` extra; the GPU machine lacks it)")
 FAST = ("calibration.n_samples=8", "calibration.seq_len=64", "eval.perplexity.n_samples=2",
         "eval.perplexity.seq_len=64", "eval.tasks=[quant_mmlu,quant_humaneval]", "eval.limit=3",
         "eval.max_gen_toks=24", "eval.batch_size=4")

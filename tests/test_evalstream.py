@@ -1,0 +1,207 @@
+"""Streamed eval: the shipped checkpoint dequantized per layer by compressed-tensors, one decoder layer resident at
+a time, chunked sums equal to full log-probabilities, the same numbers at world size 1 and 2 (torchrun, gloo), the
+auto rule. Streamed vs whole-model proxies on every builtin family: tests/integration/test_pipeline.py."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quant import evalstream, layerwise
+from quant.errors import CheckpointError, RecipeError
+from quant.evalstream import ProxySums, ShippedCheckpoint, streamed_proxies
+from quant.evaluate import evaluate_run, proxy_mode
+from quant.models import ModelSource, resolve_model
+from quant.pipeline import run
+from quant.plan import BitPlan
+from quant.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+HEADLINE = REPO / "recipes" / "mixed_int8_int4.yaml"
+MODEL = "builtin:deepseek-v3-tiny"  # MLA attention, a shared expert, a dense first layer
+FAST = ("calibration.n_samples=8", "calibration.seq_len=64", "eval.perplexity.n_samples=5",
+        "eval.perplexity.seq_len=64", "eval.batch_size=2")
+
+
+def _recipe(*overrides):
+    return load_recipe(HEADLINE, overrides=FAST + overrides, model=MODEL)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    """The headline recipe (per-expert 4/8-bit mix, which transformers cannot load) exported on deepseek-v3-tiny."""
+    d = tmp_path_factory.mktemp("evalstream") / "run"
+    run(_recipe(), d, until="export")
+    return d
+
+
+def _close(a: dict, b: dict, rel: float) -> None:
+    for k in ("perplexity", "kl", "top1_agreement"):
+        for kk in a[k]:
+            assert math.isclose(a[k][kk], b[k][kk], rel_tol=rel), (k, kk, a[k][kk], b[k][kk])
+    assert a["n_tokens"] == b["n_tokens"]
+
+
+def test_shipped_checkpoint_reads_what_compressed_tensors_dequantizes(exported):
+    """Per-layer reads equal compressed-tensors' dequantization of the whole checkpoint file, bit for bit, under
+    the dense names the base model uses; the packed tensors themselves are not listed."""
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from safetensors.torch import load_file
+
+    src = resolve_model(MODEL)
+    shipped = ShippedCheckpoint(exported / "checkpoint", src, torch.bfloat16)
+    assert set(shipped.weight_map) == set(src.weight_map)
+    dense = CompressedTensorsDequantizer(exported / "checkpoint").process(
+        load_file(str(exported / "checkpoint" / "model.safetensors")))
+    for layer in range(src.n_layers):
+        keys = [k for k in shipped.weight_map if k.startswith(f"model.layers.{layer}.")]
+        got = shipped.read_tensors(keys)
+        assert all(torch.equal(got[k], dense[k]) for k in keys)
+    assert any(k.endswith(".weight_packed") for k in shipped.raw_map)
+
+
+def test_shipped_checkpoint_refuses_a_model_that_is_not_compressed_tensors():
+    src = resolve_model(MODEL)
+    with pytest.raises(CheckpointError, match="compressed-tensors"):
+        ShippedCheckpoint(src.path, src, torch.bfloat16)
+
+
+class _Tracker:
+    """Instruments the layer loader: decoder layers materialized at once, weight bytes resident in every model
+    skeleton whenever a layer has just been loaded, and the bytes of each read from disk."""
+
+    def __init__(self, monkeypatch):
+        self.live_layers: set[int] = set()
+        self.skeletons: dict[int, torch.nn.Module] = {}
+        self.max_layers = self.max_resident = self.max_read = 0
+        self.layer_bytes: list[int] = []
+        load, release = layerwise.load_layer, layerwise.release
+
+        def tracked_load(source, model, idx, device, dtype, raw=None):
+            layer = load(source, model, idx, device, dtype, raw)
+            self.skeletons[id(model)] = model
+            self.live_layers.add(id(layer))
+            self.max_layers = max(self.max_layers, len(self.live_layers))
+            self.layer_bytes.append(_bytes(layer))
+            self.max_resident = max(self.max_resident, sum(map(_bytes, self.skeletons.values())))
+            return layer
+
+        def tracked_release(module):
+            self.live_layers.discard(id(module))
+            release(module)
+
+        monkeypatch.setattr(layerwise, "load_layer", tracked_load)
+        monkeypatch.setattr(layerwise, "release", tracked_release)
+        for cls in (ModelSource, ShippedCheckpoint):
+            monkeypatch.setattr(cls, "read_tensors", self._reads(cls.read_tensors))
+
+    def _reads(self, read):
+        def tracked(source, keys, device="cpu"):
+            out = read(source, keys, device)
+            self.max_read = max(self.max_read, sum(t.numel() * t.element_size() for t in out.values()))
+            return out
+        return tracked
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's materialized (non-meta) parameters and buffers."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+
+
+def test_streamed_eval_holds_one_decoder_layer_at_a_time(exported, monkeypatch):
+    """No whole-model load: one decoder layer materialized at a time, every read from disk at most a layer (or the
+    embedding / head), and the weights resident in both models at most one layer plus the two lm_heads."""
+    from transformers import AutoModelForCausalLM
+
+    def refuse(*a, **k):
+        raise AssertionError("streamed eval must not load a whole model")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    tracker = _Tracker(monkeypatch)
+    src = resolve_model(MODEL)
+    shipped = ShippedCheckpoint(exported / "checkpoint", src, torch.bfloat16)
+    tokens = torch.randint(0, 1000, (3, 32), generator=torch.Generator().manual_seed(0))
+    streamed_proxies(src, shipped, tokens, "bfloat16", "cpu", 2)
+    shapes = src.shapes()
+    head = math.prod(shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"])) * 2
+    model_bytes = sum(math.prod(s) for s in shapes.values()) * 2
+    layer = max(tracker.layer_bytes)
+    assert tracker.max_layers == 1 and len(tracker.layer_bytes) == 2 * src.n_layers
+    assert tracker.max_read <= max(layer, head) and tracker.max_resident <= layer + 2 * head < model_bytes
+
+
+def test_proxy_sums_match_full_log_probabilities():
+    """Chunked sums (chunks far smaller than a sample) equal the reference computed from full [N, S, V]
+    log-probabilities."""
+    g = torch.Generator().manual_seed(0)
+    N, S, D, V = 3, 17, 8, 50
+    hb, hq = torch.randn(N, S, D, generator=g), torch.randn(N, S, D, generator=g)
+    head_b, head_q = torch.nn.Linear(D, V, bias=False), torch.nn.Linear(D, V, bias=False)
+    tokens = torch.randint(0, V, (N, S), generator=g)
+    old = evalstream.LOGIT_CHUNK_BYTES
+    evalstream.LOGIT_CHUNK_BYTES = 5 * evalstream.TEMPORARIES * 4 * V  # 5 positions a chunk
+    try:
+        sums = ProxySums("cpu")
+        sums.score(hb, head_b, hq, head_q, tokens, "cpu")
+        got = sums.metrics()
+    finally:
+        evalstream.LOGIT_CHUNK_BYTES = old
+    with torch.no_grad():
+        lb = torch.log_softmax(head_b(hb)[:, :-1].double(), -1)
+        lq = torch.log_softmax(head_q(hq)[:, :-1].double(), -1)
+    t = tokens[:, 1:].unsqueeze(-1)
+    assert got["n_tokens"] == N * (S - 1)
+    assert math.isclose(got["perplexity"]["base"], math.exp(-lb.gather(-1, t).mean().item()), rel_tol=1e-5)
+    assert math.isclose(got["perplexity"]["quantized"], math.exp(-lq.gather(-1, t).mean().item()), rel_tol=1e-5)
+    assert math.isclose(got["kl"]["quantized"], (lb.exp() * (lb - lq)).sum(-1).mean().item(), rel_tol=1e-5)
+    assert got["top1_agreement"]["quantized"] == (lb.argmax(-1) == lq.argmax(-1)).double().mean().item()
+
+
+def test_two_ranks_give_the_numbers_of_one(exported, tmp_path):
+    """torchrun --nproc-per-node 2 (gloo): each rank streams its share of 5 samples; every rank reports the
+    single-process numbers."""
+    overrides = ("eval.mode=streamed", *FAST[2:])
+    single = evaluate_run(_recipe("eval.mode=streamed"), resolve_model(MODEL), exported)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests" / "fixtures" / "eval_worker.py"), str(exported), MODEL, str(tmp_path), *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["world_size"] == 2 for r in ranks)
+    assert ranks[0]["proxies"] == ranks[1]["proxies"]
+    _close(single["proxies"], ranks[0]["proxies"], 1e-6)
+
+
+def test_auto_mode_streams_when_the_model_outgrows_the_device(exported, monkeypatch):
+    from quant import evaluate
+
+    src = resolve_model(MODEL)
+    plan = BitPlan.load(exported / "plan.json")
+    mode, why = proxy_mode("auto", src, plan, torch.bfloat16, "cpu")
+    assert mode == "whole" and "auto" in why
+    monkeypatch.setattr(evaluate, "device_memory_bytes", lambda device: 1 << 20)
+    mode, why = proxy_mode("auto", src, plan, torch.bfloat16, "cpu")
+    assert mode == "streamed" and "memory" in why
+    assert proxy_mode("whole", src, plan, torch.bfloat16, "cpu")[0] == "whole"
+
+
+def test_more_gpus_than_visible_is_refused_before_any_work(exported):
+    """eval.gpus beyond the visible GPUs is one clear error before the proxies run."""
+    from quant.evaluate import task_gpus
+
+    visible = torch.cuda.device_count()
+    n = max(visible, 1) + 1
+    recipe = _recipe(f"eval.gpus={n}", "eval.tasks=[quant_mmlu]")
+    with pytest.raises(RecipeError, match=f"eval.gpus is {n} but {visible} CUDA GPU"):
+        task_gpus(recipe.eval, 10**9)
+    with pytest.raises(RecipeError, match=f"eval.gpus is {n}"):
+        evaluate_run(recipe, resolve_model(MODEL), exported)
+    if visible <= 1:
+        assert task_gpus(_recipe().eval, 10**12) == 1  # auto with at most one GPU: one device
