@@ -3,9 +3,13 @@
 vLLM and SGLang run one quantization scheme per fused MoE layer. At equal average expert bits this compares the
 per-expert top-20 % plan (not servable by them) with servable plans: the per-layer projection of that plan,
 ``layer_sensitivity`` (per-layer KL damage measured in the profile, knapsack within the budget), the same with
-group sizes 32/64 on offer, and uniform W4 g32 — each with GPTQ and RTN, at 1×, 4× and 16× the calibration
-tokens (32, 128, 512 windows of 256 tokens) of the reference model's own training split. Metrics on the fixed
-held-out set of ``benchmarks/study.py`` (perplexity, KL(bf16‖q), top-1 agreement; next-line exact match at 1×).
+group sizes 32/64 on offer, and uniform W4 g32 — each with GPTQ and RTN, at 1× and 4× the calibration tokens
+(32, 128 windows of 256 tokens of license prose + CPython stdlib code, none of it held out); at 16× (512 windows)
+the configurations that answer "does GPTQ beat RTN with more tokens, and does the servable plan keep its lead"
+(``AT_SIZE``: uniform W4 g128, per-expert top-20 %, layer_sensitivity + g32/g64), so the study fits 25 minutes
+on 2 CPU cores. Metrics on the fixed held-out set of ``benchmarks/study.py`` (perplexity, KL(bf16‖q), top-1
+agreement; next-line exact match for the GPTQ checkpoints at 1×, the study's costliest metric, which separates
+nothing on this model).
 
 Runs (seed, size) tasks in ``--jobs`` worker processes of ``--threads`` threads each. Usage:
 
@@ -42,6 +46,7 @@ CONFIGS = {  # name -> PlanSpec kwargs (attention 8-bit g128, router/embeddings/
     "uniform W4 g32": dict(policy="uniform", low_bits=4, high_bits=4, group_size=32),
 }
 REFERENCE, BASELINE = "per-expert top-20%", "uniform W4 g128"
+AT_SIZE = {"16x": (BASELINE, REFERENCE, "layer_sensitivity + g32/g64")}  # size -> configurations run (default: all)
 ALGORITHMS = ("gptq", "rtn")
 PROSE_SHARE = 0.4  # license prose; at 16x (52 k tokens) it stays within the ~57 k tokens the licenses hold
 CODE_CHARS = 1_500_000  # ~400 k tokens of stdlib code, 5x what the 16x set draws
@@ -152,7 +157,7 @@ def run_task(seed: int, size: str, manifest: str, work: Path) -> dict:
     one = type(calib)(calib.tokens[:1], calib.sample_ids[:1], calib.domains[:1], calib.seed, calib.manifest)
     out = {"seed": seed, "size": size, "n_tokens": int(calib.tokens.numel()),
            "damage": {k: v.tolist() for k, v in prof.layer_damage.items()}, "results": {}}
-    for name, kw in CONFIGS.items():
+    for name, kw in ((n, kw) for n, kw in CONFIGS.items() if n in AT_SIZE.get(size, CONFIGS)):
         spec = PlanSpec(**{"group_size": 128, "seed": seed, **kw})
         for algo in ALGORITHMS:
             plan = plan_bits(prof, src.modules, spec, algo, src.n_layers)
@@ -164,7 +169,7 @@ def run_task(seed: int, size: str, manifest: str, work: Path) -> dict:
                 shutil.rmtree(qdir, ignore_errors=True)
                 quantize_model(src, calib if algo == "gptq" else one, plan, QuantizeSpec(algorithm=algo),
                                Layerwise(src, "bfloat16", "cpu", 8), qdir)
-                metrics = _evaluate(qdir, with_lines=size == "1x")
+                metrics = _evaluate(qdir, with_lines=size == "1x" and algo == "gptq")
                 shutil.rmtree(qdir, ignore_errors=True)
                 if algo == "rtn":
                     _RTN_SEEN[key] = metrics
@@ -189,7 +194,7 @@ def run(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, size
     done_dir.mkdir(parents=True, exist_ok=True)
     tasks = [(seed, size, manifest, work) for size in reversed(sizes) for seed in seeds  # largest first
              if not (done_dir / f"{seed}-{size}.json").is_file()]  # a finished task is kept: rerun to resume
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()
     with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(threads, n_lines)) as pool:
         for result in pool.imap_unordered(_run_task, tasks):  # the first failure stops the study
             (done_dir / f"{result['seed']}-{result['size']}.json").write_text(json.dumps(result))
@@ -197,7 +202,8 @@ def run(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, size
     data = {"seeds": seeds, "sizes": sizes, "seq_len": SEQ_LEN, "budget_bits": BUDGET_BITS, "schemes": SCHEMES,
             "damage_samples": DAMAGE_SAMPLES, "jobs": jobs, "threads": threads,
             "task_cpu_seconds": sum(t["cpu_seconds"] for t in results),
-            "wall_seconds": time.perf_counter() - t0, "tasks": results}
+            "wall_seconds": time.perf_counter() - t0, "load_average_start_end": [load0, os.getloadavg()],
+            "at_size": AT_SIZE, "tasks": results}
     (out / "servable.json").write_text(json.dumps(data, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(done_dir, ignore_errors=True)
@@ -205,7 +211,9 @@ def run(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, size
 
 
 def _values(data: dict, size: str, key: str, metric: str) -> list[float]:
-    return [t["results"][key][metric] for t in sorted(data["tasks"], key=lambda t: t["seed"]) if t["size"] == size]
+    """Per seed (ascending), where that size ran the configuration and measured the metric."""
+    return [t["results"][key][metric] for t in sorted(data["tasks"], key=lambda t: t["seed"])
+            if t["size"] == size and metric in t["results"].get(key, {})]
 
 
 def _recovered(data: dict, size: str, key: str) -> list[float]:
@@ -213,17 +221,23 @@ def _recovered(data: dict, size: str, key: str) -> list[float]:
     algo = key.split("|")[1]
     base, ref = _values(data, size, f"{BASELINE}|{algo}", "kl"), _values(data, size, f"{REFERENCE}|{algo}", "kl")
     mine = _values(data, size, key, "kl")
+    if not mine:
+        return []
     return [(b - m) / (b - r) for b, r, m in zip(base, ref, mine, strict=True)]
 
 
-def _ms(values: list[float], digits: int, scale: float = 1.0) -> str:
+def _ms(values: list[float], digits: int, scale: float = 1.0, unit: str = "") -> str:
+    if not values:
+        return "—"
     m = statistics.fmean(values) * scale
     s = (statistics.stdev(values) if len(values) > 1 else 0.0) * scale
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
+    return f"{m:.{digits}f} ± {s:.{digits}f}{unit}"
 
 
 def _keys(data: dict) -> list[str]:
-    return list(data["tasks"][0]["results"])
+    """Every configuration|algorithm any task ran, in CONFIGS order."""
+    ran = {k for t in data["tasks"] for k in t["results"]}
+    return [f"{n}|{a}" for n in CONFIGS for a in ALGORITHMS if f"{n}|{a}" in ran]
 
 
 def table_1x(data: dict) -> str:
@@ -235,18 +249,18 @@ def table_1x(data: dict) -> str:
         v = lambda m, key=key: _values(data, "1x", key, m)  # noqa: E731
         rows.append(f"| {name} | {algo.upper()} | {'yes' if v('servable')[0] else 'no'} | {_ms(v('bits'), 2)} | "
                     f"{_ms(v('storage_bits'), 3)} | {_ms(v('ppl'), 3)} | {_ms(v('kl'), 2, 1e3)} | {_ms(v('top1'), 4)} | "
-                    f"{_ms(v('nextline_em'), 3)} | {_ms(_recovered(data, '1x', key), 0, 100)} % |")
+                    f"{_ms(v('nextline_em'), 3)} | {_ms(_recovered(data, '1x', key), 0, 100, ' %')} |")
     return "\n".join(rows)
 
 
 def table_scaling(data: dict) -> str:
     sizes = list(data["sizes"])
     head = " | ".join(f"KL ×1e3 {s}" for s in sizes) + " | " + " | ".join(f"gain kept {s}" for s in sizes)
-    rows = [f"| configuration | algorithm | {head} | perplexity 16x |", "|---|---|" + "---|" * (2 * len(sizes) + 1)]
+    rows = [f"| configuration | algorithm | {head} | perplexity {sizes[-1]} |", "|---|---|" + "---|" * (2 * len(sizes) + 1)]
     for key in _keys(data):
         name, algo = key.split("|")
         kl = " | ".join(_ms(_values(data, s, key, "kl"), 2, 1e3) for s in sizes)
-        kept = " | ".join(f"{_ms(_recovered(data, s, key), 0, 100)} %" for s in sizes)
+        kept = " | ".join(_ms(_recovered(data, s, key), 0, 100, " %") for s in sizes)
         rows.append(f"| {name} | {algo.upper()} | {kl} | {kept} | {_ms(_values(data, sizes[-1], key, 'ppl'), 3)} |")
     return "\n".join(rows)
 
@@ -270,6 +284,8 @@ def table_layers(data: dict) -> str:
     rows = ["| configuration | size | seed | layer schemes (0..7) |", "|---|---|---|---|"]
     for key in (k for k in _keys(data) if k.endswith("|gptq") and "layer" in k):
         for t in sorted(data["tasks"], key=lambda t: (list(data["sizes"]).index(t["size"]), t["seed"])):
+            if key not in t["results"]:
+                continue
             layers = t["results"][key]["layers"]
             rows.append(f"| {key.split('|')[0]} | {t['size']} | {t['seed']} | "
                         f"{' '.join(layers[k] for k in sorted(layers, key=int))} |")
@@ -297,9 +313,10 @@ def plot(data: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(data["sizes"])
     for i, size in enumerate(data["sizes"]):
-        vals = [[1e3 * x for x in _values(data, size, k, "kl")] for k in keys]
-        ax.barh([j + i * width for j in range(len(keys))], [statistics.fmean(v) for v in vals], height=width,
-                xerr=[statistics.stdev(v) if len(v) > 1 else 0 for v in vals], label=f"{size} calibration", alpha=0.8)
+        rows = [(j, [1e3 * x for x in _values(data, size, k, "kl")]) for j, k in enumerate(keys)]
+        rows = [(j, v) for j, v in rows if v]  # configurations this size ran
+        ax.barh([j + i * width for j, _ in rows], [statistics.fmean(v) for _, v in rows], height=width,
+                xerr=[statistics.stdev(v) if len(v) > 1 else 0 for _, v in rows], label=f"{size} calibration", alpha=0.8)
     ax.set_yticks([j + width for j in range(len(keys))], [k.split("|")[0] for k in keys], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("KL(bf16 ‖ quantized) per token ×1e3, GPTQ (mean ± std over calibration seeds)")
