@@ -95,7 +95,6 @@ def _init_worker(threads: int, n_lines: int) -> None:
 
     import study
     from quant.calibration import build_calibration
-    from quant.evaluate import logprobs
     from quant.models import resolve_model
 
     src = resolve_model("builtin:reference-moe")
@@ -105,18 +104,15 @@ def _init_worker(threads: int, n_lines: int) -> None:
                                      max_line_tokens=48)
     base = study.load_model(src.path)
     _WORKER.update(src=src, tok=tok, tokens=tokens, lines=study.nextline_batch(tok, samples[:n_lines]),
-                   base_lp=logprobs(base, tokens, 16, "cpu"))
+                   base=study.reference(base, tokens))
 
 
 def _evaluate(qdir: Path, with_lines: bool) -> dict:
     import study
-    from quant.evaluate import logprobs, proxies
-
     w = _WORKER
     model = study.load_model(w["src"].path)
     study.apply_quantized(model, w["src"], qdir)
-    p = proxies(w["base_lp"], logprobs(model, w["tokens"], 16, "cpu"), w["tokens"])
-    out = {"ppl": p["perplexity"]["quantized"], "kl": p["kl"]["quantized"], "top1": p["top1_agreement"]["quantized"]}
+    out = study.proxies(model, w["tokens"], w["base"])
     if with_lines:
         out["nextline_em"] = study.nextline_greedy_match(model, w["lines"])
     return out
