@@ -188,7 +188,7 @@ def run(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, size
     work, done_dir = out / "work", out / "tasks"
     manifest = str(write_calibration_manifest(work / "calib"))
     done_dir.mkdir(parents=True, exist_ok=True)
-    tasks = [(seed, size, manifest, work) for size in reversed(sizes) for seed in seeds  # largest first
+    tasks = [(seed, size, manifest, work) for size in sizes for seed in seeds  # 1x first: a stopped run has its table
              if not (done_dir / f"{seed}-{size}.json").is_file()]  # a finished task is kept: rerun to resume
     t0, load0 = time.perf_counter(), os.getloadavg()
     with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(threads, n_lines)) as pool:
