@@ -12,6 +12,7 @@ from quant.models import ModuleInfo
 from quant.plan import plan_bits
 from quant.profile import RoutingProfile
 from quant.recipe import PlanSpec
+from tests.conftest import expert_schemes_by_layer
 
 E, D, INTER = 8, 256, 128
 LAYERS = [0, 1, 2, 3]
@@ -88,14 +89,6 @@ def _spec(**kw) -> PlanSpec:
     return PlanSpec(**{"policy": "layer_sensitivity", "granularity": "per_layer", "budget_avg_bits": 4.75, **kw})
 
 
-def _layer_schemes(plan) -> dict[int, set]:
-    out: dict[int, set] = {}
-    for name, p in plan.modules.items():
-        if ".experts." in name:
-            out.setdefault(int(name.split(".")[1]), set()).add((p.bits, p.group_size))
-    return out
-
-
 def _avg_storage(plan, mods) -> float:
     num = sum(storage_bits(plan.modules[n].bits, plan.modules[n].group_size, m.in_features) * m.numel
               for n, m in mods.items() if m.kind == "expert")
@@ -109,24 +102,26 @@ DAMAGE = {"w4g128": [1.0, 8.0, 2.0, 3.0], "w8g128": [0.05, 0.1, 0.05, 0.05],
 def test_layer_sensitivity_gives_high_bits_to_the_most_damaged_layer_within_budget():
     mods = _modules()
     plan = plan_bits(_profile(DAMAGE), mods, _spec(budget_avg_bits=5.0), "rtn", 4)
-    schemes = _layer_schemes(plan)
+    schemes = expert_schemes_by_layer(plan)
     assert all(len(s) == 1 for s in schemes.values())  # one scheme per MoE layer
     assert schemes[1] == {(8, 128)} and schemes[0] == schemes[2] == schemes[3] == {(4, 128)}
     assert plan.modules["layers.1.experts.3.down"].reason == "layer_sensitivity:w8g128"
     assert plan.modules["layers.0.attn.q"].bits == 8 and plan.modules["layers.0.router"].keep
     assert _avg_storage(plan, mods) == pytest.approx(5.0 + 16 / 128)  # 1 of 4 layers at W8: the whole budget
     # 4.75 bits cannot pay for a W8 layer (5.0): all layers stay at W4 rather than exceed the budget
-    assert all(s == {(4, 128)} for s in _layer_schemes(plan_bits(_profile(DAMAGE), mods, _spec(), "rtn", 4)).values())
+    all_w4 = plan_bits(_profile(DAMAGE), mods, _spec(), "rtn", 4)
+    assert all(s == {(4, 128)} for s in expert_schemes_by_layer(all_w4).values())
 
 
 def _total_damage(plan) -> float:
-    return sum(DAMAGE[f"w{b}g{g}"][i] for i, (b, g) in enumerate(next(iter(s)) for _, s in sorted(_layer_schemes(plan).items())))
+    schemes = sorted(expert_schemes_by_layer(plan).items())
+    return sum(DAMAGE[f"w{b}g{g}"][i] for i, (b, g) in enumerate(next(iter(s)) for _, s in schemes))
 
 
 def test_group_size_knob_spends_the_rest_of_the_budget_optimally():
     mods = _modules()
     plan = plan_bits(_profile(DAMAGE), mods, _spec(budget_avg_bits=5.25, layer_group_sizes=(32, 64)), "rtn", 4)
-    schemes = _layer_schemes(plan)
+    schemes = expert_schemes_by_layer(plan)
     assert all(len(s) == 1 for s in schemes.values()) and schemes[1] == {(8, 128)}
     assert {(4, 32), (4, 64)} & set().union(*schemes.values())  # the rest of the budget buys smaller groups
     assert _avg_storage(plan, mods) <= 5.25 + 16 / 128 + 1e-12

@@ -11,6 +11,7 @@ from quant.profile import RoutingProfile
 from quant.recipe import PlanSpec
 from quant.runtimes import problems_for
 from quant.servable import best_servable, expert_storage, predicted_kl, serving_summary
+from tests.conftest import expert_schemes_by_layer
 
 L, E = 8, 32
 DAMAGE = {"w4g128": [14.0, 3.0, 4.5, 3.4, 3.9, 3.2, 3.1, 2.1], "w4g64": [12.9, 2.9, 4.1, 3.1, 3.4, 2.9, 2.7, 1.8],
@@ -35,17 +36,9 @@ def _profile(damage=DAMAGE) -> RoutingProfile:
 LAYER = dict(policy="layer_sensitivity", granularity="per_layer", budget_avg_bits=4.75)
 
 
-def _layers(plan) -> dict[int, set]:
-    out: dict[int, set] = {}
-    for name, p in plan.modules.items():
-        if ".experts." in name:
-            out.setdefault(int(name.split(".")[1]), set()).add((p.bits, p.group_size))
-    return out
-
-
 def test_layer_plans_with_group_sizes_pass_vllm_and_sglang(source):
     plan = plan_bits(_profile(), source.modules, PlanSpec(**LAYER, layer_group_sizes=(32, 64)), "rtn", L)
-    layers = _layers(plan)
+    layers = expert_schemes_by_layer(plan)
     assert len({s for v in layers.values() for s in v}) > 2 and all(len(v) == 1 for v in layers.values())
     assert problems_for(plan, source, "vllm") == [] and problems_for(plan, source, "sglang") == []
     assert problems_for(plan, source, "vllm", ("gptq",)) == []  # per-layer dynamic rules
@@ -58,7 +51,7 @@ def test_layer_plans_with_group_sizes_pass_vllm_and_sglang(source):
 def test_a_group_size_vllm_kernels_lack_is_rejected(source):
     damage = dict(DAMAGE, w4g16=[0.5] * L)  # so cheap in damage that the knapsack takes it
     plan = plan_bits(_profile(damage), source.modules, PlanSpec(**LAYER, layer_group_sizes=(16,)), "rtn", L)
-    assert (4, 16) in set().union(*_layers(plan).values())
+    assert (4, 16) in set().union(*expert_schemes_by_layer(plan).values())
     assert "group size 32, 64 or 128" in problems_for(plan, source, "vllm")[0]
 
 
@@ -94,7 +87,7 @@ def test_best_servable_alternative_of_a_per_expert_plan(source):
     alt = best_servable(per_expert, source, prof)
     layer = plan_bits(prof, source.modules, PlanSpec(**LAYER, layer_group_sizes=(32, 64)), "rtn", L)
     assert {int(k): v for k, v in alt["layers"].items()} == {
-        i: "w{}g{}".format(*next(iter(s))) for i, s in _layers(layer).items()}
+        i: "w{}g{}".format(*next(iter(s))) for i, s in expert_schemes_by_layer(layer).items()}
     assert alt["predicted_kl"] == pytest.approx(predicted_kl(layer, source, prof))
     assert alt["expert_storage_bits"] <= 4.75 + 16 / 128 + 1e-12
     summary = serving_summary(per_expert, source, prof, ("compressed-tensors",))

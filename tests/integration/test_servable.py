@@ -13,20 +13,13 @@ from quant.pipeline import run
 from quant.plan import BitPlan
 from quant.profile import RoutingProfile
 from quant.recipe import load_recipe
+from tests.conftest import expert_schemes_by_layer
 
 REPO = Path(__file__).resolve().parents[2]
 MIXED_VLLM = REPO / "recipes" / "mixed_vllm.yaml"
 HEADLINE = REPO / "recipes" / "mixed_int8_int4.yaml"
 FAST = ("calibration.n_samples=8", "calibration.seq_len=64", "eval.perplexity.n_samples=2",
         "eval.perplexity.seq_len=64", "profile.layer_sensitivity.n_samples=4", "eval.gates={}")
-
-
-def _expert_schemes_by_layer(plan: BitPlan) -> dict[str, set]:
-    out: dict[str, set] = {}
-    for name, p in plan.modules.items():
-        if ".experts." in name:
-            out.setdefault(name.split(".")[1], set()).add((p.bits, p.group_size))
-    return out
 
 
 def test_mixed_vllm_recipe_plans_one_scheme_per_layer_within_budget(tmp_path):
@@ -36,7 +29,7 @@ def test_mixed_vllm_recipe_plans_one_scheme_per_layer_within_budget(tmp_path):
     assert set(profile.layer_damage) == {"w4g128", "w4g64", "w4g32", "w8g128"}
     assert all(d.shape == (len(profile.layers),) and (d > 0).all() for d in profile.layer_damage.values())
     plan = BitPlan.load(result.run_dir / "plan.json")
-    layers = _expert_schemes_by_layer(plan)
+    layers = expert_schemes_by_layer(plan)
     assert all(len(s) == 1 for s in layers.values()) and len(layers) == len(profile.layers)
     src = resolve_model(recipe.model.path)
     stored = sum(storage_bits(plan.modules[n].bits, plan.modules[n].group_size, m.in_features) * m.numel
@@ -45,7 +38,7 @@ def test_mixed_vllm_recipe_plans_one_scheme_per_layer_within_budget(tmp_path):
     assert stored / numel <= 4.8 + 16 / 128 + 1e-9
     assert plan.serving["problems"] == {"vllm": [], "sglang": []}
     assert plan.serving["predicted_kl"] == pytest.approx(sum(
-        profile.layer_damage["w{}g{}".format(*next(iter(layers[str(layer)])))][row].item()
+        profile.layer_damage["w{}g{}".format(*next(iter(layers[layer])))][row].item()
         for row, layer in enumerate(profile.layers)))
 
 
@@ -55,8 +48,8 @@ def test_layer_plan_card_shows_vllm_snippet(tmp_path):
     result = run(recipe, tmp_path / "t")
     d = result.run_dir
     plan = BitPlan.load(d / "plan.json")
-    assert set().union(*_expert_schemes_by_layer(plan).values()) <= {(4, 32), (8, 32)}
-    assert all(len(s) == 1 for s in _expert_schemes_by_layer(plan).values()) and plan.serving["predicted_kl"] > 0
+    assert set().union(*expert_schemes_by_layer(plan).values()) <= {(4, 32), (8, 32)}
+    assert all(len(s) == 1 for s in expert_schemes_by_layer(plan).values()) and plan.serving["predicted_kl"] > 0
     report = (d / "report.md").read_text()
     assert "## Serving with vLLM / SGLang" in report and "servable by vllm and sglang" in report
     card = (d / "checkpoint" / CARD).read_text()
