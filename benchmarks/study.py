@@ -222,13 +222,15 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="servable: worker processes")
     ap.add_argument("--threads", type=int, default=1, help="servable: torch threads per worker")
     ap.add_argument("--sizes", nargs="+", default=["1x", "4x", "16x"], help="servable: calibration sizes")
+    ap.add_argument("--report-only", action="store_true",
+                    help="servable: tables of the tasks finished so far (a stopped run), without running any")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.study == "servable":
         import study_servable
 
-        study_servable.main(a.seeds, out, a.jobs, a.threads, a.lines, a.sizes)
+        study_servable.main(a.seeds, out, a.jobs, a.threads, a.lines, a.sizes, a.report_only)
         return
     data = run(a.seeds, out, a.lines)
     (out / "table.md").write_text(table(data) + "\n")

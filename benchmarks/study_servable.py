@@ -194,15 +194,24 @@ def run(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, size
     with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(threads, n_lines)) as pool:
         for result in pool.imap_unordered(_run_task, tasks):  # the first failure stops the study
             (done_dir / f"{result['seed']}-{result['size']}.json").write_text(json.dumps(result))
-    results = [json.loads((done_dir / f"{seed}-{size}.json").read_text()) for size in sizes for seed in seeds]
-    data = {"seeds": seeds, "sizes": sizes, "seq_len": SEQ_LEN, "budget_bits": BUDGET_BITS, "schemes": SCHEMES,
-            "damage_samples": DAMAGE_SAMPLES, "jobs": jobs, "threads": threads,
-            "task_cpu_seconds": sum(t["cpu_seconds"] for t in results),
-            "wall_seconds": time.perf_counter() - t0, "load_average_start_end": [load0, os.getloadavg()],
-            "at_size": AT_SIZE, "tasks": results}
-    (out / "servable.json").write_text(json.dumps(data, indent=1))
+    data = collect(seeds, out, sizes, jobs=jobs, threads=threads, wall_seconds=time.perf_counter() - t0,
+                   load_average_start_end=[load0, os.getloadavg()])
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(done_dir, ignore_errors=True)
+    return data
+
+
+def collect(seeds: list[int], out: Path, sizes: dict[str, int], **meta) -> dict:
+    """servable.json from the finished tasks in ``out/tasks`` (``--report-only`` on a stopped run: the tasks
+    finished so far, the others listed under ``missing``)."""
+    done_dir = out / "tasks"
+    names = [f"{seed}-{size}" for size in sizes for seed in seeds]
+    results = [json.loads((done_dir / f"{n}.json").read_text()) for n in names if (done_dir / f"{n}.json").is_file()]
+    data = {"seeds": seeds, "sizes": sizes, "seq_len": SEQ_LEN, "budget_bits": BUDGET_BITS, "schemes": SCHEMES,
+            "damage_samples": DAMAGE_SAMPLES, "at_size": AT_SIZE,
+            "task_cpu_seconds": sum(t["cpu_seconds"] for t in results), **meta,
+            "missing": [n for n in names if not (done_dir / f"{n}.json").is_file()], "tasks": results}
+    (out / "servable.json").write_text(json.dumps(data, indent=1))
     return data
 
 
@@ -322,7 +331,8 @@ def plot(data: dict, path: Path) -> None:
 
 
 def report(data: dict, out: Path) -> str:
-    text = "\n\n".join([f"### 1x calibration ({data['sizes']['1x']} × {data['seq_len']} tokens)", table_1x(data),
+    missing = [f"**Partial: tasks (seed-size) not finished: {', '.join(data['missing'])}.**"] if data["missing"] else []
+    text = "\n\n".join(missing + [f"### 1x calibration ({data['sizes']['1x']} × {data['seq_len']} tokens)", table_1x(data),
                         "### Calibration tokens: 1x, 4x, 16x", table_scaling(data),
                         "### Per-layer damage measured in the profile (1x, mean over seeds), KL ×1e3",
                         damage_table(data), "### Predicted vs measured KL", table_estimator(data),
@@ -332,7 +342,12 @@ def report(data: dict, out: Path) -> str:
     return text
 
 
-def main(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, sizes: list[str]) -> None:
+def main(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, sizes: list[str],
+         report_only: bool = False) -> None:
+    """Run the study (resuming finished tasks) and write its tables; ``report_only``: tables of the finished tasks."""
+    if report_only:
+        print(report(collect(seeds, out, {s: SIZES[s] for s in sizes}), out))
+        return
     data = run(seeds, out, jobs, threads, n_lines, {s: SIZES[s] for s in sizes})
     print(report(data, out))
     print(f"wall time {data['wall_seconds']:.0f} s (this invocation), tasks' CPU time {data['task_cpu_seconds']:.0f} s "

@@ -1,6 +1,7 @@
 """The servable study's arithmetic (benchmarks/study_servable.py): the share of the per-expert plan's KL gain over
 uniform INT4 that a plan keeps, per seed then averaged, and tables over sizes that ran only some configurations."""
 
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -48,3 +49,17 @@ def test_a_size_that_did_not_run_a_configuration_shows_a_dash(data):
     layers = ss.table_layers(data).splitlines()[2:]
     assert layers == ["| layer_sensitivity W4/W8 g128 | 1x | 0 | w8g128 w4g128 |",
                       "| layer_sensitivity W4/W8 g128 | 1x | 1 | w8g128 w4g128 |"]
+
+
+def test_report_only_tables_the_finished_tasks_and_names_the_rest(data, tmp_path):
+    (tmp_path / "tasks").mkdir()
+    for t in data["tasks"]:
+        (tmp_path / "tasks" / f"{t['seed']}-{t['size']}.json").write_text(json.dumps(t | {"cpu_seconds": 10.0}))
+    (tmp_path / "tasks" / "1-16x.json").unlink()
+    got = ss.collect([0, 1, 2], tmp_path, {"1x": 32, "16x": 512})
+    assert got["missing"] == ["2-1x", "1-16x", "2-16x"] and got["task_cpu_seconds"] == 30.0
+    assert json.loads((tmp_path / "servable.json").read_text())["missing"] == got["missing"]
+    text = ss.report(got, tmp_path)
+    assert text.startswith("**Partial: tasks (seed-size) not finished: 2-1x, 1-16x, 2-16x.**")
+    assert (tmp_path / "servable_table.md").read_text() == text + "\n" and (tmp_path / "servable_kl.png").is_file()
+    assert (tmp_path / "tasks" / "0-1x.json").is_file()  # nothing is removed
