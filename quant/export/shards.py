@@ -123,7 +123,7 @@ def plan_shards(tensors: list[Planned], max_shard_bytes: int) -> list[Shard]:
     groups = groups or [[]]
     n = len(groups)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    return [Shard(name, tuple(g)) for name, g in zip(names, groups)]
+    return [Shard(name, tuple(g)) for name, g in zip(names, groups, strict=True)]
 
 
 def shard_owners(shards: list[Shard], n_ranks: int) -> list[int]:

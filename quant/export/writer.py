@@ -130,7 +130,7 @@ def write_checkpoint(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, 
     owners = shard_owners(shards, world.size)
     tmp = Path(world.on_writer(lambda: str(temp_directory(out))))
     try:
-        mine = [s for s, r in zip(shards, owners) if r == world.rank]
+        mine = [s for s, r in zip(shards, owners, strict=True) if r == world.rank]
         written = world.on_every_rank(lambda: _write_shards(mine, source, qdir, module_tensors, tmp, world))
         world.on_writer(lambda: _finish(tmp, out, shards, written, source, config_files, manifest))
     except BaseException:

@@ -45,7 +45,7 @@ def test_shards_go_to_ranks_once_each_balanced_by_bytes_and_alike_everywhere(n_r
     owners = shard_owners(shards, n_ranks)
     assert owners == shard_owners(list(shards), n_ranks)  # what every rank computes
     assert len(owners) == len(shards) and set(owners) == set(range(n_ranks))
-    loads = [sum(s.nbytes for s, r in zip(shards, owners) if r == rank) for rank in range(n_ranks)]
+    loads = [sum(s.nbytes for s, r in zip(shards, owners, strict=True) if r == rank) for rank in range(n_ranks)]
     assert max(loads) - min(loads) <= max(s.nbytes for s in shards)
     assert shard_owners(shards[:3], 8).count(0) == 1  # fewer shards than ranks: some ranks write nothing
 
