@@ -47,11 +47,15 @@ def _search(w, H, means, spec, job):
     return awq_search(w, x, mask, spec, w.dtype, n_grid=job.spec.awq_grid, channel_means=means)
 
 
+def search_bytes(out_f: int, in_f: int) -> int:
+    """One element's estimated fp32 search working set: the rows and ``x / s`` ``2 I²``, ``Q(W · s)`` ``O I``, and
+    ``x Wᵀ``, ``y`` and their difference ``3 I O`` (quant estimate uses it)."""
+    return 4 * (2 * in_f * in_f + out_f * in_f + 3 * in_f * out_f)
+
+
 def _sub_batches(job, experts: list[int], weights: torch.Tensor) -> list[list[int]]:
-    """``experts`` in runs whose search working set fits ``solve_budget_gb``: per element the rows (and their
-    Cholesky input) ``2 I²``, ``Q(W · s)`` ``O I`` and ``x Wᵀ``, ``y`` and their difference ``3 I O``, fp32."""
-    O, I = weights.shape[1], weights.shape[2]
-    n = max(1, int(job.spec.solve_budget_gb * 1e9) // (4 * (2 * I * I + O * I + 3 * I * O)))
+    """``experts`` in runs whose search working set (``search_bytes`` each) fits ``solve_budget_gb``."""
+    n = max(1, int(job.spec.solve_budget_gb * 1e9) // search_bytes(weights.shape[1], weights.shape[2]))
     return [experts[i : i + n] for i in range(0, len(experts), n)]
 
 
