@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from quant import strict_yaml
 from quant.errors import CalibrationError
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
     description: str = ""
-    sources: tuple[Source, ...]
+    sources: tuple[Source, ...] = Field(min_length=1)
 
 
 @dataclass(frozen=True)
@@ -65,33 +65,73 @@ def resolve_dataset_path(dataset: str, base: Path | None = None) -> Path:
 
 
 def load_manifest(path: Path) -> Manifest:
+    """A manifest file, read with the strict YAML loader (``strict_yaml``) and validated."""
+    text = strict_yaml.decode(path.read_bytes(), f"calibration manifest {path}", CalibrationError)
+    data = strict_yaml.load(text, f"calibration manifest {path}", CalibrationError)
     try:
-        return Manifest.model_validate(yaml.safe_load(path.read_text()))
-    except (yaml.YAMLError, ValidationError) as e:
-        first = e.errors()[0] if isinstance(e, ValidationError) else None
-        detail = f"{'.'.join(map(str, first['loc']))}: {first['msg']}" if first else str(e).splitlines()[0]
-        raise CalibrationError(f"invalid calibration manifest {path}: {detail}") from None
+        return Manifest.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "manifest"
+        raise CalibrationError(f"invalid calibration manifest {path}: {where}: {first['msg']}") from None
+
+
+def _text(path: Path, name: str) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CalibrationError(f"calibration source '{name}': {path} is not UTF-8 text (invalid byte at offset "
+                               f"{e.start})") from None
+
+
+def _jsonl(path: Path, field: str, name: str) -> list[str]:
+    docs = []
+    for i, line in enumerate(_text(path, name).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise CalibrationError(f"calibration source '{name}': {path} line {i} is not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get(field), str):
+            raise CalibrationError(f"calibration source '{name}': {path} line {i} has no string field '{field}'")
+        docs.append(row[field])
+    return docs
+
+
+def _hub(src: Source) -> list[str]:
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(src.dataset, src.config, split=src.split, streaming=True)
+        return [row[src.field] for _, row in zip(range(src.max_documents or 10_000), ds, strict=False)]
+    except Exception as e:  # noqa: BLE001 - offline, unknown dataset, missing field: one user-facing problem
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise CalibrationError(f"calibration source '{src.name}': hub dataset '{src.dataset}' could not be read "
+                               f"({type(e).__name__}: {reason}); hub sources need network access (HF_HUB_OFFLINE "
+                               "unset) — offline, use a local text/jsonl/parquet source") from None
 
 
 def _documents(src: Source, base: Path) -> list[str]:
     if src.kind == "hub":
-        from datasets import load_dataset
-
-        ds = load_dataset(src.dataset, src.config, split=src.split, streaming=True)
-        return [row[src.field] for _, row in zip(range(src.max_documents or 10_000), ds, strict=False)]
+        return _hub(src)
     if src.path is None:
         raise CalibrationError(f"calibration source '{src.name}' ({src.kind}) needs a path")
     path = (base / src.path) if not Path(src.path).is_absolute() else Path(src.path)
     if not path.is_file():
         raise CalibrationError(f"calibration source '{src.name}': file not found: {path}")
     if src.kind == "text":
-        docs = [path.read_text(encoding="utf-8")]
+        docs = [_text(path, src.name)]
     elif src.kind == "jsonl":
-        docs = [json.loads(line)[src.field] for line in path.read_text().splitlines() if line.strip()]
+        docs = _jsonl(path, src.field, src.name)
     else:
         import pyarrow.parquet as pq
 
-        docs = [str(x) for x in pq.read_table(path, columns=[src.field]).column(src.field).to_pylist()]
+        try:
+            docs = [str(x) for x in pq.read_table(path, columns=[src.field]).column(src.field).to_pylist()]
+        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged file or a missing column
+            raise CalibrationError(f"calibration source '{src.name}': cannot read column '{src.field}' of {path} "
+                                   f"({(str(e).strip().splitlines() or [''])[0]})") from None
     return docs[: src.max_documents] if src.max_documents else docs
 
 

@@ -1,12 +1,23 @@
 """``quant`` command line: argv -> Recipe (+ --set, --model) -> pipeline. Exit codes: 0 ok, 1 bad input or
-unusable model/run directory (one line on stderr), 2 usage, 3 quality gates failed, 130 interrupted.
-Logging is configured here and only here (through quant/console.py)."""
+unusable model/run directory (one ``error:`` line on stderr), 2 usage (click's message), 3 quality gates failed,
+70 internal error (a bug: one line naming the log file that holds the traceback), 75 stopped on request
+(SIGUSR1/SIGTERM or a STOP file; rerun to resume), 130 interrupted.
+Logging is configured here and only here (through quant/console.py). Under torchrun the pipeline commands join the
+process group here; ranks other than 0 log warnings only and print nothing to stdout."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
+import re
 import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -17,6 +28,8 @@ from quant.errors import QuantError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Mixed-precision quantization of Mixture-of-Experts LLMs.")
 log = logging.getLogger("quant")
+EXIT_INTERNAL = 70  # sysexits.h EX_SOFTWARE: distinct from 1 (bad input) so scripts can tell a bug from a mistake
+EXIT_INTERRUPTED = 130
 
 RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML (see recipes/)")]
 OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="run directory (default runs/<name>)")]
@@ -31,11 +44,41 @@ def _recipe(recipe: Path, overrides: list[str] | None, model: str | None):
     return load_recipe(recipe, overrides=tuple(overrides or ()), model=model)
 
 
+def _on_stop_signals(world) -> None:
+    """SIGUSR1 (a scheduler's warning) and SIGTERM ask the run to stop after the layer in hand (exit 75). Repeats
+    change nothing (under Slurm and torchrun a rank receives SIGTERM twice: from slurmstepd and forwarded by the
+    agent); SIGINT (Ctrl-C) and SIGKILL stop at once."""
+    import signal
+
+    def handler(signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        log.warning("%s received: stopping after the layer in hand (rerun to resume)", name)
+        world.stop.set(name)
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
 def _stage(until: str, recipe: Path, output: Path | None, overrides, model, force) -> None:
+    from quant.dist import close_world, init_world
+    from quant.layerwise import pick_device
     from quant.pipeline import run
 
     r = _recipe(recipe, overrides, model)
-    result = run(r, output or Path("runs") / r.name, until=until, force=force)
+    run_dir = output or Path("runs") / r.name
+    world = init_world(pick_device(r.quantize.device).type)
+    _on_stop_signals(world)
+    if not world.is_writer:
+        logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
+    clean = False
+    try:
+        with _crash_log_in(run_dir):
+            result = run(r, run_dir, until=until, force=force, world=world)
+        clean = True
+    finally:
+        close_world(world, clean)
+    if not world.is_writer:
+        return
     typer.echo(f"{until}: ran {', '.join(result.ran) or 'nothing'}"
                f"{'; up to date: ' + ', '.join(result.skipped) if result.skipped else ''} -> {result.run_dir}")
     if until == "plan":
@@ -114,26 +157,97 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show de
     configure(verbose)
 
 
-def main() -> None:
+class _Crash(Exception):
+    """An unexpected exception, its traceback already written to ``log_path``."""
+
+    def __init__(self, error: BaseException, log_path: Path | None):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.log_path = log_path
+
+
+def _write_crash_log(error: BaseException, directory: Path) -> Path | None:
+    """The traceback in ``directory/crash-<time>-<pid>.log`` (the temp dir if that is not writable)."""
+    text = "".join(traceback.format_exception(error))
+    name = f"crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    for d in (directory, Path(tempfile.gettempdir())):
+        try:
+            (d / name).write_text(f"quant {' '.join(sys.argv[1:])}\n{text}")
+            return d / name
+        except OSError:
+            continue
+    return None
+
+
+@contextmanager
+def _crash_log_in(run_dir: Path) -> Iterator[None]:
+    """Unexpected exceptions inside the block get their traceback logged in the run directory."""
     try:
-        app(standalone_mode=False)
-    except QuantError as e:
-        typer.echo(f"error: {e}", err=True)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        typer.echo("interrupted; rerun the same command to resume", err=True)
-        sys.exit(130)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except Exception as e:  # click usage errors
+        yield
+    except (QuantError, _Crash):
+        raise
+    except Exception as e:  # noqa: BLE001 - anything else is a bug: log it where the run's artifacts are
+        raise _Crash(e, _write_crash_log(e, run_dir if run_dir.is_dir() else Path(tempfile.gettempdir()))) from e
+
+
+def _one_line(message: str) -> str:
+    """A message as one printable line (user input in it may hold newlines or control characters)."""
+    return re.sub(r"[\x00-\x1f\x7f]", lambda m: "\\n" if m.group() == "\n" else f"\\x{ord(m.group()):02x}",
+                  message.strip()).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _usage_error(e: BaseException) -> bool:
+    """click's usage errors, from typer's vendored click (typer >= 0.2x) or click itself."""
+    types: list[type] = [t for t in (getattr(typer, "TyperException", None),) if t is not None]
+    try:
         import click
 
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(130)
-        raise
+        types.append(click.ClickException)
+    except ImportError:
+        pass
+    return isinstance(e, tuple(types)) and hasattr(e, "exit_code")
+
+
+@functools.cache
+def _command():
+    """The click command typer builds from ``app`` (built once: it is most of a short command's time)."""
+    return typer.main.get_command(app)
+
+
+def cli_exit_code(argv: list[str] | None = None) -> int:
+    """Run the command line and return its exit code, printing at most one ``error:`` line for a failure."""
+    try:
+        rv = _command().main(args=argv, prog_name="quant", standalone_mode=False)
+    except QuantError as e:
+        if not getattr(e, "elsewhere", False):  # a rank that only relays another rank's error stays quiet
+            typer.echo(f"error: {_one_line(str(e))}", err=True)
+        return e.exit_code
+    except KeyboardInterrupt:  # outside typer's own handling (startup)
+        rv = EXIT_INTERRUPTED
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
+        rv = EXIT_INTERRUPTED
+    except _Crash as e:
+        return _report_crash(e, e.log_path)
+    except Exception as e:  # noqa: BLE001 - usage errors, and bugs outside a run
+        if _usage_error(e):
+            e.show() if hasattr(e, "show") else typer.echo(f"error: {_one_line(str(e))}", err=True)
+            return int(e.exit_code)
+        return _report_crash(_Crash(e, None), _write_crash_log(e, Path(tempfile.gettempdir())))
+    if rv == EXIT_INTERRUPTED:  # typer turns KeyboardInterrupt into Exit(130) and returns the code
+        typer.echo("interrupted; rerun the same command to resume", err=True)
+    return rv if isinstance(rv, int) else 0
+
+
+def _report_crash(e: _Crash, log_path: Path | None) -> int:
+    where = f"; the traceback is in {log_path}" if log_path else ""
+    typer.echo(f"error: internal error ({_one_line(str(e))}): this is a bug in quant, please file a bug report "
+               f"with the command you ran{where}", err=True)
+    return EXIT_INTERNAL
+
+
+def main() -> None:
+    sys.exit(cli_exit_code())
 
 
 if __name__ == "__main__":

@@ -45,6 +45,17 @@ class PublishError(QuantError):
     """Uploading to the hub failed (network, authentication, offline mode, missing client)."""
 
 
+class DistError(QuantError):
+    """A collective failed: another rank died, raised or did not answer within the timeout."""
+
+
+class StopRequested(QuantError):
+    """A stop was requested (SIGUSR1/SIGTERM, a stop file) and the run stopped after the layer in hand, leaving
+    the run directory resumable (distinct exit code, EX_TEMPFAIL: rerun to resume)."""
+
+    exit_code = 75
+
+
 class GateFailed(QuantError):
     """Evaluation finished but at least one quality gate failed (distinct exit code)."""
 

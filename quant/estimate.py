@@ -9,20 +9,23 @@ its peak, named after the code that allocates them (bytes, per GPU):
   on the GPU until the layer file is written) + max(forward transient, solve working set). The forward transient
   is one batch's routed expert activations, the statistics' padded blocks and, where SDPA has no fused kernel for
   the head dims (queries/keys and values of different width: MLA), the materialized attention scores. The solve
-  working set is ``SOLVE_FACTOR`` times the largest sub-batch ``quantize._sub_batches`` admits (a GPTQ solve
+  working set is ``SOLVE_FACTOR`` times the largest sub-batch ``sharing.sub_batches`` admits (a GPTQ solve
   allocates ~2.8x that estimate: copies, act-order permutations, the loss terms); for AWQ ``AWQ_FACTOR`` times the
   largest search sub-batch (``smooth.search_bytes``). AWQ's expert statistics come in the same chunks as GPTQ's
   (its first pass also sums every expert's mean |x|, no Hessians).
-- profile = activations + layer + the W4 sensitivity probe, which rounds all of a layer's experts at once in fp32
-  (``profile_memory``).
+- profile = activations + layer + the W4 sensitivity probe, which rounds the rank's experts a few at a time in fp32
+  into dequantized copies it keeps for the layer's batches (``profile_memory``).
 - eval = the path ``evaluate.proxy_mode`` picks for the card: the whole model (transformers loads it to the CPU,
   then the GPU) + one batch of logits, or streamed: one decoder layer + both lm_heads + final hidden states.
 
 Time comes from throughputs measured on one H200 (quant/throughputs.py, each naming its BENCHMARKS.md record);
 GPTQ's solve from its fp32 work at the fused column loop's rate, AWQ's search from its trial products.
-``--gpus N`` assumes every rank holds the whole layer and all activations (the forward is replicated) while the
-experts -- their statistics, Hessians, solves and codes -- are divided over ranks, and non-expert modules are
-solved on one rank (the worst rank holds them all); eval dispatches the model over the N GPUs.
+``--gpus N`` follows quant's distributed run (quant/quantize.py, quant/sharing.py): calibration batches are dealt
+out over ranks, so each rank holds 1/N of the activations and runs 1/N of the forward passes; every rank holds the
+whole layer and the non-expert modules' input Hessians, whose solves are shared out (the worst rank is assumed to
+solve them all). GPTQ and RTN divide the experts (their statistics, Hessians, solves and codes) over ranks; AWQ
+runs replicated (quant/smooth.py): every rank accumulates and searches every expert from every rank's batches.
+Eval dispatches the model over the N GPUs.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from quant.throughputs import THROUGHPUTS, awq_search_seconds, gptq_solve_second
 GB = 1e9
 ACTIVATION_BUDGET = 8 << 30  # layerwise.Layerwise's default activation_budget_bytes
 STATS_BLOCK = 1 << 28  # routing.chunk_budget on a GPU: elements of one padded [n, C, .] block
-SOLVE_FACTOR = 2.8  # allocated / _sub_batches' estimate, fit to the Qwen3-30B-A3B GPTQ record (14.8 GB)
+SOLVE_FACTOR = 2.8  # allocated / sub_batches' estimate, fit to the Qwen3-30B-A3B GPTQ record (14.8 GB)
 # allocated / search_bytes at the peak of a trial (rows, x / s, x Wᵀ, Q(W · s), y, y - x Wᵀ and its square), counted
 # from smooth's code (DeepSeek-V3 gate/up 1.13, down 1.22) with room for the quantizer's temporaries; not yet measured
 AWQ_FACTOR = 1.4
@@ -159,10 +162,17 @@ class Run:
     def hessians(self) -> bool:
         return self.algorithm != "rtn"
 
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks the experts are divided over: AWQ runs replicated (every rank searches every expert)."""
+        return 1 if self.algorithm == "awq" else self.gpus
+
 
 def _activations(run: Run, d: Dims) -> float:
-    """The cached hidden states on the GPU (layerwise keeps them there when they fit its budget)."""
-    full = run.tokens * d.hidden * run.dtype_bytes
+    """This rank's cached hidden states on the GPU (its batches: layerwise deals batches out round-robin, and keeps
+    them on the GPU when they fit its budget)."""
+    rows = min(run.n_samples, math.ceil(math.ceil(run.n_samples / run.batch) / run.gpus) * run.batch)
+    full = rows * run.seq_len * d.hidden * run.dtype_bytes
     return full if full <= ACTIVATION_BUDGET else 2 * run.batch * run.seq_len * d.hidden * run.dtype_bytes
 
 
@@ -183,7 +193,7 @@ def _expert_chunks(layer: LayerShape, run: Run) -> list[int]:
     """Experts per Hessian pass on one rank (quantize._LayerJob.expert_chunks)."""
     from quant.quantize import expert_hessian_bytes
 
-    n = math.ceil(layer.n_experts / run.gpus)
+    n = math.ceil(layer.n_experts / run.expert_ranks)
     if not n:
         return []
     per = expert_hessian_bytes(*layer.expert_in) if run.hessians else 0
@@ -193,7 +203,7 @@ def _expert_chunks(layer: LayerShape, run: Run) -> list[int]:
 
 def _element_bytes(run: Run):
     """One element's estimated working set for the run's algorithm (what sizes its sub-batches)."""
-    from quant.quantize import solve_bytes
+    from quant.sharing import solve_bytes
     from quant.smooth import search_bytes
 
     return search_bytes if run.algorithm == "awq" else solve_bytes
@@ -213,15 +223,17 @@ def _solve_sets(layer: LayerShape, run: Run, n_rank: int) -> tuple[list[tuple[in
 
 def _solve_problems(layer: LayerShape, run: Run, d: Dims, chunks: list[int]) -> list[tuple[int, int, int]]:
     """The sub-batches a layer's solves run, as (elements, out_features, in_features): each expert chunk's
-    projections split as ``_solve_sets`` sizes them, then the linear groups; AWQ searches only the groups reading
-    the hidden state (attention or dense MLP inputs: their s folds into a norm; counted also for a shared expert,
-    which reuses the experts' s) and rounds the rest."""
-    experts, _ = _solve_sets(layer, run, max(chunks, default=0))
+    projections split as ``sharing.sub_batches`` splits them, then the linear groups; AWQ searches only the groups
+    reading the hidden state (attention or dense MLP inputs: their s folds into a norm; counted also for a shared
+    expert, which reuses the experts' s) and rounds the rest."""
+    from quant.sharing import sub_batches
+
     D, I = layer.expert_in
     out = []
     for c in chunks:
-        for (n, _), (out_f, in_f) in zip(experts, ((2 * I, D), (D, I)), strict=True):
-            out += [(min(n, c - f), out_f, in_f) for f in range(0, c, n)]
+        for out_f, in_f in ((2 * I, D), (D, I)):
+            parts = sub_batches(list(range(c)), out_f, in_f, run.solve_budget_gb, _element_bytes(run))
+            out += [(len(p), out_f, in_f) for p in parts]
     linears = [g for g in layer.linear_groups if run.algorithm != "awq" or g[0] == d.hidden]
     return out + [(1, out_f, in_f) for in_f, out_f in linears]
 
@@ -253,14 +265,15 @@ def quantize_seconds(layer: LayerShape, run: Run, d: Dims) -> float:
     """Load, statistics (one pass per expert chunk), solve (GPTQ's fp32 work or AWQ's trial products) and
     propagation."""
     t = THROUGHPUTS
-    seconds = layer.weight_bytes / t["load_bytes_per_s"] + run.tokens * layer.active_params / t["forward_param_tokens_per_s"]
+    seconds = (layer.weight_bytes / t["load_bytes_per_s"]
+               + run.tokens * layer.active_params / run.gpus / t["forward_param_tokens_per_s"])
     chunks = _expert_chunks(layer, run)
     if not run.hessians:
         return seconds + layer.weight_bytes / t["rtn_bytes_per_s"]
     D, I = layer.expert_in
-    macs = (run.tokens * d.top_k * (D**2 + I**2) * (layer.n_experts > 0) / run.gpus
+    macs = (run.tokens * d.top_k * (D**2 + I**2) * (layer.n_experts > 0) / run.expert_ranks
             + run.tokens * sum(in_f**2 for in_f, _ in layer.linear_groups)
-            + max(len(chunks), 1) * run.tokens * layer.active_params)
+            + max(len(chunks), 1) * run.tokens * layer.active_params / run.gpus)
     problems = _solve_problems(layer, run, d, chunks)
     if run.algorithm == "awq":
         solve = awq_search_seconds(problems, run.awq_grid)
@@ -433,8 +446,11 @@ def render(f: Forecast, recipe: Recipe) -> str:
                      f"{q.hessian_budget_gb:g} and {q.solve_budget_gb:g} do not)")
     else:
         lines.append("budgets: no quantize.hessian_budget_gb / solve_budget_gb fits the card")
-    lines.append(f"assumes: {'experts divided over ranks, every rank holds the layer and activations; ' if f.gpus > 1 else ''}"
-                 "time from one H200's throughputs (BENCHMARKS.md)")
+    ranks = ""
+    if f.gpus > 1:
+        experts = "AWQ replicated on every rank" if q.algorithm == "awq" else "experts divided over ranks"
+        ranks = f"{experts}, every rank holds the layer and its share of the batches; "
+    lines.append(f"assumes: {ranks}time from one H200's throughputs (BENCHMARKS.md)")
     return "\n".join(lines)
 
 

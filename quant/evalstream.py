@@ -90,8 +90,10 @@ class ProxySums:
         lp_q = torch.log_softmax(logits_quant.float(), dim=-1)
         idx = target.to(lp_b.device).unsqueeze(-1)
         kl = (lp_b.exp() * (lp_b - lp_q)).sum(-1)
-        agree = (lp_b.argmax(-1) == lp_q.argmax(-1)).sum()
-        row = torch.stack([-lp_b.gather(-1, idx).sum(), -lp_q.gather(-1, idx).sum(), kl.sum(), agree.float(),
+        agree = (lp_b.argmax(-1) == lp_q.argmax(-1)).sum().float()
+        finite = torch.isfinite(lp_b).all() & torch.isfinite(lp_q).all()
+        agree = torch.where(finite, agree, torch.full_like(agree, math.nan))  # argmax over NaN "agrees" everywhere
+        row = torch.stack([-lp_b.gather(-1, idx).sum(), -lp_q.gather(-1, idx).sum(), kl.sum(), agree,
                            torch.tensor(float(target.numel()), device=lp_b.device)])
         self.t += row.to(self.t)
 

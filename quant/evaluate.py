@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -39,9 +40,9 @@ from quant.models.builtin import cache_root
 from quant.models.layers import DTYPES
 from quant.plan import BitPlan
 from quant.recipe import Recipe
+from quant.storage import remove_stale
 
 log = logging.getLogger(__name__)
-PROXY_METRICS = ("perplexity", "kl", "top1_agreement")
 
 
 def _load(path: Path, dtype, device, trust_remote_code: bool):
@@ -65,7 +66,8 @@ def servable_checkpoint(checkpoint: Path, plan: BitPlan, source: ModelSource):
     from compressed_tensors.entrypoints.convert import convert_checkpoint
     from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
 
-    tmp = Path(tempfile.mkdtemp(prefix="quant-dense-"))
+    remove_stale(Path(tempfile.gettempdir()), "quant-dense-")  # left by killed runs
+    tmp = Path(tempfile.mkdtemp(prefix=f"quant-dense-{os.getpid()}-"))
     try:
         convert_checkpoint(checkpoint, tmp, CompressedTensorsDequantizer(checkpoint), device="cpu")
         yield tmp, "compressed-tensors-dequantize"
@@ -168,13 +170,10 @@ def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpu
             for t in quant}
 
 
-def gate_results(recipe: Recipe, proxy: dict, tasks: dict | None) -> list[dict]:
-    """Every configured gate with its observed value and limit; unknown gate names are recipe errors.
-    ``tasks=None`` (a rank that ran no lm-eval tasks): only the proxy gates."""
+def gate_results(recipe: Recipe, proxy: dict, tasks: dict) -> list[dict]:
+    """Every configured gate with its observed value and limit; unknown gate names are recipe errors."""
     out = []
     for name, g in recipe.eval.gates.items():
-        if tasks is None and name not in PROXY_METRICS:
-            continue
         if name == "perplexity":
             b, q = proxy["perplexity"]["base"], proxy["perplexity"]["quantized"]
             observed, limit, kind = (q - b) / b, g.max_rel_increase, "max_rel_increase"
@@ -188,13 +187,31 @@ def gate_results(recipe: Recipe, proxy: dict, tasks: dict | None) -> list[dict]:
         if limit is None:
             raise RecipeError(f"eval.gates.{name}: set {kind.split()[0]}")
         passed = observed >= limit if name == "top1_agreement" else observed <= limit
-        out.append({"name": name, "kind": kind, "observed": observed, "limit": limit, "passed": bool(passed)})
+        out.append({"name": name, "kind": kind, "observed": observed, "limit": limit,
+                    "passed": bool(passed) and math.isfinite(observed)})  # NaN never passes
+    bad = [k for k in ("perplexity", "kl", "top1_agreement") for v in proxy[k].values() if not math.isfinite(v)]
+    if bad:  # always on: non-finite proxies mean a broken checkpoint, gates configured or not
+        out.append({"name": "finite_proxies", "kind": "count of NaN/Inf proxy values", "observed": float(len(bad)),
+                    "limit": 0.0, "passed": False})
     return out
 
 
+def _quantized_tasks(recipe: Recipe, source: ModelSource, plan: BitPlan, checkpoint: Path, device, gpus: int,
+                     dense: Path | None) -> dict:
+    """lm-eval on base and quantized model: vllm reads the checkpoint itself; hf loads ``dense`` (the folder the
+    whole-model proxies loaded) or, when none was made, the folder ``servable_checkpoint`` makes now."""
+    if recipe.eval.backend == "vllm":
+        return _run_tasks(recipe, source, checkpoint, device)
+    if dense is not None:
+        return _run_tasks(recipe, source, dense, device, gpus)
+    with servable_checkpoint(checkpoint, plan, source) as (path, _):
+        return _run_tasks(recipe, source, path, device, gpus)
+
+
 def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
-    """Proxies on every rank (all-reduced, identical everywhere); lm-eval tasks on the writer rank only (hf on the
-    folder the whole-model path loads, dispatched over GPUs when asked; vllm on the checkpoint itself)."""
+    """Proxies on every rank (each scores its share of the samples; sums all-reduced, identical everywhere);
+    lm-eval tasks on the writer rank alone, the other ranks waiting for its result without the collective
+    timeout (``World.on_writer``), so every rank returns the same result."""
     plan = BitPlan.load(run_dir / "plan.json")
     e = recipe.eval
     device = pick_device(e.device)
@@ -202,24 +219,25 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
     tokens = build_calibration(e.perplexity.dataset, source.tokenizer(), e.perplexity.n_samples,
                                e.perplexity.seq_len, seed=0).tokens
     checkpoint = run_dir / "checkpoint"
-    run_tasks = bool(e.tasks) and world.is_writer
-    gpus = task_gpus(e, dense_bytes(source, dtype)) if run_tasks and e.backend == "hf" else 1
+    gpus = task_gpus(e, dense_bytes(source, dtype)) if e.tasks and e.backend == "hf" else 1
+
+    def tasks_on_writer(dense: Path | None = None) -> dict:
+        if not e.tasks:
+            return {}
+        return world.on_writer(lambda: _quantized_tasks(recipe, source, plan, checkpoint, device, gpus, dense))
+
     mode, reason = proxy_mode(e.mode, source, plan, dtype, device)
     log.info("eval proxies: %s (%s)", mode, reason)
-    proxy, loader = None, "compressed-tensors-per-layer"
     if mode == "streamed":
         shipped = ShippedCheckpoint(checkpoint, source, dtype)
-        proxy = streamed_proxies(source, shipped, tokens, recipe.model.dtype, device, e.batch_size, world)
-    tasks: dict | None = None if e.tasks and not world.is_writer else {}
-    if mode == "whole" or (run_tasks and e.backend == "hf"):
-        with servable_checkpoint(checkpoint, plan, source) as (path, path_loader):
-            if mode == "whole":
-                proxy, loader = whole_proxies(source.path, path, tokens, dtype, device, e.batch_size,
-                                              source.trust_remote_code, world), path_loader
-            if run_tasks and e.backend == "hf":
-                tasks = _run_tasks(recipe, source, path, device, gpus)
-    if run_tasks and e.backend == "vllm":
-        tasks = _run_tasks(recipe, source, checkpoint, device)
+        proxy, loader = streamed_proxies(source, shipped, tokens, recipe.model.dtype, device, e.batch_size, world), \
+            "compressed-tensors-per-layer"
+        tasks = tasks_on_writer()
+    else:
+        with servable_checkpoint(checkpoint, plan, source) as (path, loader):
+            proxy = whole_proxies(source.path, path, tokens, dtype, device, e.batch_size, source.trust_remote_code,
+                                  world)
+            tasks = tasks_on_writer(path)
     gates = gate_results(recipe, proxy, tasks)
     log.info("eval: ppl %.3f -> %.3f, KL %.4f, top-1 %.3f, gates %s", proxy["perplexity"]["base"],
              proxy["perplexity"]["quantized"], proxy["kl"]["quantized"], proxy["top1_agreement"]["quantized"],

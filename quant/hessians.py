@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quant.dist import SINGLE
 from quant.models.layers import ExpertsView
+from quant.relay import Relay
 from quant.routing import Bucket, chunk_budget, expert_intermediate, load_buckets, with_zero_row
 
 
@@ -54,23 +56,32 @@ class LinearStats:
 
     Linears that are called on the very same input tensor (q/k/v, MLA's q_a and kv_a, a shared expert's gate
     and up) share one accumulator when their stats are made by :func:`linear_stats`: the first module to see an
-    input accumulates it and the others follow it, checked on every call."""
+    input accumulates it and the others follow it, checked on every call.
 
-    def __init__(self, module: nn.Linear, name: str = "", last: list | None = None):
+    Inputs go through a ``Relay`` channel: with several ranks each batch's input reaches the consuming rank(s),
+    which accumulate in global batch order; ranks that do not consume hold no sums."""
+
+    def __init__(self, module: nn.Linear, name: str = "", last: list | None = None, relay: Relay | None = None,
+                 consumers: set[int] | None = None):
+        relay = relay or Relay(SINGLE)
         n = module.in_features
         self.name = name
-        self.sum = torch.zeros(n, n, dtype=torch.float32, device=module.weight.device)
-        self.abs_sum = torch.zeros(n, dtype=torch.float32, device=module.weight.device)
+        mine = consumers is None or relay.world.rank in consumers
+        dev = module.weight.device
+        self.sum = torch.zeros(n, n, dtype=torch.float32, device=dev) if mine else None
+        self.abs_sum = torch.zeros(n, dtype=torch.float32, device=dev) if mine else None
         self.n = 0
         self.leader: LinearStats | None = None
+        self._seen_own = False
         self._last = last if last is not None else [None, None]  # [input tensor, the stats that took it]
+        self.channel = relay.channel(self._accumulate if mine else None, consumers)
         self.handle = module.register_forward_pre_hook(self._hook)
 
     def _hook(self, _m, args) -> None:
         x = args[0]
         seen, owner = self._last
         if seen is x and owner is not self:
-            if self.leader is None and self.n == 0:
+            if self.leader is None and not self._seen_own:
                 self.leader = owner
             if self.leader is not owner:
                 raise RuntimeError(f"{self.name}: shares its input with {owner.name} on some calls only")
@@ -78,13 +89,18 @@ class LinearStats:
         if self.leader is not None:
             raise RuntimeError(f"{self.name}: stopped sharing its input with {self.leader.name}")
         self._last[0], self._last[1] = x, self
-        x = x.reshape(-1, x.shape[-1])
+        self._seen_own = True
+        self.channel.put(x.reshape(-1, x.shape[-1]))
+
+    def _accumulate(self, x: torch.Tensor) -> None:
         _gram_into(self.sum[None], (x if _native(x) else x.float())[None])
         self.abs_sum += x.abs().sum(dim=0, dtype=torch.float32)
         self.n += x.shape[0]
 
     def remove(self) -> None:
         self.handle.remove()
+        self.channel.close()
+        self.channel.close()
         self._last[0] = self._last[1] = None
 
     def hessian(self) -> torch.Tensor:
@@ -98,23 +114,41 @@ class LinearStats:
         return self.abs_sum / max(self.n, 1)
 
 
-def linear_stats(modules: dict[str, nn.Linear]) -> dict[str, LinearStats]:
-    """Statistics for several linears of one layer, modules fed the same input tensor sharing one sum."""
+def linear_stats(modules: dict[str, nn.Linear], relay: Relay | None = None,
+                 consumers: set[int] | None = None) -> dict[str, LinearStats]:
+    """Statistics for several linears of one layer, modules fed the same input tensor sharing one sum.
+    ``consumers``: the ranks that accumulate (default every rank)."""
     last: list = [None, None]
-    return {name: LinearStats(m, name, last) for name, m in modules.items()}
+    relay = relay or Relay(SINGLE)
+    return {name: LinearStats(m, name, last, relay, consumers) for name, m in modules.items()}
+
+
+def agree_leaders(stats: dict[str, LinearStats], world) -> None:
+    """Which linears share an input is seen by the hooks, so a rank that ran no calibration batch (more ranks than
+    batches) saw none of it: every rank takes the sharing from the first rank that saw some. Call after the pass."""
+    mine = {n: s.leader.name for n, s in stats.items() if s.leader is not None}
+    saw = any(s._seen_own for s in stats.values())
+    agreed = next((m for m, seen in world.all_gather_object((mine, saw)) if seen), mine)
+    for name, leader in agreed.items():
+        stats[name].leader = stats[leader]
 
 
 class ExpertStats:
     """Per-expert Hessians of the fused experts' two inputs, from the experts module's pre-hook.
 
     Only experts ``first .. first + count - 1`` are accumulated, so a layer whose Hessians do not fit in memory
-    at once (DeepSeek-V3: 256 × 7168² fp32 = 52 GB) is handled in chunks, one calibration pass per chunk.
+    at once (DeepSeek-V3: 256 × 7168² fp32 = 52 GB) is handled in chunks, one calibration pass per chunk, and
+    ranks accumulate the experts they own. Routed tokens are bucketed over *all* experts and each bucket then
+    restricted to the range, so an expert's sums do not depend on which range it was accumulated in. The
+    routed tokens go through a ``Relay`` channel (``consumers``: the ranks accumulating some range this pass).
     ``hessians=False`` keeps only counts, routing-weight sums and the gate/up input's ``Σ |x|`` (no Hessians, no
     down input): what AWQ's shared gate/up search needs of every expert before any chunk's Hessians.
     """
 
     def __init__(self, view: ExpertsView, gate_weighted: bool, all_experts: bool, first: int = 0,
-                 count: int | None = None, need_down: bool = True, hessians: bool = True):
+                 count: int | None = None, need_down: bool = True, relay: Relay | None = None,
+                 consumers: set[int] | None = None, hessians: bool = True):
+        relay = relay or Relay(SINGLE)
         count = view.n_experts - first if count is None else count
         E, D, I = count, view.gate_up.shape[2], view.intermediate
         dev = view.gate_up.device
@@ -127,19 +161,22 @@ class ExpertStats:
         self.abs_down = torch.zeros(E, I, dtype=torch.float32, device=dev)
         self.weight_sum = torch.zeros(E, dtype=torch.float64, device=dev)
         self.counts = torch.zeros(E, dtype=torch.long, device=dev)
-        self.handle = view.on_route(self._hook)
+        self.channel = relay.channel(self._consume if count else None, consumers)
+        self.handle = view.on_route(self.channel.put)
 
-    def _hook(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
+    def _consume(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
         E = self.view.n_experts
         self.counts += torch.bincount(idx.reshape(-1), minlength=E)[self.first : self.first + self.count]
         if self.all_experts:
-            idx = torch.arange(self.first, self.first + self.count, device=idx.device).expand(x.shape[0], self.count)
+            idx = torch.arange(E, device=idx.device).expand(x.shape[0], E)
             w = torch.ones(idx.shape, dtype=x.dtype, device=x.device)
         width = max(self.view.gate_up.shape[1:])
-        _, buckets = load_buckets(idx, w, self.count, self.first, width=width, max_elems=chunk_budget(x.device))
+        _, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device))
         x_padded = with_zero_row(x)
         for bucket in buckets:
-            self._accumulate(x_padded, bucket)
+            mine = bucket.restrict(self.first, self.count)
+            if mine is not None:
+                self._accumulate(x_padded, mine)
 
     def _accumulate(self, x_padded: torch.Tensor, b: Bucket) -> None:
         """Add one bucket's ``Σ x xᵀ`` (and the down input's) to its experts' sums; gate-weighted rows are
@@ -170,3 +207,4 @@ class ExpertStats:
 
     def remove(self) -> None:
         self.handle.remove()
+        self.channel.close()

@@ -3,7 +3,13 @@
 Each stage is a function of typed inputs that writes its artifact into the run directory. The pipeline hashes
 every stage's inputs (recipe sections, model fingerprint, upstream outputs); a stage whose inputs did not
 change and whose outputs are intact is skipped, so rerunning a killed run resumes it. ``force`` redoes a
-stage and everything after it.
+stage and everything after it. A stage that raises is recorded as failed and its outputs removed; a full disk or
+an unwritable path becomes one line naming the path.
+
+Under torchrun every rank runs the pipeline: the writer (rank 0) alone claims the run directory, decides which
+stages are fresh, writes the manifest and runs the single-rank stages while the other ranks wait; ``profile``,
+``quantize`` and ``eval`` (``DISTRIBUTED``) run on every rank. Between stages a stop request (signal, stop file)
+ends the run, resumable.
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ from functools import cached_property
 from pathlib import Path
 
 from quant import stages
-from quant.errors import GateFailed, RunDirError
+from quant.dist import SINGLE, World
+from quant.errors import GateFailed, RunDirError, StopRequested
 from quant.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
 from quant.models import ModelSource, resolve_model
 from quant.progress import step as progress_step
 from quant.recipe import Recipe
-from quant.rundir import RunDir, hash_path
+from quant.rundir import RunDir, environment_error, hash_path
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,8 @@ DEPENDS = {
     "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
     "report": (("report", "eval"), ("profile", "plan", "quantize", "export", "eval"), ("report.md", "metrics.json")),
 }
+DISTRIBUTED = ("profile", "quantize", "eval")  # stages every rank runs (``run_<stage>(..., world)``); others: the writer
+STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop a run after the layer in hand (Slurm job scripts do)
 
 
 @dataclass
@@ -50,9 +59,11 @@ class RunResult:
 class Run:
     """One recipe applied to one run directory."""
 
-    def __init__(self, recipe: Recipe, run_dir: Path):
+    def __init__(self, recipe: Recipe, run_dir: Path, world: World = SINGLE):
         self.recipe = recipe
         self.dir = RunDir(run_dir)
+        self.world = world
+        world.stop.file = self.dir.path / STOP_FILE
 
     @cached_property
     def source(self) -> ModelSource:
@@ -75,52 +86,116 @@ class Run:
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
     def outputs(self, stage: str) -> list[str]:
-        if stage == "export":  # each checkpoint's manifest holds the SHA-256 of every file export wrote
-            from quant.export import checkpoint_dirs
+        """Run-dir-relative outputs: export's are the checkpoint folders, report's include their model cards."""
+        from quant.export import CARD, checkpoint_dirs
 
-            return [f"{d}/quant_manifest.json" for d in checkpoint_dirs(self.recipe).values()]
-        return list(DEPENDS[stage][2])
+        if stage == "export":
+            return list(checkpoint_dirs(self.recipe).values())
+        cards = [f"{d}/{CARD}" for d in checkpoint_dirs(self.recipe).values()] if stage == "report" else []
+        return list(DEPENDS[stage][2]) + cards
+
+    def output_hashes(self, stage: str) -> dict[str, str | None]:
+        """What each output holds now (None: missing or damaged). A checkpoint counts by the SHA-256 manifest it
+        carries, verified file by file (digests cached by stat, so an unchanged checkpoint is not re-read)."""
+        if stage == "export":
+            from quant.export import checkpoint_digest
+
+            return {o: checkpoint_digest(self.dir.path / o) for o in self.outputs(stage)}
+        return {o: hash_path(self.dir.path / o) for o in self.outputs(stage)}
 
     def execute(self, until: str = "report", force: str | None = None) -> RunResult:
         if until not in STAGES:
             raise RunDirError(f"unknown stage '{until}'; stages: {', '.join(STAGES)}")
         if force is not None and force not in STAGES and force != "all":
             raise RunDirError(f"--force takes a stage name or 'all', got '{force}'; stages: {', '.join(STAGES)}")
-        m = self.dir.claim(self.identity(), force=force is not None)
+        for device in {self.recipe.quantize.device, self.recipe.eval.device}:  # absent devices fail before any work
+            pick_device(device)
+        w = self.world
+        m = w.on_writer(lambda: self.dir.claim(self.identity(), force=force is not None))  # writer resolves first
         first_forced = 0 if force == "all" else (STAGES.index(force) if force else len(STAGES))
         ran, skipped = [], []
-        for i, stage in enumerate(STAGES[: STAGES.index(until) + 1]):
-            h = self.input_hash(stage, m)
-            outputs = self.outputs(stage)
-            if i < first_forced and self.dir.is_fresh(m, stage, h, outputs):
+        todo = STAGES[: STAGES.index(until) + 1]
+        for i, stage in enumerate(todo):
+            fresh, h = w.on_writer(lambda i=i, stage=stage: self._decide(stage, i < first_forced, m))
+            if fresh:
                 skipped.append(stage)
                 log.info("stage %s: up to date, skipped", stage)
                 continue
-            self._run_stage(stage, h, outputs, m, (i, STAGES.index(until) + 1))
+            if stage == "quantize" or (stage == "export" and "quantize" not in ran):
+                w.on_writer(lambda stage=stage: stages.check_disk(self.recipe, self.source, self.dir.path, stage))
+            position = (i, len(todo))
+            if stage in DISTRIBUTED:
+                self._run_stage(stage, h, m, position)
+            else:
+                w.on_writer(lambda stage=stage, h=h, p=position: self._run_stage(stage, h, m, p))
             ran.append(stage)
+            if i + 1 < len(todo):
+                w.raise_if_stopped(f"stage {stage}")
+        passed = w.on_writer(lambda: self._finish(m, until))
+        return RunResult(self.dir.path, ran, skipped, passed)
+
+    def _decide(self, stage: str, may_skip: bool, m: dict) -> tuple[bool, str]:
+        h = self.input_hash(stage, m)
+        return may_skip and self.dir.is_fresh(m, stage, h, lambda: self.output_hashes(stage)), h
+
+    def _finish(self, m: dict, until: str) -> bool | None:
         passed = m["stages"].get("eval", {}).get("passed")
         m["passed"] = passed
         self.dir.save_manifest(m)
         if passed is False and until in ("eval", "report"):
             failed = m["stages"]["eval"].get("failed_gates", [])
             raise GateFailed(f"quality gates failed: {'; '.join(failed)} (see {self.dir.path / 'report.md'})")
-        return RunResult(self.dir.path, ran, skipped, passed)
+        return passed
 
-    def _run_stage(self, stage: str, input_hash: str, outputs: list[str], m: dict, position: tuple[int, int]) -> None:
-        """Run one stage; ``position``: (stages before it, stages in this invocation) for the progress display."""
-        i, n = position
+    def _run_stage(self, stage: str, input_hash: str, m: dict, position: tuple[int, int]) -> None:
+        """Run one stage (on every rank when it is distributed, else on the writer alone); the writer records it:
+        done, stopped, or failed (its outputs removed). ``position``: (stages before it, stages in this invocation)
+        for the progress display."""
+        w, distributed, (i, n) = self.world, stage in DISTRIBUTED, position
         log.info("stage %s: running", stage, extra=progress_step("run", i, n, "stages", eta=False))
         device = pick_device(self.recipe.quantize.device)
         reset_peak_memory(device)
-        self.dir.mark(m, stage, status="running", input_hash=input_hash)
+        if w.is_writer:
+            upstream = {u: m["stages"].get(u, {}).get("outputs") for u in DEPENDS[stage][1]}
+            self.dir.mark(m, stage, status="running", input_hash=input_hash, upstream=upstream)
         t0 = time.perf_counter()
-        info = getattr(stages, f"run_{stage}")(self.recipe, self.source, self.dir.path) or {}
-        self.dir.mark(m, stage, status="done", input_hash=input_hash, wall_s=round(time.perf_counter() - t0, 3),
-                      peak_memory_bytes=peak_memory_bytes(device), device=str(device),
-                      outputs={o: hash_path(self.dir.path / o) for o in outputs}, **info)
-        log.info("stage %s: done in %.1fs", stage, m["stages"][stage]["wall_s"],
-                 extra=progress_step("run", i + 1, n, "stages", eta=False))
+        fn = getattr(stages, f"run_{stage}")
+        try:
+            info = (fn(self.recipe, self.source, self.dir.path, w) if distributed
+                    else fn(self.recipe, self.source, self.dir.path)) or {}
+            peak = w.max_over_ranks(peak_memory_bytes(device)) if distributed else peak_memory_bytes(device)
+            if w.is_writer:
+                self.dir.mark(m, stage, status="done", input_hash=input_hash, wall_s=round(time.perf_counter() - t0, 3),
+                              peak_memory_bytes=peak, device=str(device), ranks=w.size if distributed else 1,
+                              outputs=self.output_hashes(stage), **info)
+        except StopRequested:
+            if w.is_writer:
+                self.dir.mark(m, stage, status="stopped")
+            raise
+        except BaseException as e:
+            if w.is_writer:
+                self._record_failure(stage, m, e)
+            raise
+        if w.is_writer:
+            log.info("stage %s: done in %.1fs", stage, m["stages"][stage]["wall_s"],
+                     extra=progress_step("run", i + 1, n, "stages", eta=False))
+
+    def _record_failure(self, stage: str, m: dict, error: BaseException) -> None:
+        """Mark ``stage`` failed (interrupted) and remove its outputs; a full disk or unwritable path is raised as
+        one line naming it."""
+        self.dir.fail(m, stage, error, self.outputs(stage))
+        plain = environment_error(error, self.dir.path,
+                                  lambda: stages.output_bytes(stage, self.recipe, self.source, self.dir.path))
+        if plain is not None:
+            raise plain from None
 
 
-def run(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None) -> RunResult:
-    return Run(recipe, run_dir).execute(until=until, force=force)
+def run(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None,
+        world: World = SINGLE) -> RunResult:
+    try:
+        return Run(recipe, run_dir, world).execute(until=until, force=force)
+    except OSError as e:  # a full disk or unwritable path outside a stage (manifest writes)
+        plain = environment_error(e, Path(run_dir))
+        if plain is None:
+            raise
+        raise plain from None

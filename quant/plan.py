@@ -111,6 +111,10 @@ def _budget_mask(scores: torch.Tensor, expert_bits: torch.Tensor, spec: PlanSpec
         allowance = (spec.budget_avg_bits - spec.low_bits) * total
     else:
         allowance = spec.budget_gb * 8e9 - spec.low_bits * total
+        if allowance < 0:  # not even every expert at low_bits fits: refuse rather than plan all-low silently
+            raise PlanError(f"plan.budget_gb {spec.budget_gb:g} is below the size of every expert at "
+                            f"{spec.low_bits} bits ({spec.low_bits * total.item() / 8e9:.4g} GB); raise it or lower "
+                            "plan.low_bits")
     cost = (spec.high_bits - spec.low_bits) * numel
     norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-12)
     order = torch.sort((norm / cost).reshape(-1), descending=True, stable=True).indices

@@ -24,6 +24,7 @@ from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of
 from quant.progress import step
+from quant.relay import Relay
 from quant.routing import chunk_budget, expert_intermediate, expert_output, load_buckets, with_zero_row
 
 log = logging.getLogger(__name__)
@@ -146,17 +147,20 @@ def _spearman(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((rx @ ry).item() / denom) if denom > 0 else 0.0
 
 
+_SUMMED = ("counts", "weight_mass", "top1", "sensitivity")  # rows of a batch's stats, summed over batches
+_MAXED = ("down_in_absmax", "down_out_absmax")  # then these, maxima over batches; then one row per domain
+
+
 class _LayerStats:
-    """Accumulates one MoE layer's statistics from the layer's routing callback."""
+    """One MoE layer's statistics: each batch's are computed by the routing callback as one ``[R, E]`` float64
+    tensor (rows ``_SUMMED``, ``_MAXED``, then the domains), which a relay hands to :meth:`add` in global batch
+    order, so the totals are the same at any world size."""
 
     def __init__(self, n_experts: int, domains: list[str], device, probe_tokens: int | None = PROBE_TOKENS):
-        z = lambda: torch.zeros(n_experts, dtype=torch.float64, device=device)  # noqa: E731
-        self.stats = {k: z() for k in _STATS}
-        self.domain = {d: z() for d in domains}
+        self.n_experts, self.domains, self.probe_tokens = n_experts, domains, probe_tokens
+        self.total = torch.zeros(len(_SUMMED) + len(_MAXED) + len(domains), n_experts, dtype=torch.float64,
+                                 device=device)
         self.token_domain: torch.Tensor | None = None  # [T] domain index of the batch's tokens
-        self.domains = domains
-        self.sensitivity = torch.zeros(n_experts, dtype=torch.float64, device=device)
-        self.probe_tokens = probe_tokens
         self._probe: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _probe_weights(self, view: ExpertsView) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,9 +170,12 @@ class _LayerStats:
             self._probe = tuple(_rtn_probe(w.detach()) for w in (view.gate_up, view.down))
         return self._probe
 
-    def update(self, view: ExpertsView, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
+    @torch.no_grad()
+    def batch(self, view: ExpertsView, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """This batch's ``[R, E]`` statistics."""
         E = view.n_experts
-        s = self.stats
+        out = torch.zeros_like(self.total)
+        s = {key: out[i] for i, key in enumerate(_SUMMED + _MAXED)}
         width = max(view.gate_up.shape[1], view.gate_up.shape[2])
         counts, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device))
         s["counts"] += counts.double()
@@ -176,9 +183,8 @@ class _LayerStats:
         s["top1"] += torch.bincount(idx.gather(1, w.argmax(dim=1, keepdim=True)).reshape(-1), minlength=E).double()
         if self.token_domain is not None:  # one bincount over (domain, expert) pairs, no host sync
             pair = (self.token_domain[:, None] * E + idx).reshape(-1)
-            per = torch.bincount(pair, minlength=len(self.domains) * E).view(len(self.domains), E).double()
-            for d_i, name in enumerate(self.domains):
-                self.domain[name] += per[d_i]
+            out[len(_SUMMED) + len(_MAXED):] += torch.bincount(pair, minlength=len(self.domains) * E).view(
+                len(self.domains), E).double()
         gu_q, down_q = self._probe_weights(view)
         x_padded = with_zero_row(x)
         for b in buckets:
@@ -187,14 +193,26 @@ class _LayerStats:
             y = expert_output(a, b.take(view.down))
             for key, t in (("down_in_absmax", a), ("down_out_absmax", y)):  # extreme values: every routed token
                 lo, hi = torch.aminmax(t.flatten(1), dim=1)
-                peak = torch.maximum(hi, -lo).double()
-                s[key][b.experts] = torch.maximum(s[key][b.experts], peak)
+                s[key][b.experts] = torch.maximum(s[key][b.experts], torch.maximum(hi, -lo).double())
             pos, scale = _probe_slots(b.mask, self.probe_tokens or b.mask.shape[1])
             y_q = expert_output(expert_intermediate(_slots(xg, pos), b.take(gu_q), view.act), b.take(down_q))
             # the difference in the activation dtype (rounding 2^-9 relative: a ranking signal), squared in fp32
             err = torch.linalg.vector_norm(_slots(y, pos) - y_q, dim=-1, dtype=torch.float32).pow(2)
             err = err * b.weight.gather(1, pos).float().pow(2) * scale
-            self.sensitivity.index_add_(0, b.experts, err.sum(dim=1).double())
+            s["sensitivity"].index_add_(0, b.experts, err.sum(dim=1).double())
+        return out
+
+    def add(self, batch: torch.Tensor) -> None:
+        n_sum, n_max = len(_SUMMED), len(_MAXED)
+        self.total[:n_sum] += batch[:n_sum]
+        self.total[n_sum : n_sum + n_max] = torch.maximum(self.total[n_sum : n_sum + n_max], batch[n_sum : n_sum + n_max])
+        self.total[n_sum + n_max :] += batch[n_sum + n_max :]
+
+    def stat(self, key: str) -> torch.Tensor:
+        return self.total[(_SUMMED + _MAXED).index(key)]
+
+    def domain(self, name: str) -> torch.Tensor:
+        return self.total[len(_SUMMED) + len(_MAXED) + self.domains.index(name)]
 
 
 def _rtn_probe(w: torch.Tensor) -> torch.Tensor:
@@ -228,8 +246,9 @@ def _probe_slots(mask: torch.Tensor, n_probe: int) -> tuple[torch.Tensor, torch.
 
 def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise,
                     probe_tokens: int | None = PROBE_TOKENS) -> RoutingProfile:
-    """Run the calibration tokens through the model layer by layer and collect routing statistics.
-    ``probe_tokens``: the sensitivity probe's per-expert, per-batch token subset (None: every routed token)."""
+    """Run the calibration tokens through the model layer by layer and collect routing statistics (each rank
+    runs its share of the batches; every rank returns the same profile). ``probe_tokens``: the sensitivity
+    probe's per-expert, per-batch token subset (None: every routed token)."""
     domains = sorted(set(calib.domains))
     dom_idx = torch.tensor([domains.index(d) for d in calib.domains])
     S = calib.tokens.shape[1]
@@ -238,6 +257,7 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise,
     moe_layers = set(source.moe_layers())
     log.info("profile: %d layers", source.n_layers, extra=step("profile", 0, source.n_layers))
     for idx in range(source.n_layers):
+        relay = Relay(lw.world)
         with lw.layer(idx) as layer:
             view = experts_of(source, layer, idx)
             if view is None and idx in moe_layers:
@@ -249,28 +269,29 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise,
             handle, acc = None, None
             if view is not None:
                 acc = per_layer[idx] = _LayerStats(view.n_experts, domains, lw.device, probe_tokens)
-                handle = view.on_route(lambda x, top_idx, top_w, acc=acc, view=view: acc.update(view, x, top_idx, top_w))
+                channel = relay.channel(acc.add)
+                handle = view.on_route(lambda x, i, w, acc=acc, view=view, ch=channel: ch.put(acc.batch(view, x, i, w)))
 
             def before(rows: slice, acc=acc) -> None:
                 if acc is not None:
                     acc.token_domain = dom_idx[rows].repeat_interleave(S).to(lw.device)
 
-            hidden = lw.forward(layer, hidden, before_batch=before, out=hidden)
+            hidden = lw.forward(layer, hidden, before_batch=before, out=hidden, after_step=relay.flush)
             if handle is not None:
                 handle.remove()
         done = step("profile", idx + 1, source.n_layers)
         if acc is not None:
-            c = acc.stats["counts"]
+            c = acc.stat("counts")
             log.info("profile layer %d: %d experts, max/min share %.1f, cold %d", idx, c.numel(),
                      (c.max() / c.min().clamp_min(1)).item(), int((c == 0).sum()), extra=done)
         else:
             log.info("profile layer %d: dense", idx, extra=done)
     layers = sorted(per_layer)
-    stack = lambda key: torch.stack([per_layer[i].stats[key].cpu() for i in layers])  # noqa: E731
+    stack = lambda key: torch.stack([per_layer[i].stat(key).cpu() for i in layers])  # noqa: E731
     return RoutingProfile(
         model_fingerprint=source.fingerprint, model=source.display_name, layers=layers,
         n_experts=int(stack("counts").shape[1]), top_k=source.top_k, n_tokens=int(calib.tokens.numel()),
         sample_ids=list(calib.sample_ids), **{k: stack(k) for k in _STATS},
-        domain_counts={d: torch.stack([per_layer[i].domain[d].cpu() for i in layers]) for d in domains},
-        sensitivity=torch.stack([per_layer[i].sensitivity.cpu() for i in layers]),
+        domain_counts={d: torch.stack([per_layer[i].domain(d).cpu() for i in layers]) for d in domains},
+        sensitivity=stack("sensitivity"),
     )

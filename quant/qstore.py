@@ -7,8 +7,10 @@ Files are written to a temporary name and renamed, so a file that exists is comp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -25,9 +27,11 @@ def layer_file(root: Path, layer: int | None) -> Path:
 PARAM_PREFIX = "__param__."
 
 
-def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[str, torch.Tensor] | None = None) -> None:
+def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[str, torch.Tensor] | None = None,
+                report: dict | None = None) -> None:
     """Write 2-D quantized modules (``q [out, in]``) atomically, plus ``params``: kept tensors the algorithm
-    changed (AWQ folds 1/s into norms and routers), by the layer's in-memory parameter name."""
+    changed (AWQ folds 1/s into norms and routers), by the layer's in-memory parameter name, and ``report``: the
+    layer's quantization report (errors, fallbacks, times), so a resumed run reports what was measured."""
     tensors = {PARAM_PREFIX + k: v.detach().contiguous().cpu() for k, v in (params or {}).items()}
     meta = {}
     for name, qw in weights.items():
@@ -38,7 +42,7 @@ def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[st
             tensors[f"{name}.zero"] = qw.zero.contiguous().cpu()
         meta[name] = [qw.spec.bits, qw.spec.group_size, qw.spec.symmetric]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata={"modules": json.dumps(meta)})
+    save_file(tensors, str(tmp), metadata={"modules": json.dumps(meta), "report": json.dumps(report or {})})
     os.replace(tmp, path)
 
 
@@ -52,6 +56,12 @@ def read_layer(path: Path, device: str | torch.device = "cpu") -> dict[str, Quan
             out[name] = QuantizedWeight(f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.scale"), zero,
                                         QuantSpec(bits, group, sym))
     return out
+
+
+def read_report(path: Path) -> dict:
+    """The layer report stored by ``write_layer`` (empty for a file written without one)."""
+    with safe_open(str(path), "pt") as f:
+        return json.loads((f.metadata() or {}).get("report") or "{}")
 
 
 def dequantize_2d(qw: QuantizedWeight) -> torch.Tensor:
@@ -79,3 +89,42 @@ def load_into_layer(source, layer, idx: int, path: Path, device: str | torch.dev
     for name, t in params.items():
         state[name].data.copy_(t)
     return stored, params
+
+
+class LayerWriter:
+    """Layer files written by a background thread while the next layer computes (``background``: on a GPU), else at
+    once; one file in flight, ``wait`` re-raises a failed write. The thread copies the codes to host memory on its
+    own CUDA stream (after the compute stream has produced them), holding them until the copy is done, so neither
+    the copy nor the disk write sits on the compute path."""
+
+    def __init__(self, background: bool):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="quant-write") if background else None
+        self.pending: Future | None = None
+
+    def submit(self, path: Path, results: dict[str, QuantizedWeight], params: dict[str, torch.Tensor],
+               report: dict | None = None) -> None:
+        self.wait()
+        if self.pool is None:
+            write_layer(path, results, params, report)
+            return
+        ready = torch.cuda.Event() if torch.cuda.is_available() else None
+        if ready is not None:
+            ready.record()
+        self.pending = self.pool.submit(self._copy_and_write, path, dict(results), dict(params), ready, report)
+
+    @staticmethod
+    def _copy_and_write(path: Path, results: dict[str, QuantizedWeight], params: dict[str, torch.Tensor],
+                        ready, report: dict | None = None) -> None:
+        stream = torch.cuda.Stream() if ready is not None else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if stream is not None:
+                stream.wait_event(ready)
+            host = {n: QuantizedWeight(q.q.cpu(), q.scale.cpu(), None if q.zero is None else q.zero.cpu(), q.spec)
+                    for n, q in results.items()}
+            host_params = {k: v.cpu() for k, v in params.items()}
+        write_layer(path, host, host_params, report)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()

@@ -5,6 +5,14 @@ accumulate Hessians (GPTQ), quantize every planned module — experts of one pro
 ``[E, out, in]`` problem — write the codes to ``quantized/layer_XXXXX.safetensors``, put the dequantized
 weights into the layer and propagate the activations through the *quantized* layer, so later layers calibrate
 on what they will see at inference. A layer whose file exists is not recomputed (resume after a crash).
+
+With several ranks (``lw.world``) each rank owns a contiguous range of a layer's experts, and the layer's other
+modules (solved in groups that share an input) go to ranks by estimated solve time (``dist.assign``, longest
+first onto the least-loaded rank). Calibration batches run data-parallel and ``quant.relay`` hands each owner its
+experts' routed tokens (and every rank the other modules' inputs) in global batch order, so every Hessian, and
+so every code, is the one a single process computes. Owners exchange codes (``World.exchange_tensors``), every
+rank puts the dequantized layer together and propagates its own batches; only the writer writes the layer file.
+AWQ runs replicated (every rank computes the whole layer) for now.
 """
 
 from __future__ import annotations
@@ -22,15 +30,18 @@ from torch import nn
 from quant.algos.grid import QuantizedWeight, QuantSpec
 from quant.algos.rtn import rtn
 from quant.calibration import CalibrationSet
-from quant.errors import QuantError
-from quant.hessians import ExpertStats, linear_stats
+from quant.dist import SINGLE, World, even_ranges
+from quant.errors import NumericalError, QuantError
+from quant.hessians import ExpertStats, agree_leaders, linear_stats
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
 from quant.plan import BitPlan, ModulePlan
 from quant.progress import step
-from quant.qstore import layer_file, load_into_layer, write_layer
+from quant.qstore import LayerWriter, layer_file, load_into_layer, read_report
 from quant.recipe import QuantizeSpec
+from quant.relay import Relay
+from quant.sharing import my_linear_groups, share_results, sub_batches
 from quant.smooth import run_awq
 
 log = logging.getLogger(__name__)
@@ -61,12 +72,14 @@ class LayerReport:
     worst_rel_error: float = 0.0
     worst_module: str = ""
     seconds: float = 0.0
+    load_seconds: float = 0.0
     stats_seconds: float = 0.0
     solve_seconds: float = 0.0
     forward_seconds: float = 0.0
     rtn_fallbacks: list[str] = field(default_factory=list)
     repairs: list[str] = field(default_factory=list)
     resumed: bool = False
+    rank_solve_seconds: list[float] = field(default_factory=list)  # several ranks: each rank's solve time
 
 
 @contextlib.contextmanager
@@ -80,20 +93,9 @@ def _timed(report: LayerReport, field_name: str, device: torch.device):
     setattr(report, field_name, getattr(report, field_name) + time.perf_counter() - t0)
 
 
-def solve_bytes(out_f: int, in_f: int) -> int:
-    """One expert's estimated fp32 solve working set (weights + ~3 Hessian-sized buffers); quant estimate uses it."""
-    return 4 * (2 * out_f * in_f + 3 * in_f * in_f)
-
-
 def expert_hessian_bytes(hidden: int, intermediate: int) -> int:
     """fp32 Hessians of one expert: gate/up share ``[D, D]``, down ``[I, I]``."""
     return 4 * (hidden**2 + intermediate**2)
-
-
-def _sub_batches(experts: list[int], out_f: int, in_f: int, budget_gb: float) -> list[list[int]]:
-    """Split a batch so one solve's fp32 working set (``solve_bytes`` per expert) fits the budget."""
-    n = max(1, int(budget_gb * 1e9) // solve_bytes(out_f, in_f))
-    return [experts[i : i + n] for i in range(0, len(experts), n)]
 
 
 def _spec_of(p: ModulePlan) -> QuantSpec:
@@ -103,8 +105,9 @@ def _spec_of(p: ModulePlan) -> QuantSpec:
 class _LayerJob:
     """Quantizes the planned modules of one materialized layer."""
 
-    def __init__(self, source: ModelSource, plan: BitPlan, spec: QuantizeSpec, idx: int, layer: nn.Module):
-        self.source, self.plan, self.spec, self.idx, self.layer = source, plan, spec, idx, layer
+    def __init__(self, source: ModelSource, plan: BitPlan, spec: QuantizeSpec, idx: int, layer: nn.Module,
+                 world: World = SINGLE):
+        self.source, self.plan, self.spec, self.idx, self.layer, self.world = source, plan, spec, idx, layer, world
         self.params: dict[str, torch.Tensor] = {}
         prefix = f"layers.{idx}."
         self.mods = {n: p for n, p in plan.quantized().items() if n.startswith(prefix)}
@@ -112,38 +115,52 @@ class _LayerJob:
         self.view: ExpertsView | None = experts_of(source, layer, idx)
         self.results: dict[str, QuantizedWeight] = {}
         self.report = LayerReport(idx)
+        self.replicated = plan.algorithm == "awq"  # every rank computes the whole layer
+        n_experts = self.view.n_experts if self.view is not None and self.experts_planned() else 0
+        size = 1 if self.replicated else world.size
+        self.ranges = even_ranges(n_experts, size) * (world.size if self.replicated else 1)
 
     def experts_planned(self) -> dict[str, ModulePlan]:
         return {n: p for n, p in self.mods.items() if ".experts." in n}
 
-    def expert_chunks(self) -> list[tuple[int, int]]:
-        """(first, count) expert ranges whose fp32 Hessians fit ``hessian_budget_gb`` (one pass each)."""
+    def expert_chunks(self, experts: range) -> list[tuple[int, int]]:
+        """(first, count) ranges of ``experts`` whose fp32 Hessians fit ``hessian_budget_gb`` (one pass each)."""
         v = self.view
         per_expert = expert_hessian_bytes(v.gate_up.shape[2], v.intermediate)
         count = max(1, min(v.n_experts, int(self.spec.hessian_budget_gb * 1e9) // per_expert))
-        return [(f, min(count, v.n_experts - f)) for f in range(0, v.n_experts, count)]
+        return [(f, min(count, experts.stop - f)) for f in range(experts.start, experts.stop, count)]
 
     def run_with_statistics(self, lw: Layerwise, hidden: torch.Tensor) -> None:
         """Calibration passes with the original weights feeding each expert chunk; linears solved last.
 
         Solving a chunk changes only those experts, which neither feed the next chunk's gate/up input (the
-        post-attention norm output) nor its down input (its own gate/up), so later passes stay exact.
+        post-attention norm output) nor its down input (its own gate/up), so later passes stay exact. Every rank
+        makes as many passes as the rank with the most chunks (they run in lockstep).
         """
-        lin_stats = linear_stats(self.linears)
-        chunks = self.expert_chunks() if self.view is not None and self.experts_planned() else [(0, 0)]
-        for i, (first, count) in enumerate(chunks):
+        relay = Relay(self.world)
+        lin_stats = linear_stats(self.linears, relay)  # every rank: the solve groups are shared out afterwards
+        has_experts = self.view is not None and bool(self.experts_planned())
+        chunks = [self.expert_chunks(r) if has_experts else [] for r in self.ranges]
+        for i in range(max(1, *map(len, chunks))):
+            relay = relay if i == 0 else Relay(self.world)
+            chunk_of = [c[i] if i < len(c) else (0, 0) for c in chunks]
+            consumers = {r for r, (_, count) in enumerate(chunk_of) if count}
             exp_stats = None
-            if count:
-                exp_stats = ExpertStats(self.view, self.spec.gate_weighted, self.spec.all_experts, first, count)
+            if consumers:
+                first, count = chunk_of[self.world.rank]
+                exp_stats = ExpertStats(self.view, self.spec.gate_weighted, self.spec.all_experts, first, count,
+                                        relay=relay, consumers=consumers)
             with _timed(self.report, "stats_seconds", lw.device):
-                lw.run(self.layer, hidden)
+                lw.run(self.layer, hidden, after_step=relay.flush)
             if i == 0:
                 for st in lin_stats.values():
                     st.remove()
+                agree_leaders(lin_stats, self.world)
             if exp_stats is not None:
                 exp_stats.remove()
-                with _timed(self.report, "solve_seconds", lw.device):
-                    self.run_experts(exp_stats)
+                if exp_stats.count:
+                    with _timed(self.report, "solve_seconds", lw.device):
+                        self.run_experts(exp_stats)
                 del exp_stats
         with _timed(self.report, "solve_seconds", lw.device):
             self.run_linears(lin_stats)
@@ -162,13 +179,17 @@ class _LayerJob:
         return self.record(qw, rows, w)
 
     def record(self, qw: QuantizedWeight, rows: list[list[tuple[str, slice]]], w: torch.Tensor | None = None):
-        """Store each module's codes from a batched result; track the worst relative weight error vs ``w``."""
+        """Store each module's codes from a batched result; track the worst relative weight error vs ``w``.
+        Non-finite source weights or quantized values are a NumericalError naming the module."""
         deq = qw.dequantize()
+        finite = torch.isfinite(deq).all(dim=2) & (torch.isfinite(w).all(dim=2) if w is not None else True)  # [B, out]
         if w is not None:
             diff = (deq.float() - w.float()).pow(2).sum(dim=2)  # [B, out]
             ref = w.float().pow(2).sum(dim=2)
         for b, parts in enumerate(rows):
             for name, r in parts:
+                if not bool(finite[b, r].all()):
+                    raise _non_finite(name, w[b, r] if w is not None else None)
                 if w is not None:
                     err = (diff[b, r].sum() / ref[b, r].sum().clamp_min(1e-24)).sqrt().item()
                     if err >= self.report.worst_rel_error:
@@ -191,7 +212,7 @@ class _LayerJob:
                     break
             else:
                 groups.append((spec, H, [name]))
-        for spec, H, names in groups:
+        for spec, H, names in my_linear_groups(self, groups):
             mods = [self.linears[n] for n in names]
             w = torch.cat([m.weight.data for m in mods], dim=0)[None]
             bounds = torch.cumsum(torch.tensor([0] + [m.out_features for m in mods]), 0).tolist()
@@ -216,20 +237,22 @@ class _LayerJob:
         return groups
 
     def run_experts(self, exp_stats: ExpertStats | None) -> None:
-        """Quantize the planned experts (all, or the chunk ``exp_stats`` covers), as ``[E', out, in]`` batches."""
+        """Quantize the planned experts (this rank's, or the chunk ``exp_stats`` covers), as ``[E', out, in]``
+        batches."""
         planned = self.experts_planned()
         if not planned:
             return
         v = self.view
         I = v.intermediate
-        first, count = (exp_stats.first, exp_stats.count) if exp_stats is not None else (0, v.n_experts)
+        mine = self.ranges[self.world.rank]
+        first, count = (exp_stats.first, exp_stats.count) if exp_stats is not None else (mine.start, len(mine))
         H_gu, H_down = exp_stats.hessians() if exp_stats is not None else (None, None)
         counts = exp_stats.counts if exp_stats is not None else None
         views = {"gate_up": (v.gate_up.data, H_gu), "gate": (v.gate_up.data[:, :I], H_gu),
                  "up": (v.gate_up.data[:, I:], H_gu), "down": (v.down.data, H_down)}
         for (proj, spec, fallback), experts in self.expert_groups(first, count, counts).items():
             weights, H = views[proj]
-            for sub in _sub_batches(experts, weights.shape[1], weights.shape[2], self.spec.solve_budget_gb):
+            for sub in sub_batches(experts, weights.shape[1], weights.shape[2], self.spec.solve_budget_gb):
                 local = None if H is None or fallback else H[torch.tensor([e - first for e in sub], device=H.device)]
                 self._solve_experts(proj, weights, local, spec, sub, fallback, I)
 
@@ -253,55 +276,100 @@ class _LayerJob:
         return r
 
 
+def _non_finite(name: str, w: torch.Tensor | None) -> NumericalError:
+    if w is not None and not bool(torch.isfinite(w).all()):
+        n = int((~torch.isfinite(w)).sum())
+        return NumericalError(f"{name}: {n} source weight(s) are NaN or infinite; the model folder is damaged (or "
+                              "was saved from a diverged training run): re-download or repair it")
+    return NumericalError(f"{name}: quantization produced NaN or infinite scales or weights (values too large for "
+                          "the model dtype?); keep this module (plan.protect) or use model.dtype float32")
+
+
 def _apply_stored(job: _LayerJob, path: Path, device) -> None:
-    """Put previously stored dequantized weights (and changed kept parameters) into the layer (resume path)."""
+    """Put previously stored dequantized weights (and changed kept parameters) into the layer, and its stored
+    report (worst error, fallbacks, repairs, solve times) into ``job.report`` (resume path)."""
     job.results, job.params = load_into_layer(job.source, job.layer, job.idx, path, device)
     missing = set(job.mods) - set(job.results)
     if missing:
         raise QuantError(f"stored layer {job.idx} lacks {sorted(missing)[:3]}; remove it and rerun with --force quantize")
+    stored = read_report(path)
+    keep = ("worst_rel_error", "worst_module", "stats_seconds", "solve_seconds", "rtn_fallbacks", "repairs")
+    for k in keep:
+        if k in stored:
+            setattr(job.report, k, stored[k])
+
+
+def _quantize_layer(job: _LayerJob, lw: Layerwise, hidden: torch.Tensor, path: Path, writer: LayerWriter) -> None:
+    """Compute this layer's codes (this rank's share, then exchanged) and put them into the layer."""
+    if job.plan.algorithm == "awq":
+        with _timed(job.report, "solve_seconds", lw.device):
+            job.params = run_awq(job, lw, hidden)
+    elif NEEDS_HESSIAN[job.plan.algorithm]:
+        job.run_with_statistics(lw, hidden)
+    else:
+        with _timed(job.report, "solve_seconds", lw.device):
+            job.run_linears({})
+            job.run_experts(None)
+    share_results(job)
+    job.results = {n: job.results[n] for n in job.mods if n in job.results}  # plan order: the same file at any size
+    if job.world.is_writer:
+        writer.submit(path, job.results, job.params, asdict(job.report))  # the report too: a resumed run shows it
 
 
 def quantize_model(source: ModelSource, calib: CalibrationSet, plan: BitPlan, spec: QuantizeSpec,
                    lw: Layerwise, out_dir: Path) -> list[LayerReport]:
-    """Quantize every layer into ``out_dir`` (existing complete layer files are reused)."""
+    """Quantize every layer into ``out_dir`` (existing complete layer files are reused). In a world of several
+    ranks (``lw.world``) every rank calls this; only the writer writes ``out_dir``."""
     if plan.algorithm not in ALGORITHMS:
         raise QuantError(f"algorithm '{plan.algorithm}' is not available; choose one of {', '.join(ALGORITHMS)}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    world = lw.world
+    if world.is_writer:
+        out_dir.mkdir(parents=True, exist_ok=True)
     hidden = lw.embed(calib.tokens)
     reports = []
+    writer = LayerWriter(background=lw.device.type == "cuda")
     log.info("quantize: %d layers, algorithm %s", source.n_layers, plan.algorithm,
              extra=step("quantize", 0, source.n_layers))
-    for idx in range(source.n_layers):
-        t0 = time.perf_counter()
-        with lw.layer(idx) as layer:
-            job = _LayerJob(source, plan, spec, idx, layer)
-            path = layer_file(out_dir, idx)
-            if path.is_file():
-                _apply_stored(job, path, lw.device)
-                job.report.resumed = True
-            else:
-                if plan.algorithm == "awq":
-                    with _timed(job.report, "solve_seconds", lw.device):
-                        job.params = run_awq(job, lw, hidden)
-                elif NEEDS_HESSIAN[plan.algorithm]:
-                    job.run_with_statistics(lw, hidden)
-                else:
-                    with _timed(job.report, "solve_seconds", lw.device):
-                        job.run_linears({})
-                        job.run_experts(None)
-                write_layer(path, job.results, job.params)
-            with _timed(job.report, "forward_seconds", lw.device):
-                hidden = lw.forward(layer, hidden, out=hidden)
-        report = job.finish_report(time.perf_counter() - t0)
-        reports.append(report)
-        for repair in report.repairs:
-            log.warning("layer %d: numerical repair: %s", idx, repair)
-        if report.rtn_fallbacks:
-            log.warning("layer %d: %d expert projections below the token floor fell back to RTN", idx,
-                        len(report.rtn_fallbacks))
-        log.info("layer %d: %d modules (%d experts), mean %.2f bits, worst rel err %.4f (%s), %.2fs%s",
-                 idx, report.n_modules, report.n_experts, report.mean_bits, report.worst_rel_error,
-                 report.worst_module, report.seconds, " (resumed)" if report.resumed else "",
-                 extra=step("quantize", idx + 1, source.n_layers))
-    (out_dir / "layers.json").write_text(json.dumps([asdict(r) for r in reports], indent=1))
+    try:
+        for idx in range(source.n_layers):
+            reports.append(_one_layer(source, plan, spec, lw, out_dir, idx, hidden, writer))
+            if idx + 1 < source.n_layers:
+                world.raise_if_stopped(f"layer {idx} of {source.n_layers}")
+    finally:
+        writer.wait()  # the layer in hand reaches the disk before any exit
+    if world.is_writer:
+        (out_dir / "layers.json").write_text(json.dumps([asdict(r) for r in reports], indent=1))
     return reports
+
+
+def _one_layer(source, plan, spec, lw: Layerwise, out_dir: Path, idx: int, hidden: torch.Tensor,
+               writer: LayerWriter) -> LayerReport:
+    """Quantize (or reload) layer ``idx`` and propagate ``hidden`` through it in place."""
+    world, t0 = lw.world, time.perf_counter()
+    with lw.layer(idx) as layer:
+        job = _LayerJob(source, plan, spec, idx, layer, world)
+        job.report.load_seconds = time.perf_counter() - t0
+        path = layer_file(out_dir, idx)
+        if world.broadcast_object(path.is_file() if world.is_writer else None):
+            _apply_stored(job, path, lw.device)
+            job.report.resumed = True
+        else:
+            _quantize_layer(job, lw, hidden, path, writer)
+        with _timed(job.report, "forward_seconds", lw.device):
+            lw.forward(layer, hidden, out=hidden)
+    report = job.finish_report(time.perf_counter() - t0)
+    _log_layer(report, source.n_layers)
+    return report
+
+
+def _log_layer(report: LayerReport, n_layers: int) -> None:
+    idx = report.layer
+    for repair in report.repairs:
+        log.warning("layer %d: numerical repair: %s", idx, repair)
+    if report.rtn_fallbacks:
+        log.warning("layer %d: %d expert projections below the token floor fell back to RTN", idx,
+                    len(report.rtn_fallbacks))
+    log.info("layer %d: %d modules (%d experts), mean %.2f bits, worst rel err %.4f (%s), %.2fs%s",
+             idx, report.n_modules, report.n_experts, report.mean_bits, report.worst_rel_error,
+             report.worst_module, report.seconds, " (resumed)" if report.resumed else "",
+             extra=step("quantize", idx + 1, n_layers))

@@ -1,8 +1,11 @@
 """Typed, frozen recipe schema and strict YAML loading.
 
-A recipe is the whole description of a run. Loading is strict: an unknown key is an error naming the closest
-valid key, values are validated once here (bits in {2,3,4,8}, fractions in (0, 1], group sizes), and
-``--set a.b=c`` overrides are applied to the raw mapping before validation so they get the same checks.
+A recipe is the whole description of a run. Loading is strict: the YAML is plain data (``strict_yaml``: no tags,
+dates stay strings, duplicate keys and unbounded alias expansion refused), an unknown key is an error naming the
+closest valid key, values are validated once here with strict types (a boolean is not a number, a float is not an
+integer, no NaN or infinity) and ranges (bits in {2,3,4,8}, fractions in (0, 1], sizes that fit in memory, gates
+naming a metric the run computes), and ``--set a.b=c`` overrides are applied to the raw mapping before validation
+so they get the same checks.
 """
 
 from __future__ import annotations
@@ -10,18 +13,25 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from quant import strict_yaml
 from quant.errors import RecipeError
 
 SCHEMA_VERSION = 1
 VALID_BITS = (2, 3, 4, 8)
 Keep = Literal["keep"]
 BitsOrKeep = Union[int, Keep]  # noqa: UP007 - a runtime alias pydantic evaluates
+MAX_SEED = 2**63 - 1
+MAX_GB = 1e6  # a petabyte: any larger size or budget is a typo
+DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
+# proxy gates -> the limit each one takes; any other gate names an eval task and takes max_drop (points)
+PROXY_GATES = {"perplexity": "max_rel_increase", "kl": "max_value", "top1_agreement": "max_value"}
 
 
 def _check_bits(value: Any, what: str) -> Any:
@@ -38,8 +48,15 @@ def _check_fraction(value: float, what: str) -> float:
     return value
 
 
+def _check_device(value: str, what: str) -> str:
+    if not DEVICE.fullmatch(value):
+        raise ValueError(f"{what} must be auto, cpu, cuda, cuda:N, mps or xpu[:N], got {value!r}")
+    return value
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: YAML gives real types, so true is not 1 and 0.5 is not an int; validated in JSON mode (lists -> tuples)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Strict):
@@ -53,9 +70,16 @@ class ModelSpec(_Strict):
 
 class CalibrationSpec(_Strict):
     dataset: str = "calibration/bundled.yaml"
-    n_samples: int = Field(32, ge=1)
-    seq_len: int = Field(256, ge=8)
-    seed: int = 0
+    n_samples: int = Field(32, ge=1, le=1_000_000)
+    seq_len: int = Field(256, ge=8, le=1 << 20)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+
+    @model_validator(mode="after")
+    def _tokens(self) -> CalibrationSpec:
+        if self.n_samples * self.seq_len > 1 << 31:
+            raise ValueError(f"calibration.n_samples x seq_len is {self.n_samples * self.seq_len} tokens; at most "
+                             f"{1 << 31} fit one token tensor")
+        return self
 
 
 class ProfileSpec(_Strict):
@@ -90,12 +114,12 @@ class PlanSpec(_Strict):
     high_bits: int = 8
     low_bits: int = 4
     budget_avg_bits: float | None = None
-    budget_gb: float | None = None
+    budget_gb: float | None = Field(None, gt=0.0, le=MAX_GB)
     group_size: int = 128
     symmetric: bool = True
     granularity: Literal["per_expert", "per_layer"] = "per_expert"
     target_runtime: Literal["any", "vllm", "sglang", "transformers", "gptqmodel"] = "any"
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     protect: ProtectSpec = ProtectSpec()
 
     @field_validator("high_bits", "low_bits")
@@ -138,15 +162,20 @@ class QuantizeSpec(_Strict):
     min_tokens: int = Field(0, ge=0)
     gate_weighted: bool = False
     all_experts: bool = False
-    awq_grid: int = Field(20, ge=2)
+    awq_grid: int = Field(20, ge=2, le=1000)
     batch_size: int = Field(8, ge=1)
-    hessian_budget_gb: float = Field(16.0, gt=0.0)
-    solve_budget_gb: float = Field(3.0, gt=0.0)
+    hessian_budget_gb: float = Field(16.0, gt=0.0, le=MAX_GB)
+    solve_budget_gb: float = Field(3.0, gt=0.0, le=MAX_GB)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return _check_device(v, "quantize.device")
 
 
 class ExportSpec(_Strict):
     formats: tuple[Literal["compressed-tensors", "gptq"], ...] = ("compressed-tensors",)
-    max_shard_gb: float = Field(5.0, gt=0.0)
+    max_shard_gb: float = Field(5.0, gt=0.0, le=MAX_GB)
 
     @field_validator("formats")
     @classmethod
@@ -158,8 +187,8 @@ class ExportSpec(_Strict):
 
 class PerplexitySpec(_Strict):
     dataset: str = "calibration/heldout.yaml"
-    n_samples: int = Field(8, ge=1)
-    seq_len: int = Field(256, ge=8)
+    n_samples: int = Field(8, ge=1, le=100_000)
+    seq_len: int = Field(256, ge=8, le=1 << 20)
 
 
 class GateSpec(_Strict):
@@ -171,11 +200,11 @@ class GateSpec(_Strict):
 class EvalSpec(_Strict):
     perplexity: PerplexitySpec = PerplexitySpec()
     tasks: tuple[str, ...] = ()
-    limit: int | None = None
-    num_fewshot: int | None = None
+    limit: int | None = Field(None, ge=1)
+    num_fewshot: int | None = Field(None, ge=0, le=1000)
     batch_size: int = Field(8, ge=1)
     backend: Literal["hf", "vllm"] = "hf"
-    max_gen_toks: int = Field(256, ge=1)
+    max_gen_toks: int = Field(256, ge=1, le=1 << 20)
     gates: dict[str, GateSpec] = {}
     device: str = "auto"
     # proxies: whole models (fast, small models), layer-by-layer streaming (any size), or auto (a size rule)
@@ -196,6 +225,27 @@ class EvalSpec(_Strict):
         if self.backend == "vllm" and (self.gpus is not None or self.max_memory_per_gpu_gb is not None):
             raise ValueError("eval.gpus / max_memory_per_gpu_gb are hf options; with eval.backend vllm set "
                              "eval.tensor_parallel_size (and data_parallel_size)")
+        return self
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return _check_device(v, "eval.device")
+
+    @model_validator(mode="after")
+    def _gates(self) -> EvalSpec:
+        """Every gate names a metric this run computes and sets exactly the limit that metric takes."""
+        for name, gate in self.gates.items():
+            if name in PROXY_GATES:
+                kind = PROXY_GATES[name]
+            elif name in self.tasks or f"quant_{name}" in self.tasks:
+                kind = "max_drop"
+            else:
+                raise ValueError(f"eval.gates.{name}: no such metric; gate {', '.join(PROXY_GATES)} or one of "
+                                 f"eval.tasks ({', '.join(self.tasks) or 'none set'})")
+            given = [k for k, v in gate.model_dump().items() if v is not None]
+            if given != [kind]:
+                raise ValueError(f"eval.gates.{name} takes {kind}" + (f", not {', '.join(given)}" if given else ""))
         return self
 
 
@@ -226,8 +276,8 @@ class Recipe(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not v or any(c in v for c in "/\\") or v.startswith("."):
-            raise ValueError(f"name must be a plain file name (no slashes, not hidden), got {v!r}")
+        if not v.strip() or any(c in v for c in "/\\") or v.startswith(".") or len(v.encode()) > 200:
+            raise ValueError(f"name must be a plain file name (no slashes, not hidden, at most 200 bytes), got {v!r}")
         return v
 
     def section_hash(self, *sections: str) -> str:
@@ -273,23 +323,29 @@ def _check_keys(data: Any, model: type[BaseModel], path: str) -> None:
 
 def _format_validation(err: ValidationError) -> str:
     first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "recipe"
+    # a union's member type ('int', "literal['keep']") is part of pydantic's location, not of the recipe key
+    where = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p)))
+    where = where or "recipe"
     msg = first["msg"].removeprefix("Value error, ")
-    return f"invalid recipe value at '{where}': {msg}"
+    got = first.get("input")
+    shown = "" if isinstance(got, dict | list) or first["type"] == "value_error" else f" (got {got!r})"
+    return f"invalid recipe value at '{where}': {msg}{shown}"
+
+
+_TYPE_TAGS = {"int", "float", "str", "bool", "none"}
+_KEY = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
 
 
 def apply_override(data: dict, assignment: str) -> None:
-    """Apply one ``a.b.c=value`` override in place; the value is parsed as YAML (numbers, lists, bools)."""
+    """Apply one ``a.b.c=value`` override in place; the value is parsed as (strict) YAML: numbers, lists, bools."""
     if "=" not in assignment:
         raise RecipeError(f"--set expects KEY=VALUE (e.g. plan.top_fraction=0.3), got {assignment!r}")
     key, raw = assignment.split("=", 1)
-    parts = [p for p in key.strip().split(".") if p]
-    if not parts:
-        raise RecipeError(f"--set has an empty key in {assignment!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise RecipeError(f"--set {key}: value {raw!r} is not valid YAML ({e.problem})") from None
+    key = key.strip()
+    if not _KEY.fullmatch(key):
+        raise RecipeError(f"--set key {key!r} must be dotted recipe keys (e.g. plan.top_fraction)")
+    parts = key.split(".")
+    value = strict_yaml.load(raw, f"--set {key}", RecipeError) if raw.strip() else ""
     node = data
     for part in parts[:-1]:
         child = node.setdefault(part, {})
@@ -299,31 +355,43 @@ def apply_override(data: dict, assignment: str) -> None:
     node[parts[-1]] = value
 
 
+def _empty_sections(data: dict) -> None:
+    """``section:`` with nothing under it (YAML null) means that section's defaults."""
+    for name, f in Recipe.model_fields.items():
+        if _submodel(f.annotation) is not None and name in data and data[name] is None:
+            data[name] = {}
+
+
 def parse_recipe(data: Any, *, overrides: tuple[str, ...] = (), model: str | None = None) -> Recipe:
     """Validate a raw mapping (plus overrides) into a Recipe, raising RecipeError with one clear line."""
     if not isinstance(data, dict):
         raise RecipeError("a recipe must be a YAML mapping of sections (name, model, calibration, plan, ...)")
-    data = json.loads(json.dumps(data))  # deep copy, and YAML-only types out
+    data = strict_yaml.plain(data, "", RecipeError)  # a deep copy holding plain values only
+    _empty_sections(data)
     for assignment in overrides:
         apply_override(data, assignment)
     if model is not None:
+        if not isinstance(data.get("model", {}), dict):
+            raise RecipeError(f"'model' must be a section (model: {{path: ...}}), got {data['model']!r}; "
+                              "--model sets model.path")
         data.setdefault("model", {})["path"] = model
+    data = strict_yaml.plain(data, "", RecipeError)  # overrides and --model checked the same way
     _check_keys(data, Recipe, "")
     try:
-        return Recipe.model_validate(data)
+        return Recipe.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as e:
         raise RecipeError(_format_validation(e)) from None
 
 
 def load_recipe(path: str | Path, *, overrides: tuple[str, ...] = (), model: str | None = None) -> Recipe:
-    """Read a recipe file with the safe YAML loader and validate it (see ``parse_recipe``)."""
+    """Read a recipe file with the strict YAML loader and validate it (see ``parse_recipe``)."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise RecipeError(f"malformed YAML in {path}{where}: {getattr(e, 'problem', e)}") from None
+        raw = path.read_bytes()
+    except OSError as e:
+        raise RecipeError(f"cannot read recipe {path}: {e.strerror}") from None
+    text = strict_yaml.decode(raw, f"recipe {path}", RecipeError)
+    data = strict_yaml.load(text, str(path), RecipeError)
     return parse_recipe(data, overrides=overrides, model=model)

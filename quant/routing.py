@@ -22,6 +22,20 @@ class Bucket:
     weight: torch.Tensor
     mask: torch.Tensor
     span: slice | None = None
+    members: tuple[int, ...] = ()  # ``experts`` on the host
+
+    def restrict(self, first: int, count: int) -> Bucket | None:
+        """The bucket's experts in ``first .. first + count - 1``, renumbered from ``first``, or None. The padded
+        length stays the bucket's, so each expert's sums are computed exactly as for the whole bucket."""
+        lo = next((j for j, e in enumerate(self.members) if e >= first), len(self.members))
+        hi = next((j for j, e in enumerate(self.members) if e >= first + count), len(self.members))
+        if lo == hi:
+            return None
+        if lo == 0 and hi == len(self.members) and first == 0:
+            return self
+        span = None if self.span is None else slice(self.members[lo] - first, self.members[hi - 1] + 1 - first)
+        return Bucket(self.experts[lo:hi] - first, self.token[lo:hi], self.weight[lo:hi], self.mask[lo:hi], span,
+                      tuple(e - first for e in self.members[lo:hi]))
 
     def gather(self, x_padded: torch.Tensor) -> torch.Tensor:
         """``x_padded [T + 1, D]`` (:func:`with_zero_row`, made once for all buckets) -> ``[n, C, D]`` with zero
@@ -98,7 +112,7 @@ def load_buckets(top_idx: torch.Tensor, top_w: torch.Tensor, n_experts: int, fir
         pos = (starts[ids, None] + ar[None, :]).clamp_max(len(s_token) - 1)
         span = slice(members[0], members[-1] + 1) if members[-1] - members[0] + 1 == len(members) else None
         buckets.append(Bucket(ids, torch.where(mask, s_token[pos], T), torch.where(mask, s_weight[pos], 0), mask,
-                              span))
+                              span, tuple(members)))
     return counts, buckets
 
 

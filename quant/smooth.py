@@ -26,8 +26,10 @@ import torch
 
 from quant.algos.awq import AWQExtra, awq_search, pick_scales, quantize_scaled, smoothing_grid, trial_errors
 from quant.algos.grid import QuantSpec
-from quant.hessians import ExpertStats, LinearStats, linear_stats
+from quant.hessians import ExpertStats, LinearStats, agree_leaders, linear_stats
 from quant.models.layers import smoothing_sites
+from quant.relay import Relay
+from quant.sharing import sub_batches
 
 
 def rows_from_hessian(H: torch.Tensor) -> torch.Tensor:
@@ -54,9 +56,8 @@ def search_bytes(out_f: int, in_f: int) -> int:
 
 
 def _sub_batches(job, experts: list[int], weights: torch.Tensor) -> list[list[int]]:
-    """``experts`` in runs whose search working set (``search_bytes`` each) fits ``solve_budget_gb``."""
-    n = max(1, int(job.spec.solve_budget_gb * 1e9) // search_bytes(weights.shape[1], weights.shape[2]))
-    return [experts[i : i + n] for i in range(0, len(experts), n)]
+    """``experts`` in equal runs whose search working set (``search_bytes`` each) fits ``solve_budget_gb``."""
+    return sub_batches(experts, weights.shape[1], weights.shape[2], job.spec.solve_budget_gb, search_bytes)
 
 
 def _in_chunk(experts: list[int], stats: ExpertStats) -> list[int]:
@@ -127,24 +128,33 @@ class _GateUpSearch:
         return s[0]
 
 
-def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict) -> torch.Tensor:
+def _close_linear_stats(lin_stats: dict[str, LinearStats], world) -> None:
+    for st in lin_stats.values():
+        st.remove()
+    agree_leaders(lin_stats, world)
+
+
+def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay) -> torch.Tensor:
     """One calibration pass per expert chunk (``job.expert_chunks``: their Hessians fit ``hessian_budget_gb``);
-    the first pass also takes the linears' statistics and every expert's counts and gate/up ``Σ |x|`` (the plan's
-    token floor and the shared search's grid need all experts). Folds and writes the routed experts; returns the
-    gate/up s, still to be folded into the norm and the routed experts' readers.
+    the first pass (on ``relay``, which the linears' statistics use) also takes the linears' statistics and every
+    expert's counts and gate/up ``Σ |x|`` (the plan's token floor and the shared search's grid need all experts).
+    Every rank consumes every batch of every pass (AWQ runs replicated). Folds and writes the routed experts;
+    returns the gate/up s, still to be folded into the norm and the routed experts' readers.
 
     Folding a chunk changes only its experts, which feed neither another chunk's gate/up input (the
     post-attention norm's output, folded last) nor its down input (its own gate/up), so later passes stay exact."""
-    v, chunks = job.view, job.expert_chunks()
+    v, chunks = job.view, job.expert_chunks(range(job.view.n_experts))
     for i, (first, count) in enumerate(chunks):
-        stats = ExpertStats(v, False, job.spec.all_experts, first, count)
-        totals = ExpertStats(v, False, job.spec.all_experts, hessians=False) if i == 0 and len(chunks) > 1 else stats
-        lw.run(job.layer, hidden)
+        relay = relay if i == 0 else Relay(lw.world)
+        stats = ExpertStats(v, False, job.spec.all_experts, first, count, relay=relay)
+        totals = stats
+        if i == 0 and len(chunks) > 1:
+            totals = ExpertStats(v, False, job.spec.all_experts, relay=relay, hessians=False)
+        lw.run(job.layer, hidden, after_step=relay.flush)
         stats.remove()
         if i == 0:
             totals.remove()
-            for st in lin_stats.values():
-                st.remove()
+            _close_linear_stats(lin_stats, lw.world)
             groups = job.expert_groups(0, v.n_experts, totals.counts)
             search = _GateUpSearch(job, totals, groups)
             del totals
@@ -196,11 +206,12 @@ def _smooth_linears(job, names: list[str], lin_stats: dict[str, LinearStats], s:
 def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
     """AWQ for the planned modules of ``job``'s layer; returns the changed kept parameters."""
     sites = smoothing_sites(job.source, job.layer, job.idx, set(job.mods))
-    lin_stats = linear_stats(job.linears)
+    relay = Relay(lw.world)  # every rank consumes every batch: AWQ runs replicated
+    lin_stats = linear_stats(job.linears, relay)
     params: dict[str, torch.Tensor] = {}
     routed = job.view is not None and bool(job.experts_planned())
     if routed:
-        s = _expert_passes(job, lw, hidden, lin_stats)
+        s = _expert_passes(job, lw, hidden, lin_stats, relay)
         _fold_norm(sites.mlp_norm[0], sites.mlp_norm[1], s, params)
         for name, weight in sites.mlp_readers:
             weight.data = (weight.data.float() * s).to(weight.dtype)
@@ -212,9 +223,8 @@ def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
             mod.weight.data = (mod.weight.data.float() * s).to(mod.weight.dtype)
             params[local + ".weight"] = mod.weight.data
     else:
-        lw.run(job.layer, hidden)
-        for st in lin_stats.values():
-            st.remove()
+        lw.run(job.layer, hidden, after_step=relay.flush)
+        _close_linear_stats(lin_stats, lw.world)
     attn = [n for n in sites.attn_linears if n in job.linears]
     if attn:
         s_attn = _smooth_linears(job, attn, lin_stats, None)

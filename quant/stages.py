@@ -13,13 +13,14 @@ import shutil
 from pathlib import Path
 
 from quant.calibration import CalibrationSet, build_calibration, load_manifest, resolve_dataset_path
+from quant.dist import SINGLE, World
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.plan import BitPlan, plan_bits
 from quant.plan_summary import summarize
 from quant.profile import RoutingProfile, profile_routing
 from quant.recipe import Recipe
-from quant.rundir import atomic_write_text
+from quant.rundir import atomic_write_text, temp_path
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def dataset_hash(dataset: str) -> str:
 def save_calibration(calib: CalibrationSet, run_dir: Path) -> None:
     from safetensors.torch import save_file
 
-    tmp = run_dir / ".calibration.safetensors.tmp"
+    tmp = temp_path(run_dir / "calibration.safetensors")
     save_file({"tokens": calib.tokens.contiguous()}, str(tmp))
     tmp.replace(run_dir / "calibration.safetensors")
     meta = {"dataset": calib.manifest, "seed": calib.seed, "n_samples": len(calib.sample_ids),
@@ -53,8 +54,8 @@ def load_calibration(run_dir: Path) -> CalibrationSet:
     return CalibrationSet(tokens, tuple(meta["sample_ids"]), tuple(meta["domains"]), meta["seed"], meta["dataset"])
 
 
-def _layerwise(recipe: Recipe, source: ModelSource, batch_size: int) -> Layerwise:
-    return Layerwise(source, recipe.model.dtype, recipe.quantize.device, batch_size)
+def _layerwise(recipe: Recipe, source: ModelSource, batch_size: int, world: World) -> Layerwise:
+    return Layerwise(source, recipe.model.dtype, recipe.quantize.device, batch_size, world=world)
 
 
 def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
@@ -64,12 +65,13 @@ def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     return {"n_tokens": int(calib.tokens.numel())}
 
 
-def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
     calib = load_calibration(run_dir)
-    profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size))
-    tmp = run_dir / ".profile.json.tmp"
-    profile.save(tmp)
-    tmp.replace(run_dir / "profile.json")
+    profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size, world))
+    if world.is_writer:
+        tmp = temp_path(run_dir / "profile.json")
+        profile.save(tmp)
+        tmp.replace(run_dir / "profile.json")
     return {"moe_layers": len(profile.layers), "n_experts": profile.n_experts}
 
 
@@ -84,18 +86,27 @@ def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     check_formats(plan, source, formats)
     summary = summarize(plan, source, profile)
     plan.notes.append(json.dumps(summary["headline"]))
-    tmp = run_dir / ".plan.json.tmp"
+    tmp = temp_path(run_dir / "plan.json")
     plan.save(tmp)
     tmp.replace(run_dir / "plan.json")
     log.info("plan: %s", summary["headline"])
     return {"headline": summary["headline"]}
 
 
-def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
-    """Layer files go to ``quantize.partial/`` (kept across crashes, keyed by the plan); renamed when done."""
-    from quant.quantize import quantize_model
+def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -> None:
+    """Before ``quantize`` (or ``export`` alone): refuse when the run directory's disk cannot hold the quantized
+    store and the checkpoints (layers already in ``quantize.partial/`` count as written)."""
+    from quant.footprint import check_free_disk, estimate
 
     plan = BitPlan.load(run_dir / "plan.json")
+    need = estimate(source, plan, recipe.export.formats, scale_bytes=2 if recipe.model.dtype != "float32" else 4)
+    partial = run_dir / "quantize.partial"
+    written = sum(f.stat().st_size for f in partial.glob("layer_*.safetensors")) if stage == "quantize" else 0
+    check_free_disk(run_dir, need, with_store=stage == "quantize", existing_bytes=written)
+
+
+def _partial_dir(recipe: Recipe, run_dir: Path) -> Path:
+    """``quantize.partial/`` kept across crashes when its key (plan, quantize section, tokens) still matches."""
     partial = run_dir / "quantize.partial"
     key = hashlib.sha256((run_dir / "plan.json").read_bytes() + recipe.section_hash("quantize").encode()
                          + (run_dir / "calibration.safetensors").read_bytes()).hexdigest()[:16]
@@ -103,12 +114,25 @@ def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
         shutil.rmtree(partial)
     partial.mkdir(exist_ok=True)
     (partial / "key").write_text(key)
-    reports = quantize_model(source, load_calibration(run_dir), plan, recipe.quantize,
-                             _layerwise(recipe, source, recipe.quantize.batch_size), partial)
-    final = run_dir / "quantized"
+    return partial
+
+
+def _publish_partial(partial: Path, final: Path) -> None:
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)
+
+
+def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+    """Layer files go to ``quantize.partial/`` (kept across crashes, keyed by the plan); renamed when done.
+    Every rank runs this; the writer alone touches the run directory."""
+    from quant.quantize import quantize_model
+
+    plan = BitPlan.load(run_dir / "plan.json")
+    partial = world.on_writer(lambda: _partial_dir(recipe, run_dir))
+    reports = quantize_model(source, load_calibration(run_dir), plan, recipe.quantize,
+                             _layerwise(recipe, source, recipe.quantize.batch_size, world), partial)
+    world.on_writer(lambda: _publish_partial(partial, run_dir / "quantized"))
     return {"layers": len(reports), "rtn_fallbacks": sum(len(r.rtn_fallbacks) for r in reports),
             "resumed_layers": sum(r.resumed for r in reports)}
 
@@ -121,13 +145,14 @@ def run_export(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     return {"formats": list(written)}
 
 
-def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
     from quant.evaluate import evaluate_run
 
-    result = evaluate_run(recipe, source, run_dir)
-    tmp = run_dir / ".eval.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(run_dir / "eval.json")
+    result = evaluate_run(recipe, source, run_dir, world)
+    if world.is_writer:
+        tmp = temp_path(run_dir / "eval.json")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(run_dir / "eval.json")
     failed = [f"{g['name']} {g['observed']:.4g} vs limit {g['limit']:.4g}" for g in result["gates"] if not g["passed"]]
     return {"passed": not failed, "failed_gates": failed}
 
@@ -139,3 +164,18 @@ def run_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     write_report(recipe, source, run_dir)
     write_cards(recipe, source, run_dir)
     return {}
+
+
+def output_bytes(stage: str, recipe: Recipe, source: ModelSource, run_dir: Path) -> int:
+    """About how many bytes ``stage`` writes (for the disk-full message): tokens, the quantized store, the
+    checkpoints (``footprint.estimate``), or the dense copy eval may make in the temp dir; 1 MB for the rest."""
+    if stage in ("quantize", "export"):
+        from quant.footprint import estimate
+
+        fp = estimate(source, BitPlan.load(run_dir / "plan.json"), recipe.export.formats)
+        return fp.store_bytes if stage == "quantize" else sum(fp.checkpoint_bytes.values())
+    if stage == "calibrate":
+        return recipe.calibration.n_samples * recipe.calibration.seq_len * 8
+    if stage == "eval":
+        return sum((source.path / f).stat().st_size for f in set(source.weight_map.values()))
+    return 1 << 20

@@ -1,6 +1,19 @@
-"""The size-1 world and rank sharding (multi-rank behaviour is tested through torchrun in the integration tier)."""
+"""The world seam: the size-1 world, rank sharding and work splits, and real gloo process groups (3 ranks, spawned)
+for the relay's global batch order, point-to-point delivery, the tensor exchange, writer errors and a dead rank."""
 
-from quant.dist import SINGLE, World, init_world
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from quant.dist import SINGLE, World, assign, even_ranges, init_world
+from quant.errors import DistError, QuantError, RecipeError
+from quant.relay import Relay
 
 
 def test_shard_covers_every_item_once_in_order():
@@ -17,3 +30,174 @@ def test_single_process_world_is_identity(monkeypatch):
     assert w == SINGLE and w.is_writer and not w.distributed
     assert w.all_gather_object({"a": 1}) == [{"a": 1}]
     assert w.broadcast_object(3) == 3
+    assert w.exchange_tensors({"x": torch.ones(2)})["x"].tolist() == [1.0, 1.0]
+    assert w.on_writer(lambda: 5) == 5
+    assert w.agree_stop() is None
+    w.stop.set("SIGUSR1")
+    assert w.agree_stop() == "SIGUSR1" and init_world("cpu").agree_stop() is None  # a fresh flag per world
+
+
+def test_relay_consumes_at_once_in_a_world_of_one():
+    seen = []
+    relay = Relay(SINGLE)
+    ch = relay.channel(lambda t: seen.append(int(t)))
+    ch.put(torch.tensor(1))
+    assert seen == [1]
+    relay.flush()
+    ch.close()
+    ch.put(torch.tensor(2))
+    assert seen == [1]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 8])
+def test_even_ranges_cover_every_item_in_contiguous_near_equal_parts(size):
+    for n in (0, 1, 7, 128, 256):
+        parts = even_ranges(n, size)
+        assert len(parts) == size and [i for r in parts for i in r] == list(range(n))
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_assign_puts_the_longest_item_on_the_least_loaded_rank():
+    # Qwen3-30B-A3B-like: two equal expert halves, then o_proj (long) and q/k/v (short) on different ranks
+    assert assign([6.0, 4.0], [10.0, 10.0]) == [0, 1]
+    assert assign([1.0, 1.0, 1.0], [0.0, 5.0, 0.5]) == [0, 2, 0]
+    assert assign([], [1.0]) == []
+    loads = [3.0, 0.0, 1.0]
+    owner = assign([2.0, 2.0, 1.0, 1.0], loads)
+    final = [loads[r] + sum(c for c, o in zip([2.0, 2.0, 1.0, 1.0], owner, strict=True) if o == r) for r in range(3)]
+    assert max(final) - min(final) <= 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, size: int, port: int, scenario: str, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(size), RANK=str(rank),
+                      LOCAL_RANK=str(rank), QUANT_DIST_TIMEOUT_S="60")
+    try:
+        world = init_world("cpu")
+        out.put((rank, SCENARIOS[scenario](world)))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, ("raised", type(e).__name__, str(e), traceback.format_exc()[-1500:])))
+
+
+def _relay_order(world: World):
+    """Each rank owns batches b % size == rank (4 steps of 3 ranks, the last one ragged); channel 0 goes to every
+    rank, channel 1 to rank 1 only (point to point); consumers must see global batch order 0, 1, 2, ..."""
+    n_batches, got_all, got_one = 10, [], []
+    relay = Relay(world)
+    ch_all = relay.channel(lambda t, s: got_all.append((int(t), s.tolist())))
+    ch_one = relay.channel(lambda t: got_one.append(int(t)) if world.rank == 1 else None, {1})
+    for step in range(-(-n_batches // world.size)):
+        b = step * world.size + world.rank
+        if b < n_batches:
+            ch_all.put(torch.tensor(b), torch.arange(b % 4, dtype=torch.bfloat16))
+            if b % 2 == 0:
+                ch_one.put(torch.tensor(b))
+        relay.flush()
+    return got_all, got_one
+
+
+def _exchange(world: World):
+    mine = {f"r{world.rank}.q": torch.full((3, 2), world.rank, dtype=torch.int8),
+            f"r{world.rank}.s": torch.full((3,), world.rank + 0.5, dtype=torch.bfloat16)}
+    if world.rank == 2:
+        mine = {}
+    return {k: (v.dtype, v.tolist()) for k, v in world.exchange_tensors(mine).items()}
+
+
+def _writer_error(world: World):
+    def fail():
+        raise RecipeError("bad recipe value")
+
+    try:
+        world.on_writer(fail)
+    except QuantError as e:
+        return type(e).__name__, str(e), getattr(e, "elsewhere", False)
+    return None
+
+
+def _peer_dies(world: World):
+    if world.rank == 1:
+        os._exit(3)  # a rank that dies without a word
+    world.barrier()
+    return "no error"
+
+
+def _shared_read(world: World):
+    """Layer 1 of a builtin model read in one share per rank and broadcast (the NCCL path, forced on gloo)."""
+    from quant.layerwise import _LayerReader
+    from quant.models import resolve_model
+    from quant.models.layers import read_layer_tensors
+
+    src = resolve_model("builtin:qwen3-moe-tiny")
+    reader = _LayerReader(src, world, torch.device("cpu"))
+    reader.shared = True
+    got = reader.take(1)
+    full = read_layer_tensors(src, 1)
+    shares = reader.shares(1)
+    return (sorted(got) == sorted(full) and all(torch.equal(got[k], full[k]) for k in full),
+            [len(s) for s in shares], sorted(k for s in shares for k in s) == sorted(full))
+
+
+SCENARIOS = {"relay": _relay_order, "shared_read": _shared_read, "exchange": _exchange, "writer_error": _writer_error, "peer_dies": _peer_dies}
+
+
+def _spawn(scenario: str, size: int = 3) -> dict[int, object]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, size, port, scenario, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(size if scenario != "peer_dies" else size - 1):
+        rank, value = out.get(timeout=120)
+        results[rank] = value
+    for p in procs:
+        p.join(timeout=60)
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo_results():
+    """One spawn per scenario, 3 gloo ranks each (a few seconds each)."""
+    return {name: _spawn(name) for name in ("relay", "exchange", "writer_error", "peer_dies", "shared_read")}
+
+
+def test_relay_delivers_in_global_batch_order_to_consumers_only(gloo_results):
+    res = gloo_results["relay"]
+    for rank in range(3):
+        got_all, got_one = res[rank]
+        assert [b for b, _ in got_all] == list(range(10)), rank
+        assert [s for _, s in got_all] == [[float(i) for i in range(b % 4)] for b in range(10)]
+        assert got_one == ([0, 2, 4, 6, 8] if rank == 1 else [])
+
+
+def test_exchange_tensors_gives_every_rank_the_union(gloo_results):
+    res = gloo_results["exchange"]
+    expect = {f"r{r}.q": (torch.int8, [[r, r]] * 3) for r in (0, 1)}
+    expect |= {f"r{r}.s": (torch.bfloat16, [r + 0.5] * 3) for r in (0, 1)}
+    assert all(res[r] == expect for r in range(3))
+
+
+def test_writer_error_reaches_every_rank_and_only_the_writer_prints_it(gloo_results):
+    res = gloo_results["writer_error"]
+    assert res[0] == ("RecipeError", "bad recipe value", False)
+    assert res[1] == res[2] == ("RecipeError", "bad recipe value", True)
+
+
+def test_each_rank_reads_a_share_of_a_layer_and_every_rank_gets_all_of_it(gloo_results):
+    for rank in range(3):
+        same, sizes, covered = gloo_results["shared_read"][rank]
+        assert same and covered and all(sizes), (rank, sizes)
+
+
+def test_a_dead_peer_is_one_dist_error_not_a_hang(gloo_results):
+    res = gloo_results["peer_dies"]
+    for rank in (0, 2):
+        assert res[rank][:2] == ("raised", DistError.__name__), res[rank]
+        assert f"rank {rank} of 3: barrier failed" in res[rank][2] and "\n" not in res[rank][2]

@@ -192,14 +192,30 @@ def test_hub_model_reads_config_and_safetensors_metadata_only(quant_cache):
         load_headers("acme/Tiny-OLMoE", hub=FakeHub(local.path, fail=True))
 
 
-def test_more_gpus_split_expert_work_not_the_layer(shapes_dir):
+def test_more_gpus_split_expert_work_and_activations_not_the_layer(shapes_dir):
     path = shapes_dir("deepseek-v3", 1)
     recipe, src = _bench_recipe(path, 32, "gptq", 3.0), load_headers(str(path))
     one, four = forecast(recipe, src, gpus=1, gpu_memory_gb=143), forecast(recipe, src, gpus=4, gpu_memory_gb=143)
     q1, q4 = (next(s for s in f.stages if s.stage == "quantize") for f in (one, four))
-    assert q4.parts["layer"] == q1.parts["layer"] and q4.parts["activations"] == q1.parts["activations"]
+    assert q4.parts["layer"] == q1.parts["layer"] and q4.parts["activations"] == q1.parts["activations"] / 4
     assert q4.parts["expert Hessians + codes"] < q1.parts["expert Hessians + codes"]  # 64 experts per rank, one chunk
     assert q4.seconds < q1.seconds and q4.gpu_bytes < q1.gpu_bytes
+
+
+def test_more_gpus_keep_awq_replicated(shapes_dir):
+    """AWQ runs replicated (quant/smooth.py): at 4 GPUs each rank still holds every expert's statistics chunks and
+    searches every expert (same expert memory, same solve time); only its share of the batches' activations and
+    forward passes shrinks. The rendered assumptions say so."""
+    path = shapes_dir("deepseek-v3", 1)
+    recipe, src = _bench_recipe(path, 32, "awq", 3.0), load_headers(str(path))
+    one, four = forecast(recipe, src, gpus=1, gpu_memory_gb=143), forecast(recipe, src, gpus=4, gpu_memory_gb=143)
+    q1, q4 = (next(s for s in f.stages if s.stage == "quantize") for f in (one, four))
+    assert q4.parts["activations"] == q1.parts["activations"] / 4
+    for part in ("layer", "expert Hessians + codes", "solve working set"):
+        assert q4.parts[part] == q1.parts[part], part
+    saved = q1.seconds - q4.seconds  # the forward passes, divided over ranks; the searches are not
+    assert 0 < saved < 0.5 * q4.seconds
+    assert "AWQ replicated on every rank" in render(four, recipe)
 
 
 def test_refuses_what_cannot_fit_and_names_budgets_that_do(shapes_dir):

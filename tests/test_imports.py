@@ -10,13 +10,15 @@ LAYERS = [
     {"pipeline"},
     {"stages"},
     {"report", "export", "publish"},
-    {"quantize", "evaluate", "runtimes", "plan_summary", "estimate"},
+    {"quantize", "evaluate", "runtimes", "plan_summary", "estimate", "footprint"},
     {"plan"},
-    {"profile", "hessians", "smooth", "evalstream"},
+    {"profile", "hessians", "smooth", "evalstream", "sharing"},
     {"layerwise", "calibration", "qstore", "lmeval", "humaneval"},
+    {"relay"},
     {"sandbox", "routing", "models", "rundir", "dist", "progress"},
     {"algos"},
     {"recipe", "throughputs"},
+    {"strict_yaml", "storage"},
     {"errors"},
 ]
 

@@ -186,3 +186,12 @@ def test_plan_roundtrip(tmp_path):
     again = BitPlan.load(tmp_path / "plan.json")
     assert again.modules == plan.modules and again.algorithm == "gptq"
     assert again.group_rule == plan.group_rule != ""
+
+
+def test_budget_gb_below_every_expert_at_low_bits_is_refused():
+    counts = [[1] * E] * 3
+    expert_gb = sum(m.numel for m in _modules().values() if m.kind == "expert") * 4 / 8e9
+    with pytest.raises(PlanError, match="plan.budget_gb .* is below the size of every expert at 4 bits"):
+        plan_bits(_profile(counts), _modules(), _spec(policy="budget", budget_gb=expert_gb * 0.9), "rtn", 3)
+    plan = plan_bits(_profile(counts), _modules(), _spec(policy="budget", budget_gb=expert_gb * 1.01), "rtn", 3)
+    assert _avg_expert_bits(plan, _modules()) == 4.0

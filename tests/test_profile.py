@@ -128,17 +128,18 @@ def test_layer_statistics_equal_a_per_expert_loop_under_skewed_routing():
     acc = _LayerStats(E, ["a", "b"], torch.device("cpu"), probe_tokens=None)  # the probe on every token
     for s in (slice(0, 50), slice(50, T)):  # two batches
         acc.token_domain = dom[s]
-        acc.update(view, x[s], idx[s], w[s])
+        acc.add(acc.batch(view, x[s], idx[s], w[s]))
     gu_q, down_q = acc._probe_weights(view)
     for e in range(E):
         tok, slot = torch.where(idx == e)
-        st = {key: acc.stats[key][e].item() for key in acc.stats}
+        st = {key: acc.stat(key)[e].item() for key in ("counts", "weight_mass", "top1", "down_in_absmax",
+                                                         "down_out_absmax")}
         assert st["counts"] == len(tok)
         assert st["weight_mass"] == pytest.approx(w[tok, slot].double().sum().item())
         assert st["top1"] == int((idx[torch.arange(T), w.argmax(dim=1)] == e).sum())
-        assert [acc.domain[d][e].item() for d in ("a", "b")] == [int((dom[tok] == i).sum()) for i in (0, 1)]
+        assert [acc.domain(d)[e].item() for d in ("a", "b")] == [int((dom[tok] == i).sum()) for i in (0, 1)]
         if not len(tok):
-            assert st["down_in_absmax"] == st["down_out_absmax"] == acc.sensitivity[e].item() == 0
+            assert st["down_in_absmax"] == st["down_out_absmax"] == acc.stat("sensitivity")[e].item() == 0
             continue
         a = view.act(x[tok] @ mod.gate_up_proj[e, :I].T) * (x[tok] @ mod.gate_up_proj[e, I:].T)
         y = a @ mod.down_proj[e].T
@@ -147,7 +148,7 @@ def test_layer_statistics_equal_a_per_expert_loop_under_skewed_routing():
         sens = ((y - y_q).pow(2).sum(dim=1) * w[tok, slot].pow(2)).sum().item()
         assert st["down_in_absmax"] == pytest.approx(a.abs().max().item(), rel=1e-5)
         assert st["down_out_absmax"] == pytest.approx(y.abs().max().item(), rel=1e-5)
-        assert acc.sensitivity[e].item() == pytest.approx(sens, rel=1e-4)
+        assert acc.stat("sensitivity")[e].item() == pytest.approx(sens, rel=1e-4)
 
 
 def test_probe_on_a_token_subset_equals_its_definition():
@@ -167,7 +168,7 @@ def test_probe_on_a_token_subset_equals_its_definition():
     acc = _LayerStats(E, [], torch.device("cpu"), probe_tokens=cap)
     batches = (slice(0, 40), slice(40, T))
     for s in batches:
-        acc.update(view, x[s], idx[s], w[s])
+        acc.add(acc.batch(view, x[s], idx[s], w[s]))
     gu_q, down_q = acc._probe_weights(view)
     expect = torch.zeros(E, dtype=torch.float64)
     for s in batches:
@@ -181,8 +182,8 @@ def test_probe_on_a_token_subset_equals_its_definition():
             y = (view.act(xt @ mod.gate_up_proj[e, :I].T) * (xt @ mod.gate_up_proj[e, I:].T)) @ mod.down_proj[e].T
             y_q = (view.act(xt @ gu_q[e, :I].T) * (xt @ gu_q[e, I:].T)) @ down_q[e].T
             expect[e] += ((y - y_q).pow(2).sum(dim=1) * wt.pow(2)).sum().double() * c / len(pick)
-    assert acc.stats["counts"][0] > 2 * cap and acc.stats["counts"][4] == 0  # subsampled, and a cold expert
-    torch.testing.assert_close(acc.sensitivity, expect, rtol=1e-4, atol=0)
+    assert acc.stat("counts")[0] > 2 * cap and acc.stat("counts")[4] == 0  # subsampled, and a cold expert
+    torch.testing.assert_close(acc.stat("sensitivity"), expect, rtol=1e-4, atol=0)
 
 
 def test_probe_subset_ranks_experts_like_the_full_probe_on_the_reference_moe():
@@ -227,7 +228,7 @@ def test_gpu_layer_statistics_equal_the_cpu():
     against the same bf16 computation on the CPU: counts and routing mass equal, maxima and sensitivity equal up
     to the order of bf16 accumulation."""
     from quant.models.experts import fused_view
-    from quant.profile import _LayerStats, _spearman
+    from quant.profile import _MAXED, _SUMMED, _LayerStats, _spearman
 
     T, k, E, D, I = 4000, 2, 8, 64, 32
     g = torch.Generator().manual_seed(4)
@@ -240,8 +241,8 @@ def test_gpu_layer_statistics_equal_the_cpu():
         view = fused_view(mod.to(device))
         acc = _LayerStats(E, [], torch.device(device), probe_tokens=32)
         for s in (slice(0, 1500), slice(1500, T)):
-            acc.update(view, x[s].to(device), idx[s].to(device), w[s].to(device))
-        out[device] = {key: t.cpu() for key, t in (*acc.stats.items(), ("sensitivity", acc.sensitivity))}
+            acc.add(acc.batch(view, x[s].to(device), idx[s].to(device), w[s].to(device)))
+        out[device] = {key: acc.stat(key).cpu() for key in _SUMMED + _MAXED}
     cpu, gpu = out["cpu"], out["cuda"]
     assert torch.equal(cpu["counts"], gpu["counts"]) and torch.equal(cpu["top1"], gpu["top1"])
     torch.testing.assert_close(gpu["weight_mass"], cpu["weight_mass"], rtol=1e-9, atol=0)

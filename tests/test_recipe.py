@@ -100,3 +100,115 @@ def test_eval_parallel_keys_belong_to_their_backend():
         parse_recipe({"name": "x", "eval": {"gpus": 0}})
     e = parse_recipe({"name": "x", "eval": {"backend": "vllm", "tensor_parallel_size": 8, "data_parallel_size": 2}}).eval
     assert (e.tensor_parallel_size, e.data_parallel_size) == (8, 2)
+
+
+def _file(tmp_path, text: str | bytes) -> Path:
+    p = tmp_path / "r.yaml"
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return p
+
+
+@pytest.mark.parametrize("section,key,value", [
+    ("plan", "top_fraction", True), ("calibration", "seed", True), ("calibration", "n_samples", True),
+    ("plan", "high_bits", 8.0), ("plan", "symmetric", 1), ("export", "max_shard_gb", True)])
+def test_booleans_are_not_numbers_and_numbers_not_booleans(section, key, value):
+    with pytest.raises(RecipeError, match=f"{section}.{key}"):
+        parse_recipe({"name": "x", section: {key: value}})
+
+
+@pytest.mark.parametrize("section,key,value", [
+    ("calibration", "seed", 2**64), ("calibration", "seed", -1), ("plan", "seed", 2**80),
+    ("calibration", "n_samples", 10**12), ("calibration", "seq_len", 2**40), ("eval", "max_gen_toks", 2**40),
+    ("export", "max_shard_gb", float("inf")), ("quantize", "hessian_budget_gb", float("inf")),
+    ("quantize", "solve_budget_gb", 1e300), ("plan", "super_expert_ratio", float("inf")),
+    ("plan", "budget_gb", 0), ("plan", "budget_gb", -3.0), ("plan", "budget_gb", float("nan")),
+    ("quantize", "awq_grid", 10**9)])
+def test_values_that_would_crash_later_are_refused_at_load(section, key, value):
+    spec = {key: value, "policy": "budget"} if key == "budget_gb" else {key: value}
+    if key == "super_expert_ratio":
+        spec = {"protect": {key: value}}
+    with pytest.raises(RecipeError, match=key):
+        parse_recipe({"name": "x", section: spec})
+
+
+def test_calibration_token_count_is_bounded():
+    with pytest.raises(RecipeError, match="tokens"):
+        parse_recipe({"name": "x", "calibration": {"n_samples": 1_000_000, "seq_len": 1 << 20}})
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cpu:0:1", "", "CUDA"])
+def test_device_syntax_is_checked_at_load(device):
+    with pytest.raises(RecipeError, match="device must be auto, cpu"):
+        parse_recipe({"name": "x", "quantize": {"device": device}})
+    with pytest.raises(RecipeError, match="eval.device"):
+        parse_recipe({"name": "x", "eval": {"device": device}})
+
+
+def test_absent_device_is_refused_before_any_work(tmp_path):
+    import torch
+
+    from quant.pipeline import run
+
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    r = parse_recipe({"name": "x", "quantize": {"device": "cuda:7"}})
+    with pytest.raises(RecipeError, match="device 'cuda:7' is not present on this machine"):
+        run(r, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("gates,match", [
+    ({"mmlu": {"max_drop": 1.0}}, "eval.gates.mmlu: no such metric"),
+    ({"perplexity": {}}, "eval.gates.perplexity takes max_rel_increase"),
+    ({"perplexity": {"max_drop": 1.0}}, "takes max_rel_increase, not max_drop"),
+    ({"kl": {"max_value": 0.1, "max_drop": 1.0}}, "eval.gates.kl takes max_value"),
+    ({"perplexity": None}, "eval.gates.perplexity")])
+def test_gates_are_checked_at_load(gates, match):
+    with pytest.raises(RecipeError, match=match):
+        parse_recipe({"name": "x", "eval": {"gates": gates}})
+
+
+def test_gates_on_tasks_and_proxies_are_accepted():
+    r = parse_recipe({"name": "x", "eval": {"tasks": ["quant_mmlu"], "gates": {
+        "mmlu": {"max_drop": 1.0}, "perplexity": {"max_rel_increase": 0.05}, "top1_agreement": {"max_value": 0.9}}}})
+    assert set(r.eval.gates) == {"mmlu", "perplexity", "top1_agreement"}
+
+
+def test_yaml_classes_in_recipe_files(tmp_path):
+    for text, match in [
+        (b"name: x\xff\n", "is not UTF-8 text"),
+        ("name: x\ncalibration: {seed: 2024-01-01}\n", "calibration.seed"),
+        ("name: !!binary eA==\n", "unsupported YAML tag '!!binary'"),
+        ("name: x\neval: {tasks: !!set {a}}\n", "unsupported YAML tag '!!set'"),
+        ("name: x\nname: y\n", "duplicate key 'name'"),
+        ("name: x\nplan: " + "[" * 100 + "]" * 100, "nesting deeper"),
+    ]:
+        with pytest.raises(RecipeError, match=match):
+            load_recipe(_file(tmp_path, text))
+    assert load_recipe(_file(tmp_path, "name: 2024-01-01\ndescription: 2024-01-01T10:00:00\n")).name == "2024-01-01"
+
+
+def test_set_values_go_through_the_strict_loader(tmp_path):
+    p = _file(tmp_path, "name: x\n")
+    for assignment, match in [("name=a\x07b", "control character"), ("plan.a\nb=1", "--set key"),
+                              ("name=!!binary eA==", "unsupported YAML tag"), ("calibration.seed=2024-01-01", "seed"),
+                              ("plan.top_fraction=[1, &a 2, *a]", "top_fraction")]:
+        with pytest.raises(RecipeError, match=match):
+            load_recipe(p, overrides=(assignment,))
+
+
+@pytest.mark.parametrize("model_section", ["model: builtin:olmoe-tiny\n", "model: [a]\n", "model: 3\n"])
+def test_model_that_is_not_a_section_with_model_option(tmp_path, model_section):
+    with pytest.raises(RecipeError, match="'model' must be a section"):
+        load_recipe(_file(tmp_path, "name: x\n" + model_section), model="builtin:mixtral-tiny")
+
+
+def test_empty_sections_mean_defaults(tmp_path):
+    r = load_recipe(_file(tmp_path, "name: x\nmodel:\nplan:\n"), model="builtin:mixtral-tiny")
+    assert r.model.path == "builtin:mixtral-tiny" and r.plan.top_fraction == 0.2
+
+
+@pytest.mark.parametrize("name", ["", "  ", "a" * 201, ".hidden", "a/b"])
+def test_bad_names(name):
+    with pytest.raises(RecipeError, match="name must be a plain file name"):
+        parse_recipe({"name": name})

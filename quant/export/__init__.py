@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from quant.export.writer import CARD, add_to_manifest, checkpoint_digest
 from quant.models import ModelSource
 from quant.plan import BitPlan
 from quant.recipe import Recipe
+
+__all__ = ["CARD", "check_formats", "checkpoint_digest", "checkpoint_dirs", "export_all", "runtime_notes", "write_cards"]
 
 
 def checkpoint_dirs(recipe: Recipe) -> dict[str, str]:
@@ -34,12 +37,12 @@ def export_all(source: ModelSource, plan: BitPlan, recipe: Recipe, run_dir: Path
 
 
 def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
-    """The model card (README.md) of every exported checkpoint, from the plan summary, eval and runtime checks."""
+    """The model card (README.md) of every exported checkpoint, from the plan summary, eval and runtime checks;
+    its SHA-256 is added to the checkpoint's manifest, so what is published is what was written."""
     import json
     from importlib.metadata import version
 
     from quant.export.card import RUNTIMES, render_card
-    from quant.export.writer import CARD
     from quant.plan_summary import summarize
     from quant.profile import RoutingProfile
     from quant.rundir import atomic_write_text
@@ -54,6 +57,7 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
         card = render_card(recipe, source, summary, ev, problems, version("moe-quant"), fmt=fmt,
                            runtime_notes=runtime_notes(plan, source, fmt), gptqmodel_backend=backend)
         atomic_write_text(run_dir / folder / CARD, card)
+        add_to_manifest(run_dir / folder, CARD)
 
 
 def runtime_notes(plan: BitPlan, source: ModelSource, fmt: str) -> dict[str, str]:

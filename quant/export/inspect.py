@@ -8,24 +8,28 @@ whose ``re:`` target matches its name (first group wins, as vLLM resolves it). G
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
-from safetensors import safe_open
-
-from quant.errors import CheckpointError
+from quant.errors import CheckpointError, ModelError
+from quant.models.source import open_safetensors, read_json_object
 
 
 def _tensor_names(ckpt: Path) -> dict[str, tuple[int, ...]]:
     index = ckpt / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    weight_map = read_json_object(index, "re-export it", CheckpointError).get("weight_map") if index.is_file() else None
+    if index.is_file() and not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index} has no weight_map; re-export the checkpoint")
+    files = sorted(set(map(str, weight_map.values()))) if weight_map else ["model.safetensors"]
     out = {}
     for f in files:
         if not (ckpt / f).is_file():
             raise CheckpointError(f"{ckpt} lacks {f}")
-        with safe_open(str(ckpt / f), "pt") as h:
-            out.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+        try:
+            with open_safetensors(ckpt / f) as h:
+                out.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+        except ModelError as e:
+            raise CheckpointError(str(e)) from None
     return out
 
 
@@ -74,17 +78,19 @@ def read_checkpoint_bits(ckpt: Path) -> dict[str, dict]:
     ckpt = Path(ckpt)
     if not (ckpt / "config.json").is_file():
         raise CheckpointError(f"{ckpt} is not a checkpoint folder (no config.json)")
-    qcfg = json.loads((ckpt / "config.json").read_text()).get("quantization_config")
-    if not qcfg:
+    qcfg = read_json_object(ckpt / "config.json", "not a checkpoint quant wrote", CheckpointError).get("quantization_config")
+    if not qcfg or not isinstance(qcfg, dict):
         raise CheckpointError(f"{ckpt} has no quantization_config; it is not a quantized checkpoint")
     names = _tensor_names(ckpt)
     method = qcfg.get("quant_method")
-    if method == "compressed-tensors":
-        out = _compressed_tensors(qcfg, names)
-    elif method == "gptq":
-        out = _gptq(qcfg, names)
-    else:
+    readers = {"compressed-tensors": _compressed_tensors, "gptq": _gptq}
+    if method not in readers:
         raise CheckpointError(f"{ckpt}: quant_method '{method}' is not one quant writes (compressed-tensors, gptq)")
+    try:
+        out = readers[method](qcfg, names)
+    except (KeyError, TypeError, AttributeError, ValueError, re.error) as e:
+        raise CheckpointError(f"{ckpt}: malformed {method} quantization_config ({type(e).__name__}: {e}); it is not "
+                              "a checkpoint quant wrote, or it was edited") from None
     for key, shape in names.items():
         if key.endswith(".weight") and len(shape) == 2 and "embed_tokens" not in key:
             out[key.removesuffix(".weight")] = {"keep": True}

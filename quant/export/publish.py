@@ -1,8 +1,9 @@
 """``quant publish``: upload a run's validated checkpoint to the Hugging Face hub.
 
-Refused unless the run finished its eval stage with every gate passing and the checkpoint still matches the
-SHA-256 manifest written at export (so what is uploaded is exactly what was evaluated). The hub client is
-injectable (``api``) so tests upload to a local fake.
+Refused unless the run finished its eval stage with every gate passing, the checkpoint is the one that eval
+read (the export digest eval recorded), it carries its model card, and every file still matches the SHA-256
+manifest (written at export, the card added by the report stage): what is uploaded is exactly what was
+evaluated and described. The hub client is injectable (``api``) so tests upload to a local fake.
 """
 
 from __future__ import annotations
@@ -11,24 +12,50 @@ import json
 from pathlib import Path
 
 from quant.errors import CheckpointError, PublishError, RunDirError
-from quant.export.writer import verify_manifest
+from quant.export.writer import CARD, checkpoint_digest, read_manifest, verify_manifest
+
+RERUN = "re-run the `quant run` command that made this run directory (it redoes export and eval as needed)"
 
 
-def publish_run(run_dir: Path, repo_id: str, *, private: bool = False, api=None) -> str:
-    run_dir = Path(run_dir)
+def _run_manifest(run_dir: Path) -> dict:
     manifest_path = run_dir / "manifest.json"
     if not manifest_path.is_file():
         raise RunDirError(f"{run_dir} is not a quant run directory (no manifest.json)")
-    m = json.loads(manifest_path.read_text())
-    ev = m.get("stages", {}).get("eval", {})
+    try:
+        m = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        raise RunDirError(f"{manifest_path} is unreadable; {RERUN}") from None
+    if not isinstance(m, dict) or not isinstance(m.get("stages"), dict):
+        raise RunDirError(f"{manifest_path} is not a quant run manifest")
+    return m
+
+
+def check_publishable(run_dir: Path) -> Path:
+    """The run's checkpoint folder, after every check above; raises a QuantError naming the first failure."""
+    m = _run_manifest(run_dir)
+    stages = m["stages"]
+    ev = stages.get("eval", {})
     if ev.get("status") != "done":
         raise RunDirError(f"{run_dir}: the eval stage has not finished; run `quant run` first")
     if ev.get("passed") is not True:
         raise RunDirError(f"{run_dir}: quality gates failed ({'; '.join(ev.get('failed_gates', []))}); not publishing")
     ckpt = run_dir / "checkpoint"
-    bad = verify_manifest(ckpt)
+    bad = verify_manifest(ckpt) if ckpt.is_dir() else ["checkpoint/"]
     if bad:
-        raise CheckpointError(f"{ckpt} changed since export ({bad[0]}…); re-run `quant export` and `quant eval`")
+        raise CheckpointError(f"{ckpt} changed since export ({bad[0]}{'…' if len(bad) > 1 else ''}); {RERUN}")
+    exported = stages.get("export", {}).get("outputs", {}).get("checkpoint")
+    evaluated = (ev.get("upstream") or {}).get("export", {}) or {}
+    if stages.get("export", {}).get("status") != "done" or checkpoint_digest(ckpt) != exported \
+            or evaluated.get("checkpoint") != exported:
+        raise CheckpointError(f"{ckpt} is not the checkpoint the eval stage evaluated; {RERUN}")
+    if CARD not in read_manifest(ckpt)["files"]:
+        raise CheckpointError(f"{ckpt} has no model card ({CARD}, written by the report stage); {RERUN}")
+    return ckpt
+
+
+def publish_run(run_dir: Path, repo_id: str, *, private: bool = False, api=None) -> str:
+    run_dir = Path(run_dir)
+    ckpt = check_publishable(run_dir)
     if "/" not in repo_id:
         raise RunDirError(f"--repo-id must look like ORG/NAME, got '{repo_id}'")
     if api is None:
@@ -37,9 +64,10 @@ def publish_run(run_dir: Path, repo_id: str, *, private: bool = False, api=None)
         except ImportError:
             raise PublishError("publishing needs huggingface_hub: pip install 'moe-quant[publish]'") from None
         api = HfApi()
+    m = _run_manifest(run_dir)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
-        api.upload_folder(repo_id=repo_id, folder_path=str(ckpt), commit_message=f"quant: {m['identity']['recipe']}")
+        api.upload_folder(repo_id=repo_id, folder_path=str(ckpt), commit_message=f"quant: {m.get('identity', {}).get('recipe')}")
     except Exception as e:  # noqa: BLE001 - network, auth, offline mode: one user-facing problem
         reason = (str(e).strip().splitlines() or [""])[0]
         raise PublishError(f"could not upload {ckpt} to hub repo '{repo_id}' ({type(e).__name__}: {reason}); check "

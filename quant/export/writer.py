@@ -18,13 +18,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from quant.errors import CheckpointError, NumericalError
 from quant.models import ModelSource
 from quant.models.source import remote_code_files
 from quant.plan import BitPlan
 from quant.qstore import layer_file, read_layer, read_params
+from quant.rundir import atomic_write_text
+from quant.storage import file_sha256
 
 MANIFEST = "quant_manifest.json"
-CARD = "README.md"  # the model card, written after evaluation (report stage); not covered by the manifest
+CARD = "README.md"  # the model card, written after evaluation (report stage), then added to the manifest
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
               "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "LICENSE", "LICENSE.txt")
 
@@ -40,6 +43,10 @@ class ShardWriter:
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue one tensor; a floating-point tensor with NaN or infinite values is refused (NumericalError)."""
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise NumericalError(f"{name} holds NaN or infinite values; a checkpoint must not ship them (is the "
+                                 "source model damaged?)")
         n = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + n > self.max_bytes:
             self._flush()
@@ -80,30 +87,53 @@ def copy_side_files(src: Path, dst: Path) -> None:
         shutil.copy2(code, dst / code.name)
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_manifest(directory: Path, extra: dict | None = None) -> None:
     """SHA-256 of every file in the checkpoint (except the manifest itself)."""
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
     data = dict(extra or {})
-    data["files"] = {str(p.relative_to(directory)): sha256_file(p) for p in files}
+    data["files"] = {str(p.relative_to(directory)): file_sha256(p) for p in files}
     (directory / MANIFEST).write_text(json.dumps(data, indent=1))
 
 
+def read_manifest(directory: Path) -> dict | None:
+    """The checkpoint's manifest, or None when it is missing or unreadable."""
+    try:
+        data = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("files"), dict) else None
+
+
+def add_to_manifest(directory: Path, name: str) -> None:
+    """Record (or update) the SHA-256 of one file written after export (the model card)."""
+    data = read_manifest(directory)
+    if data is None:
+        raise CheckpointError(f"{directory} has no readable {MANIFEST}; re-run the export")
+    data["files"] = dict(sorted({**data["files"], name: file_sha256(directory / name)}.items()))
+    atomic_write_text(directory / MANIFEST, json.dumps(data, indent=1))
+
+
 def verify_manifest(directory: Path) -> list[str]:
-    """Files whose hash differs from the manifest, or that are missing / unlisted."""
-    data = json.loads((directory / MANIFEST).read_text())
+    """Files whose SHA-256 differs from the manifest, or that are missing / unlisted (the manifest itself when it
+    is missing or unreadable). Digests are cached by stat (``storage.file_sha256``): an unchanged checkpoint is
+    not re-read, a changed file always is."""
+    data = read_manifest(directory)
+    if data is None:
+        return [MANIFEST]
     listed = data["files"]
-    present = {str(p.relative_to(directory)) for p in directory.rglob("*")
-               if p.is_file() and p.name not in (MANIFEST, CARD)}
-    bad = [f for f in listed if f not in present or sha256_file(directory / f) != listed[f]]
+    present = {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST}
+    bad = [f for f in listed if f not in present or file_sha256(directory / f) != listed[f]]
     return bad + sorted(present - set(listed))
+
+
+def checkpoint_digest(directory: Path) -> str | None:
+    """Identity of a finished, intact checkpoint: a hash of its manifest's file digests, model card excluded (it
+    is added later by the report stage). None when the manifest is missing or any other file differs from it."""
+    data = read_manifest(directory)
+    if data is None or [f for f in verify_manifest(directory) if f != CARD]:
+        return None
+    files = {k: v for k, v in data["files"].items() if k != CARD}
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from quant.errors import ModelError
+from quant.storage import cache_root, remove_stale
 
 BUILTIN_VERSION = 7
 _COMMON = dict(vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -47,10 +48,6 @@ LOGIT_SCALE = 4.0
 HOT_SCALE = 0.15  # router logit bonus per unit of the shared direction, for the hottest expert (then 0.75x, 0.5x)
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("QUANT_CACHE", Path.home() / ".cache" / "quant"))
-
-
 def _spec_hash(name: str) -> str:
     import transformers
 
@@ -72,7 +69,8 @@ def builtin_path(name: str) -> Path:
     if (target / "quant_builtin.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    remove_stale(target.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=f".tmp-{os.getpid()}", dir=target.parent))
     try:
         _build(name, tmp) if name in BUILTINS else _unpack(SHIPPED[name], tmp)
         try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quant.errors import ModelError
-from quant.models.source import ModelSource
+from quant.models.source import ModelSource, read_json_object
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -23,6 +23,8 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 
 def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Tensor name -> (dtype, shape) from a safetensors file's header (the data section is never touched)."""
+    if not path.is_file():
+        raise ModelError(f"{path.parent} lacks {path.name}, which its index names; re-download the model")
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -32,9 +34,12 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
             raise ModelError(f"{path}: safetensors header of {n} bytes is not plausible; is the file corrupt?")
         try:
             header = json.loads(f.read(n))
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelError(f"{path}: unreadable safetensors header ({e})") from None
-    return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+    try:
+        return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+    except (AttributeError, KeyError, TypeError):
+        raise ModelError(f"{path}: malformed safetensors header; is the file corrupt?") from None
 
 
 class HeaderSource(ModelSource):
@@ -61,14 +66,16 @@ def _local(path: Path) -> tuple[dict, dict]:
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} is not a model folder (no config.json)")
     index = path / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-             else sorted(p.name for p in path.glob("*.safetensors")))
+    weight_map = read_json_object(index, "re-download the model").get("weight_map") if index.is_file() else None
+    if index.is_file() and not isinstance(weight_map, dict):
+        raise ModelError(f"{index} has no weight_map of tensor name -> file; re-download the model")
+    files = sorted(set(map(str, weight_map.values()))) if weight_map else sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise ModelError(f"{path} has no safetensors files (quant reads safetensors only)")
     tensors: dict = {}
     for name in files:
         tensors.update(read_safetensors_header(path / name))
-    return json.loads((path / "config.json").read_text()), tensors
+    return read_json_object(path / "config.json", "it must be the model's configuration"), tensors
 
 
 def _hub(repo_id: str, hub) -> tuple[dict, dict]:

@@ -39,13 +39,22 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.model.layers
 
 
-def _layer_state(source: ModelSource, idx: int, device, moe_attr: str):
+def read_layer_tensors(source: ModelSource, idx: int, device="cpu") -> dict[str, torch.Tensor]:
+    """Every on-disk tensor of decoder layer ``idx``, by on-disk name."""
+    prefix = f"model.layers.{idx}."
+    return source.read_tensors([k for k in source.weight_map if k.startswith(prefix)], device)
+
+
+def _layer_state(source: ModelSource, idx: int, device, moe_attr: str, raw: dict | None = None):
     """On-disk tensors of layer ``idx`` renamed to the in-memory decoder layer's state-dict keys (the MoE block
-    under ``moe_attr``), with the routed experts stacked apart: (state, (gate_up [E, 2I, D], down [E, D, I]) or None)."""
+    under ``moe_attr``), with the routed experts stacked apart: (state, (gate_up [E, 2I, D], down [E, D, I]) or None).
+    ``raw``: the layer's tensors already read (any device), else they are read onto ``device``."""
     prefix = f"model.layers.{idx}."
     fam = source.family
-    keys = [k for k in source.weight_map if k.startswith(prefix)]
-    raw = source.read_tensors(keys, device)
+    if raw is None:
+        raw = read_layer_tensors(source, idx, device)
+    else:
+        raw = {k: v.to(device, non_blocking=True) for k, v in raw.items()}
     inv = {v: k for k, v in fam.expert_proj.items()}
     expert_re = re.compile(re.escape(fam.disk_moe) + r"\.experts\.(\d+)\.(\w+)\.weight$")
     experts: dict[str, dict[int, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
@@ -68,13 +77,15 @@ def _layer_state(source: ModelSource, idx: int, device, moe_attr: str):
     return state, (gate_up, torch.stack([experts["down"][e] for e in range(n)]))
 
 
-def load_layer(source: ModelSource, model: nn.Module, idx: int, device, dtype: torch.dtype) -> nn.Module:
-    """Materialize decoder layer ``idx`` of the meta skeleton on ``device`` with its checkpoint weights."""
+def load_layer(source: ModelSource, model: nn.Module, idx: int, device, dtype: torch.dtype,
+               raw: dict | None = None) -> nn.Module:
+    """Materialize decoder layer ``idx`` of the meta skeleton on ``device`` with its checkpoint weights (``raw``: the
+    layer's on-disk tensors when the caller has read them, e.g. ahead of time)."""
     layer = decoder_layers(model)[idx]
     found = moe_block(source.family, layer)
     moe_attr = found[0] if found else "mlp"
     cast = lambda k, v: v if k.endswith(_KEEP_FP32) or not v.is_floating_point() else v.to(dtype)  # noqa: E731
-    raw, fused = _layer_state(source, idx, device, moe_attr)
+    raw, fused = _layer_state(source, idx, device, moe_attr, raw)
     state = {k: cast(k, v) for k, v in raw.items()}
     per_expert = per_expert_layout(source.family, layer, idx)
     if fused is not None and per_expert is not None:

@@ -1,21 +1,27 @@
 """A model on disk: config, safetensors index, family, canonical module inventory and fingerprint.
 
 Nothing here loads weights; shapes come from safetensors headers, so a 600 GB model is inspected in seconds.
-Pickle checkpoints (``*.bin``, ``*.pt``) are refused: weights are read from safetensors only.
+Pickle checkpoints (``*.bin``, ``*.pt``) are refused: weights are read from safetensors only. A folder is checked
+when it is opened: config.json a JSON object with a model type and layer count, the index readable, every shard
+it names present with a readable header holding the tensors the index puts there; problems are ModelErrors.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from quant.errors import ModelError
 from quant.models.families import FAMILIES, FamilySpec, expert_of, family_for, layer_of, module_kind
+from quant.storage import file_sha256
 
 
 @dataclass(frozen=True)
@@ -35,14 +41,46 @@ class ModuleInfo:
         return self.out_features * self.in_features
 
 
+@contextmanager
+def open_safetensors(path: Path, device: str = "cpu") -> Iterator:
+    """``safe_open`` whose failures (truncated file, damaged header, missing tensor) are ModelErrors naming the file."""
+    try:
+        with safe_open(str(path), "pt", device=device) as f:
+            yield f
+    except FileNotFoundError:
+        raise ModelError(f"{path.parent} lacks {path.name}, which its index names; re-download the model") from None
+    except (SafetensorError, OSError) as e:
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise ModelError(f"{path} is not a readable safetensors file ({reason}); it is truncated or damaged: "
+                         "re-download or re-save it") from None
+
+
+def read_json_object(path: Path, what: str, error: type[Exception] = ModelError) -> dict:
+    """A JSON file holding an object, or ``error`` naming the file."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise error(f"{path} is not valid JSON ({str(e).splitlines()[0]}); {what}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path} holds a JSON {type(data).__name__}, not an object; {what}")
+    return data
+
+
 def _read_index(path: Path) -> dict[str, str]:
     """Map every tensor key to its safetensors file name."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
+        weight_map = read_json_object(index, "re-download the model").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelError(f"{index} has no weight_map of tensor name -> file; re-download the model")
+        missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if missing:
+            raise ModelError(f"{path} lacks {missing[0]}" + (f" and {len(missing) - 1} more shard(s)" if len(missing) > 1
+                             else "") + ", which model.safetensors.index.json names; re-download the model")
+        return dict(weight_map)
     single = path / "model.safetensors"
     if single.is_file():
-        with safe_open(single, "pt") as f:
+        with open_safetensors(single) as f:
             return {k: single.name for k in f.keys()}
     pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
     if pickles:
@@ -71,10 +109,16 @@ class ModelSource:
             raise ModelError(f"model path does not exist: {self.path}")
         if not (self.path / "config.json").is_file():
             raise ModelError(f"{self.path} is not a model folder (no config.json)")
-        self.config_dict = json.loads((self.path / "config.json").read_text())
+        self.config_dict = read_json_object(self.path / "config.json", "it must be the model's configuration")
         model_type = self.config_dict.get("model_type", "?")
+        if not isinstance(model_type, str):
+            raise ModelError(f"{self.path / 'config.json'}: model_type must be a string, got {model_type!r}")
         self.family: FamilySpec = self._family(model_type, family)
+        layers = self.config_dict.get("num_hidden_layers")
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ModelError(f"{self.path / 'config.json'}: num_hidden_layers must be a positive integer, got {layers!r}")
         self.weight_map = _read_index(self.path)
+        self._headers = self._read_headers()
 
     def _family(self, model_type: str, declared: str | None) -> FamilySpec:
         from transformers import CONFIG_MAPPING
@@ -106,26 +150,42 @@ class ModelSource:
     def config(self):
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+        try:
+            return AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise ModelError(f"transformers cannot read {self.path / 'config.json'}: {reason}") from None
 
     def tokenizer(self):
         """The model's own tokenizer (its Python too, with ``trust_remote_code``)."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+        try:
+            return AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise ModelError(f"cannot load the tokenizer of {self.path}: {reason}") from None
 
     def read_tensors(self, keys: list[str], device="cpu") -> dict:
         """Named tensors from the safetensors shards (one open per shard), on ``device``."""
         return read_safetensors(self.path, self.weight_map, keys, device)
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of every tensor, from safetensors headers."""
+    def _read_headers(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every tensor from the shard headers, checking each header and that it holds what the index says."""
         out: dict[str, tuple[int, ...]] = {}
         for file in sorted(set(self.weight_map.values())):
-            with safe_open(self.path / file, "pt") as f:
+            with open_safetensors(self.path / file) as f:
                 for key in f.keys():
                     out[key] = tuple(f.get_slice(key).get_shape())
+        absent = sorted(k for k, f in self.weight_map.items() if k not in out)
+        if absent:
+            raise ModelError(f"{self.path}: {absent[0]} is not in {self.weight_map[absent[0]]}, where the index puts "
+                             "it; re-download the model")
         return out
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every tensor, from safetensors headers."""
+        return dict(self._headers)
 
     @cached_property
     def modules(self) -> dict[str, ModuleInfo]:
@@ -163,23 +223,21 @@ class ModelSource:
 
     @cached_property
     def fingerprint(self) -> str:
-        """sha256 over config.json, the model's own Python when ``trust_remote_code`` (it defines the forward), every
-        tensor's name/shape/dtype header and each shard's size and edges.
+        """sha256 over config.json, the model's own Python when ``trust_remote_code`` (it defines the forward) and
+        the full SHA-256 of every shard.
 
-        Cheap for huge models (reads headers and 1 MiB at both ends of each shard), and changes when weights are
-        replaced by a different checkpoint of the same architecture.
+        Exact: damage anywhere in a shard changes it. Each shard is read whole once and its digest cached by stat
+        (``storage.file_sha256``: device, inode, size, mtime, ctime), shards in parallel; afterwards a fingerprint
+        costs a stat per shard, and a copied folder keeps its fingerprint (content, not location).
         """
         h = hashlib.sha256((self.path / "config.json").read_bytes())
         for code in remote_code_files(self.path) if self.trust_remote_code else []:  # it defines the forward
             h.update(code.name.encode() + code.read_bytes())
-        for file in sorted(set(self.weight_map.values())):
-            p = self.path / file
-            size = p.stat().st_size
-            h.update(f"{file}:{size}".encode())
-            with open(p, "rb") as f:
-                h.update(f.read(1 << 20))
-                f.seek(max(0, size - (1 << 20)))
-                h.update(f.read(1 << 20))
+        files = sorted(set(self.weight_map.values()))
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(files)))) as pool:  # hashlib releases the GIL
+            digests = list(pool.map(lambda f: file_sha256(self.path / f), files))
+        for file, digest in zip(files, digests, strict=True):
+            h.update(f"{file}:{digest}".encode())
         return h.hexdigest()[:16]
 
 
@@ -190,7 +248,7 @@ def read_safetensors(root: Path, weight_map: dict[str, str], keys: list[str], de
         by_file.setdefault(weight_map[key], []).append(key)
     out = {}
     for file, file_keys in by_file.items():
-        with safe_open(root / file, "pt", device=str(device)) as f:
+        with open_safetensors(root / file, str(device)) as f:
             for key in file_keys:
                 out[key] = f.get_tensor(key)
     return out
@@ -202,8 +260,8 @@ def remote_code_files(path: Path) -> list[Path]:
     names: set[str] = set()
     for cfg in ("config.json", "tokenizer_config.json"):
         f = path / cfg
-        auto_map = json.loads(f.read_text()).get("auto_map", {}) if f.is_file() else {}
-        for ref in auto_map.values():
+        auto_map = read_json_object(f, "it must be a JSON object").get("auto_map", {}) if f.is_file() else {}
+        for ref in auto_map.values() if isinstance(auto_map, dict) else []:
             for r in ref if isinstance(ref, list) else [ref]:
                 if isinstance(r, str) and "--" not in r and "." in r:
                     names.add(r.rsplit(".", 1)[0] + ".py")

@@ -131,3 +131,47 @@ def test_cli_refusal_is_one_error_line(runs):
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     errors = [ln for ln in p.stderr.strip().splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "quality gates failed" in errors[0]
+
+
+def test_model_card_is_in_the_manifest_and_verified(runs, tmp_path):
+    import hashlib
+    import json
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["passed"], run_dir)
+    ckpt = run_dir / "checkpoint"
+    listed = json.loads((ckpt / "quant_manifest.json").read_text())["files"]
+    assert listed["README.md"] == hashlib.sha256((ckpt / "README.md").read_bytes()).hexdigest()
+    (ckpt / "README.md").write_text((ckpt / "README.md").read_text().replace("All quality gates passed", "Great"))
+    with pytest.raises(CheckpointError, match="changed since export \\(README.md\\)"):
+        publish_run(run_dir, "acme/x", api=FakeHub(tmp_path / "hub"))
+
+
+def test_truncated_checkpoint_is_redone_by_the_advised_command(runs, tmp_path):
+    """A truncated shard: publish refuses and names `quant run`; that command re-exports (it is not 'up to date')
+    and publish then uploads what was evaluated."""
+    from quant.pipeline import run
+    from quant.recipe import load_recipe
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["passed"], run_dir)
+    shard = run_dir / "checkpoint" / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4096])
+    with pytest.raises(CheckpointError, match="changed since export .*re-run the `quant run` command"):
+        publish_run(run_dir, "acme/x", api=FakeHub(tmp_path / "hub"))
+    result = run(load_recipe(RECIPE, overrides=FAST), run_dir)
+    assert "export" in result.ran and "report" in result.ran
+    assert publish_run(run_dir, "acme/x", api=FakeHub(tmp_path / "hub")).endswith("acme/x")
+    assert _files(tmp_path / "hub" / "acme" / "x") == _files(runs["passed"] / "checkpoint")  # deterministic export
+
+
+def test_checkpoint_exported_after_eval_is_refused(runs, tmp_path):
+    """`quant export` with other settings after eval: the checkpoint is intact but is not what eval measured."""
+    from quant.pipeline import run
+    from quant.recipe import load_recipe
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["passed"], run_dir)
+    run(load_recipe(RECIPE, overrides=(*FAST, "export.formats=[gptq]")), run_dir, until="export")
+    with pytest.raises(CheckpointError, match="not the checkpoint the eval stage evaluated"):
+        publish_run(run_dir, "acme/x", api=FakeHub(tmp_path / "hub"))

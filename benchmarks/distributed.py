@@ -1,0 +1,177 @@
+"""Distributed benchmark (GPUs): profile + GPTQ quantize on 1 GPU and on N GPUs of one node, in one command.
+
+Builds (once) the random-weight model of ``benchmarks/engine.py`` (Qwen3-30B-A3B or DeepSeek-V3 layer shapes), then
+for each world size starts ``torchrun --standalone --nproc-per-node N`` on this script in worker mode: every rank
+runs ``profile_routing`` and ``quantize_model`` through ``quant.dist`` (NCCL) on the same seeded calibration tokens,
+W4 g128 symmetric GPTQ on attention and experts (as engine.py); rank 0 writes timings and every rank's peak GPU
+memory. Afterwards the stored codes of every world size are compared byte for byte with the 1-GPU run's, and
+(``--error-samples``) both checkpoints get engine.py's layer-output error. Prints JSON lines, then a table.
+
+  python benchmarks/distributed.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 --ranks 1,2
+  python benchmarks/distributed.py --shape deepseek-v3 --layers 1 --samples 32 --seqlen 2048 --ranks 1,2 \\
+      --error-samples 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine import SHAPES, build_model, calibration, dequantized, layer_errors, say  # noqa: E402
+
+from quant.models import ModelSource  # noqa: E402
+
+
+def _plan(src, prof):
+    from quant.plan import plan_bits
+    from quant.recipe import PlanSpec
+
+    spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=128, symmetric=True,
+                    protect={"attention": 4, "shared_experts": 4, "dense_mlp": 4})
+    return plan_bits(prof, src.modules, spec, "gptq", src.n_layers)
+
+
+def worker(a: argparse.Namespace) -> None:
+    """One rank: profile and quantize under the world torchrun set up; rank 0 writes the results file."""
+    from quant.dist import close_world, init_world
+    from quant.layerwise import Layerwise
+    from quant.profile import profile_routing
+    from quant.quantize import quantize_model
+    from quant.recipe import QuantizeSpec
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    world = init_world(dev)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    src = ModelSource(Path(a.model_dir))
+    calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
+    out = {"ranks": world.size}
+    sync()
+    world.barrier()
+    t0 = time.perf_counter()
+    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", dev, a.batch, world=world))
+    sync()
+    out["profile_s"] = time.perf_counter() - t0
+    plan = _plan(src, prof)
+    qdir = Path(a.qdir)
+    if world.is_writer:
+        shutil.rmtree(qdir, ignore_errors=True)
+        plan.save(Path(str(qdir) + ".plan.json"))
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    world.barrier()
+    t0 = time.perf_counter()
+    reports = quantize_model(src, calib, plan, QuantizeSpec(algorithm="gptq", device=dev, batch_size=a.batch),
+                             Layerwise(src, "bfloat16", dev, a.batch, world=world), qdir)
+    sync()
+    world.barrier()
+    out["quantize_s"] = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else float("nan")
+    out["peak_gpu_gb_per_rank"] = world.all_gather_object(round(peak, 2))
+    n = len(reports)
+    out.update(layers=n, s_per_layer=out["quantize_s"] / n,
+               layer_seconds=[round(r.seconds, 2) for r in reports],
+               load_s_per_layer=sum(r.load_seconds for r in reports) / n,
+               rank_solve_seconds=[r.rank_solve_seconds for r in reports],
+               stats_s_per_layer=sum(r.stats_seconds for r in reports) / n,
+               solve_s_per_layer=sum(r.solve_seconds for r in reports) / n,
+               forward_s_per_layer=sum(r.forward_seconds for r in reports) / n,
+               worst_rel_error=max(r.worst_rel_error for r in reports))
+    if world.is_writer:
+        Path(a.result).write_text(json.dumps(out))
+    close_world(world)
+
+
+def launch(a: argparse.Namespace, n: int, model_dir: Path, work: Path) -> dict:
+    result, qdir = work / f"result-{n}.json", work / f"q-{n}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
+           "--worker", "--shape", a.shape, "--samples", str(a.samples), "--seqlen", str(a.seqlen), "--batch",
+           str(a.batch), "--model-dir", str(model_dir), "--qdir", str(qdir), "--result", str(result)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n))} if torch.cuda.is_available() \
+        else dict(os.environ)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True)
+    out = json.loads(result.read_text())
+    out["wall_s"] = time.perf_counter() - t0
+    out["qdir"] = str(qdir)
+    return out
+
+
+def same_codes(a: Path, b: Path) -> tuple[int, int]:
+    """(identical layer files, layer files) between two stores."""
+    files = sorted(p.name for p in a.glob("layer_*.safetensors"))
+    return sum((a / f).read_bytes() == (b / f).read_bytes() for f in files), len(files)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--error-samples", type=int, default=16)
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--model-dir", default="")
+    ap.add_argument("--qdir", default="")
+    ap.add_argument("--result", default="")
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="quant-dist-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / f"model-{a.shape}-{a.layers}"
+    t0 = time.perf_counter()
+    if not (model_dir / "config.json").is_file():
+        build_model(a.shape, a.layers, model_dir, seed=0)
+    say(step="build", s=round(time.perf_counter() - t0, 1), gpus=torch.cuda.device_count())
+    rows = []
+    for n in [int(x) for x in a.ranks.split(",")]:
+        r = launch(a, n, model_dir, work)
+        say(**r)
+        rows.append(r)
+    base = Path(rows[0]["qdir"])
+    for r in rows:
+        r["identical_layer_files"] = same_codes(base, Path(r["qdir"]))
+    if a.error_samples:
+        from quant.export.compressed_tensors import write_compressed_tensors
+
+        src = ModelSource(model_dir)
+        calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
+        for r in rows:
+            from quant.plan import BitPlan
+
+            plan = BitPlan.load(Path(r["qdir"] + ".plan.json"))
+            ckpt = write_compressed_tensors(src, plan, Path(r["qdir"]), work / f"ckpt-{r['ranks']}", 20 << 30)
+            errs = layer_errors(src, dequantized(ckpt, work), calib.tokens[: a.error_samples], a.batch)
+            r["mean_rel_layer_error"] = sum(errs) / len(errs)
+            say(ranks=r["ranks"], rel_layer_error=errs)
+    print(f"\n{'GPUs':>4} {'s/layer':>8} {'stats':>7} {'solve':>7} {'fwd':>7} {'profile s':>9} {'peak GB/rank':>16} "
+          f"{'same codes':>10} {'rel err':>8}")
+    for r in rows:
+        same = "{}/{}".format(*r["identical_layer_files"])
+        print(f"{r['ranks']:>4} {r['s_per_layer']:8.2f} {r['stats_s_per_layer']:7.2f} {r['solve_s_per_layer']:7.2f} "
+              f"{r['forward_s_per_layer']:7.2f} {r['profile_s']:9.2f} {str(r['peak_gpu_gb_per_rank']):>16} "
+              f"{same:>10} {r.get('mean_rel_layer_error', float('nan')):8.4f}")
+    for r in rows[1:]:
+        print(f"{r['ranks']} GPUs vs 1: {rows[0]['s_per_layer'] / r['s_per_layer']:.2f}x per layer (quantize), "
+              f"{rows[0]['profile_s'] / r['profile_s']:.2f}x profile")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    main()

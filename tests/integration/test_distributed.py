@@ -1,0 +1,262 @@
+"""Distributed runs on CPU (gloo) through the real launcher: the same plan and checkpoint at any world size, stop
+requests and dead ranks ending every rank with one error line, and resume at another world size."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, run_cli
+
+HEADLINE = str(REPO / "recipes" / "mixed_int8_int4.yaml")
+GPTQ = ("--set", "quantize.algorithm=gptq")
+SLOW = str(REPO / "tests" / "fixtures" / "slow_cli.py")
+FAMILIES = ("qwen3-moe-tiny", "deepseek-v3-tiny")  # the second: MLA, a shared expert, a dense first layer
+
+
+def torchrun(n: int, *args: str, entry: tuple[str, ...] = ("-m", "quant.cli")) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *entry, *args]
+
+
+def _env(**extra) -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), **extra}
+
+
+def checkpoint_hashes(run_dir: Path) -> dict:
+    """SHA-256 of every checkpoint file (export's manifest) and every stored layer's content: each tensor's bytes,
+    its module index and its report without the measured times (a layer file carries its report, whose seconds
+    differ from run to run)."""
+    from safetensors import safe_open
+
+    files = json.loads((run_dir / "checkpoint" / "quant_manifest.json").read_text())["files"]
+    layers = {}
+    for p in sorted((run_dir / "quantized").glob("layer_*.safetensors")):
+        with safe_open(str(p), "pt") as f:
+            meta = f.metadata()
+            report = {k: v for k, v in json.loads(meta["report"]).items() if "seconds" not in k}
+            tensors = {k: (str(t.dtype), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                       for k in f.keys() for t in [f.get_tensor(k)]}
+            layers[p.name] = (meta["modules"], report, tensors)
+    return {"checkpoint": files, "layers": layers}
+
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun gives each rank: CPU kernels' sums depend on the thread count
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, Path]:
+    """One process, no launcher: the headline recipe with GPTQ on each family (and AWQ on the first), up to the
+    checkpoint."""
+    out = {}
+    for fam, algo in [(f, "gptq") for f in FAMILIES] + [(FAMILIES[0], "awq")]:
+        d = tmp_path_factory.mktemp("ref") / f"{fam}-{algo}"
+        p = run_cli("export", HEADLINE, "-o", str(d), "--model", f"builtin:{fam}", "--set",
+                    f"quantize.algorithm={algo}", env=ONE_THREAD)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out[fam if algo == "gptq" else f"{fam}-{algo}"] = d
+    return out
+
+
+@pytest.mark.parametrize("family,algorithm", [(f, "gptq") for f in FAMILIES] + [(FAMILIES[0], "awq")])
+def test_two_ranks_give_the_one_process_plan_and_checkpoint(reference, tmp_path, family, algorithm):
+    """GPTQ: experts and modules shared out over ranks; AWQ: every rank computes the whole layer (replicated)."""
+    d = tmp_path / "r2"
+    p = subprocess.run(torchrun(2, "export", HEADLINE, "-o", str(d), "--model", f"builtin:{family}", "--set",
+                                f"quantize.algorithm={algorithm}"),
+                       capture_output=True, text=True, env=_env(), timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ref = reference[family if algorithm == "gptq" else f"{family}-{algorithm}"]
+    assert (d / "plan.json").read_bytes() == (ref / "plan.json").read_bytes()
+    assert (d / "profile.json").read_bytes() == (ref / "profile.json").read_bytes()
+    assert checkpoint_hashes(d) == checkpoint_hashes(ref)
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["stages"]["quantize"]["ranks"] == 2 and m["stages"]["profile"]["ranks"] == 2
+    assert p.stdout.count("export: ran") == 1  # one writer prints
+
+
+def test_two_ranks_give_the_one_process_checkpoint_with_awq_in_expert_chunks(tmp_path):
+    """AWQ whose expert statistics come in 3 passes per MoE layer (``hessian_budget_gb`` holds 6 of the 16
+    experts' Hessians): every pass's relay hands both ranks every batch, each rank searches every expert, and the
+    checkpoint is the one process's byte for byte (deepseek-v3-tiny: its dense first layer takes the unrouted
+    path, its shared expert reuses the routed experts' s)."""
+    from quant.models import resolve_model
+    from quant.quantize import expert_hessian_bytes
+
+    budget = 1.3e-4
+    cfg = resolve_model("builtin:deepseek-v3-tiny").config_dict
+    per_expert = expert_hessian_bytes(cfg["hidden_size"], cfg["moe_intermediate_size"])
+    assert int(budget * 1e9) // per_expert == 6 and cfg["n_routed_experts"] == 16  # chunks of 6, 6, 4
+    args = ("--model", "builtin:deepseek-v3-tiny", "--set", "quantize.algorithm=awq", "--set",
+            f"quantize.hessian_budget_gb={budget}")
+    one = run_cli("export", HEADLINE, "-o", str(tmp_path / "one"), *args, env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr[-3000:]
+    p = subprocess.run(torchrun(2, "export", HEADLINE, "-o", str(tmp_path / "two"), *args), capture_output=True,
+                       text=True, env=_env(), timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert checkpoint_hashes(tmp_path / "two") == checkpoint_hashes(tmp_path / "one")
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before {path.name} appeared: {proc.stderr.read()[-3000:]}")
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"{path.name} did not appear within {timeout} s")
+        time.sleep(0.2)
+
+
+def _error_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("error:")]
+
+
+def test_stop_file_stops_every_rank_after_the_layer_and_one_process_resumes(reference, tmp_path):
+    d = tmp_path / "stop"
+    proc = subprocess.Popen(torchrun(2, "quantize", HEADLINE, "-o", str(d), *GPTQ, entry=(SLOW,)), cwd=REPO,
+                            env=_env(QUANT_TEST_LAYER_SLEEP="3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    _wait_for(d / "quantize.partial" / "layer_00000.safetensors.written", proc)
+    (d / "STOP").touch()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    lines = _error_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("error: stopped on request (stop file "), err[-3000:]
+    assert "exitcode  : 75" in err and not (d / "STOP").exists()
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["stages"]["quantize"]["status"] == "stopped"
+    assert len(list((d / "quantize.partial").glob("layer_*.safetensors"))) < 4
+    p = run_cli("export", HEADLINE, "-o", str(d), *GPTQ, env=ONE_THREAD)  # one process takes over two ranks' run
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "ran quantize, export; up to date: calibrate, profile, plan" in p.stdout
+    assert json.loads((d / "manifest.json").read_text())["stages"]["quantize"]["resumed_layers"] >= 1
+    assert checkpoint_hashes(d)["checkpoint"] == checkpoint_hashes(reference["qwen3-moe-tiny"])["checkpoint"]
+
+
+def test_sigusr1_stops_one_process_with_exit_75_and_three_ranks_resume(reference, tmp_path):
+    d = tmp_path / "usr1"
+    proc = subprocess.Popen([sys.executable, SLOW, "quantize", HEADLINE, "-o", str(d), *GPTQ], cwd=REPO,
+                            env=_env(QUANT_TEST_LAYER_SLEEP="3", **ONE_THREAD), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(d / "quantize.partial" / "layer_00000.safetensors.written", proc)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    assert len(_error_lines(err)) == 1 and "(SIGUSR1) after layer" in err and "Traceback" not in err
+    p = subprocess.run(torchrun(3, "export", HEADLINE, "-o", str(d), *GPTQ), capture_output=True, text=True,
+                       env=_env(), timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert checkpoint_hashes(d)["checkpoint"] == checkpoint_hashes(reference["qwen3-moe-tiny"])["checkpoint"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_killed_rank_ends_the_other_with_one_error_line_and_the_run_resumes(reference, tmp_path):
+    """Ranks started as a scheduler would (env only, no torchrun agent to clean up): SIGKILL rank 1 mid-quantize;
+    rank 0 must notice at its next collective and exit non-zero with one error line, well within the timeout."""
+    d = tmp_path / "kill"
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, SLOW, "quantize", HEADLINE, "-o", str(d), *GPTQ], cwd=REPO,
+                              env=_env(QUANT_TEST_LAYER_SLEEP="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                       WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r), QUANT_DIST_TIMEOUT_S="600",
+                                       **ONE_THREAD),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    _wait_for(d / "quantize.partial" / "layer_00000.safetensors.written", procs[0])
+    procs[1].kill()
+    t0 = time.time()
+    _, err = procs[0].communicate(timeout=120)
+    assert procs[0].returncode == 1 and time.time() - t0 < 60, err[-3000:]
+    assert len(_error_lines(err)) == 1 and "Traceback" not in err, err[-3000:]
+    assert "error: rank 0 of 2:" in err and "another rank stopped, crashed or did not answer" in err
+    procs[1].communicate()
+    p = run_cli("export", HEADLINE, "-o", str(d), *GPTQ, env=ONE_THREAD)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert checkpoint_hashes(d)["checkpoint"] == checkpoint_hashes(reference["qwen3-moe-tiny"])["checkpoint"]
+
+
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+def test_torchrun_job_ends_when_the_writer_rank_dies(tmp_path):
+    d = tmp_path / "agent"
+    proc = subprocess.Popen(torchrun(2, "quantize", HEADLINE, "-o", str(d), *GPTQ, entry=(SLOW,)), cwd=REPO,
+                            env=_env(QUANT_TEST_LAYER_SLEEP="3"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    _wait_for(d / "quantize.partial" / "layer_00000.safetensors.written", proc)
+    writer = [p for p in _descendants(proc.pid) if _rank_of(p) == 0]
+    assert writer, "rank 0's process not found"
+    os.kill(writer[0], signal.SIGKILL)
+    t0 = time.time()
+    proc.communicate(timeout=180)
+    assert proc.returncode != 0 and time.time() - t0 < 120
+
+
+def test_more_ranks_than_calibration_batches_give_the_one_process_checkpoint(tmp_path):
+    """8 samples = one batch of 8: ranks 1 and 2 run no batch at all, so they see no forward pass and must learn
+    from rank 0 which linears share an input (q/k/v are one solve group); a third family (Mixtral)."""
+    few = ("--model", "builtin:mixtral-tiny", *GPTQ, "--set", "calibration.n_samples=8")
+    one = run_cli("export", HEADLINE, "-o", str(tmp_path / "one"), *few, env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr[-3000:]
+    p = subprocess.run(torchrun(3, "export", HEADLINE, "-o", str(tmp_path / "three"), *few), capture_output=True,
+                       text=True, env=_env(), timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert checkpoint_hashes(tmp_path / "three") == checkpoint_hashes(tmp_path / "one")
+
+
+def test_two_rank_eval_scores_half_the_samples_each_and_matches_one_process(reference, tmp_path):
+    """``eval`` runs on every rank: each scores its share of the held-out samples (sums all-reduced), lm-eval runs
+    on the writer alone while the other rank waits for its result; the one writer records what one process does."""
+    import shutil
+
+    tasks = ("--set", "eval.tasks=[quant_mmlu]", "--set", "eval.limit=2", "--set", "eval.num_fewshot=0")
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d in (one, two):
+        shutil.copytree(reference["qwen3-moe-tiny"], d)
+    p = run_cli("eval", HEADLINE, "-o", str(one), "--model", "builtin:qwen3-moe-tiny", *GPTQ, *tasks, env=ONE_THREAD)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run(torchrun(2, "eval", HEADLINE, "-o", str(two), "--model", "builtin:qwen3-moe-tiny", *GPTQ,
+                                *tasks), capture_output=True, text=True, env=_env(), timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = (json.loads((d / "eval.json").read_text()) for d in (one, two))
+    assert (a["world_size"], b["world_size"]) == (1, 2)
+    for metric, key in (("perplexity", "base"), ("perplexity", "quantized"), ("kl", "quantized"),
+                        ("top1_agreement", "quantized")):
+        assert b["proxies"][metric][key] == pytest.approx(a["proxies"][metric][key], rel=1e-6, abs=1e-9)
+    assert b["proxies"]["n_tokens"] == a["proxies"]["n_tokens"]
+    assert b["tasks"] == a["tasks"] and set(b["tasks"]) == {"quant_mmlu"}
+    assert json.loads((two / "manifest.json").read_text())["stages"]["eval"]["ranks"] == 2

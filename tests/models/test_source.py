@@ -1,0 +1,190 @@
+"""Model folders that cannot be used are one ModelError (one CLI line), and the fingerprint sees every byte."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quant.errors import CheckpointError, ModelError, RunDirError
+from quant.models import ModelSource, resolve_model
+from quant.models.builtin import builtin_path
+from tests.conftest import run_cli
+
+
+@pytest.fixture
+def model(tmp_path, quant_cache) -> Path:
+    dst = tmp_path / "m"
+    shutil.copytree(builtin_path("qwen3-moe-tiny"), dst)
+    return dst
+
+
+def _shard(model: Path) -> Path:
+    return model / "model.safetensors"
+
+
+@pytest.mark.parametrize("damage", ["truncate_end", "truncate_header", "garbage", "empty", "header_json"])
+def test_damaged_safetensors(model, damage):
+    p = _shard(model)
+    data = p.read_bytes()
+    p.write_bytes({"truncate_end": data[:-1000], "truncate_header": data[:50], "garbage": b"not safetensors at all",
+                   "empty": b"", "header_json": data[:8] + b"{" * 20 + data[28:]}[damage])
+    with pytest.raises(ModelError, match="is not a readable safetensors file .* truncated or damaged"):
+        ModelSource(model)
+
+
+@pytest.mark.parametrize("config,match", [("{", "is not valid JSON"), ("[1, 2]", "holds a JSON list, not an object"),
+                                          ('"x"', "JSON str"), ('{"model_type": 3}', "model_type must be a string"),
+                                          ("{}", "model_type '\\?'"),
+                                          ('{"model_type": "qwen3_moe", "num_hidden_layers": "4"}', "num_hidden_layers"),
+                                          (b"\xff\xfe{", "is not valid JSON")])
+def test_bad_config_json(model, config, match):
+    (model / "config.json").write_bytes(config if isinstance(config, bytes) else config.encode())
+    with pytest.raises(ModelError, match=match):
+        ModelSource(model)
+
+
+def _split_into_two_shards(model: Path) -> dict:
+    tensors = load_file(str(_shard(model)))
+    keys = sorted(tensors)
+    half = len(keys) // 2
+    parts = {"model-00001-of-00002.safetensors": keys[:half], "model-00002-of-00002.safetensors": keys[half:]}
+    for name, ks in parts.items():
+        save_file({k: tensors[k] for k in ks}, str(model / name), metadata={"format": "pt"})
+    _shard(model).unlink()
+    index = {"metadata": {}, "weight_map": {k: n for n, ks in parts.items() for k in ks}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    return index
+
+
+def test_index_naming_a_missing_shard(model):
+    _split_into_two_shards(model)
+    ModelSource(model)  # intact
+    (model / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelError, match="lacks model-00002-of-00002.safetensors, which model.safetensors.index.json"):
+        ModelSource(model)
+
+
+def test_index_that_is_not_an_index(model):
+    index = _split_into_two_shards(model)
+    for text, match in [("nope", "is not valid JSON"), ("[]", "not an object"), ('{"weight_map": 3}', "no weight_map")]:
+        (model / "model.safetensors.index.json").write_text(text)
+        with pytest.raises(ModelError, match=match):
+            ModelSource(model)
+    index["weight_map"]["model.layers.0.no_such.weight"] = "model-00001-of-00002.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelError, match="no_such.weight is not in model-00001-of-00002.safetensors"):
+        ModelSource(model)
+
+
+def test_damaged_model_is_one_cli_line(model, tmp_path):
+    p = _shard(model)
+    p.write_bytes(p.read_bytes()[:-4096])
+    proc = run_cli("plan", "recipes/mixed_int8_int4.yaml", "--model", str(model), "-o", str(tmp_path / "r"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "not a readable safetensors file" in lines[0]
+
+
+def test_inspect_on_a_damaged_checkpoint(model, tmp_path):
+    from quant.export.inspect import read_checkpoint_bits
+
+    tensors = load_file(str(_shard(model)))
+    tensors["model.layers.0.mlp.experts.0.up_proj.weight_packed"] = torch.zeros(32, 8, dtype=torch.int32)
+    save_file(tensors, str(_shard(model)))
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": 3}}}
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="malformed compressed-tensors quantization_config"):
+        read_checkpoint_bits(model)
+    _shard(model).write_bytes(_shard(model).read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        read_checkpoint_bits(model)
+    (model / "config.json").write_text("[")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        read_checkpoint_bits(model)
+    proc = run_cli("inspect", str(model))
+    assert proc.returncode == 1 and proc.stderr.startswith("error:") and len(proc.stderr.strip().splitlines()) == 1
+
+
+def _pad(model: Path) -> None:
+    """Make the shard large enough (> 2 MiB past its header) that its middle is far from both ends."""
+    tensors = load_file(str(_shard(model)))
+    tensors["zz_unused.pad"] = torch.ones(4 << 20, dtype=torch.bfloat16)
+    save_file(tensors, str(_shard(model)), metadata={"format": "pt"})
+
+
+def _flip_low_mantissa_bit_mid_file(p: Path) -> None:
+    """Damage one byte in the middle of the tensor data, keeping size and mtime (a finite bf16 value changes)."""
+    st = p.stat()
+    header = 8 + int.from_bytes(p.read_bytes()[:8], "little")
+    pos = header + ((st.st_size - header) // 2) // 2 * 2  # low (mantissa) byte of a little-endian 2-byte value
+    with open(p, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([b ^ 1]))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_fingerprint_sees_damage_in_the_middle_and_survives_a_copy(model, tmp_path):
+    _pad(model)
+    before = ModelSource(model).fingerprint
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    assert ModelSource(copy).fingerprint == before  # content, not location
+    _flip_low_mantissa_bit_mid_file(_shard(model))
+    assert ModelSource(model).fingerprint != before
+
+
+def test_profile_reruns_after_a_shard_is_damaged_in_the_middle(model, tmp_path):
+    from quant.pipeline import run
+    from quant.recipe import load_recipe
+    from tests.conftest import REPO
+
+    _pad(model)
+    recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model=str(model),
+                         overrides=("calibration.n_samples=4", "calibration.seq_len=32"))
+    assert run(recipe, tmp_path / "r", until="profile").ran == ["calibrate", "profile"]
+    assert run(recipe, tmp_path / "r", until="profile").ran == []
+    _flip_low_mantissa_bit_mid_file(_shard(model))
+    with pytest.raises(RunDirError, match="changed since .* was made .* no longer match the recorded fingerprint"):
+        run(recipe, tmp_path / "r", until="profile")
+    assert run(recipe, tmp_path / "r", until="profile", force="all").ran == ["calibrate", "profile"]
+
+
+def test_nan_in_an_expert_is_an_error_naming_it(model, tmp_path):
+    from quant.errors import NumericalError
+    from quant.pipeline import run
+    from quant.recipe import load_recipe
+    from tests.conftest import REPO
+
+    src = resolve_model(str(model))
+    key = src.modules["layers.2.experts.5.up"].disk_prefix + ".weight"
+    tensors = load_file(str(_shard(model)))
+    tensors[key][3, 7] = float("nan")
+    save_file(tensors, str(_shard(model)), metadata={"format": "pt"})
+    recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model=str(model),
+                         overrides=("calibration.n_samples=4", "calibration.seq_len=32"))
+    with pytest.raises(NumericalError, match="layers.2.experts.5.up: 1 source weight\\(s\\) are NaN or infinite"):
+        run(recipe, tmp_path / "r", until="quantize")
+
+
+def test_nan_in_a_kept_tensor_is_refused_at_export(model, tmp_path):
+    from quant.errors import NumericalError
+    from quant.pipeline import run
+    from quant.recipe import load_recipe
+    from tests.conftest import REPO
+
+    tensors = load_file(str(_shard(model)))
+    tensors["model.layers.3.post_attention_layernorm.weight"][0] = float("inf")
+    save_file(tensors, str(_shard(model)), metadata={"format": "pt"})
+    recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model=str(model),
+                         overrides=("calibration.n_samples=4", "calibration.seq_len=32"))
+    with pytest.raises(NumericalError, match="model.layers.3.post_attention_layernorm.weight holds NaN or infinite"):
+        run(recipe, tmp_path / "r", until="export")
+    assert json.loads((tmp_path / "r" / "manifest.json").read_text())["stages"]["export"]["status"] == "failed"
+    assert torch.isinf(tensors["model.layers.3.post_attention_layernorm.weight"]).any()

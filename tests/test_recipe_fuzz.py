@@ -1,0 +1,238 @@
+"""Property: whatever bytes a recipe file holds, ``quant validate`` exits 0, or 1 with exactly one ``error:`` line,
+quickly and in bounded memory. Generated: recipes over the real schema with hostile values (YAML tags, dates,
+binary, sets, huge and non-finite numbers, booleans, control characters, duplicate keys), alias bombs, deep
+nesting, byte flips of a valid recipe and raw bytes. In-process through ``cli_exit_code`` (what ``main`` runs);
+a few real subprocesses check the console entry point. Bounds: each recipe under 2 s, the whole run's peak RSS under
+1 GiB (it runs in a child process under a 4 GiB address-space limit)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import resource
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from quant.cli import cli_exit_code
+from quant.recipe import Recipe, _submodel
+from tests.conftest import REPO
+
+HEADLINE = (REPO / "recipes" / "mixed_int8_int4.yaml").read_bytes()
+N_EXAMPLES = 1000
+MAX_SECONDS_PER_RECIPE = 2.0
+MAX_RSS_BYTES = 1 << 30  # the whole run's peak; validating one recipe needs ~100 MB
+
+
+def _leaf_keys(model, prefix: str = "") -> list[str]:
+    out = []
+    for name, f in model.model_fields.items():
+        sub = _submodel(f.annotation)
+        if sub is None:
+            out.append(prefix + name)
+        elif sub.__name__ == "GateSpec":
+            out += [f"{prefix}{name}.{g}.{k}" for g in ("perplexity", "kl", "top1_agreement", "mmlu")
+                    for k in sub.model_fields]
+        else:
+            out += _leaf_keys(sub, f"{prefix}{name}.")
+    return out
+
+
+KEYS = _leaf_keys(Recipe)
+WORDS = ["true", "false", "yes", "off", "null", "~", "''", "keep", "auto", "cpu", "cuda", "cuda:3", "rtn", "gptq",
+         "awq", "budget", "uniform", "per_layer", "global", "compressed-tensors", "[compressed-tensors, gptq]", "[]",
+         "{}", "[quant_mmlu]", "2024-01-01", "2024-01-01T10:00:00Z", "2001-12-14 21:59:43.10 -5", "0x1F", "0o17",
+         "1_000", "1e400", "-0", "+.inf", "-.inf", ".NaN", "builtin:olmoe-tiny", "calibration/bundled.yaml", "8", "4",
+         "0.2", "-1", "128", "32"]
+TAGGED = ["!!binary aGVsbG8=", "!!set {a, b}", "!!timestamp 2001-12-14", "!!omap [a: 1]", "!!pairs [a: 1]",
+          "!!python/object:os.system x", "!!python/name:os.system ''", "!local x", "!!str 12", "!!int '7'",
+          "!!float 1", "!!bool yes", "!!null ''"]
+scalars = st.one_of(
+    st.sampled_from(WORDS), st.sampled_from(WORDS), st.sampled_from(WORDS), st.sampled_from(TAGGED),
+    st.integers(-(2**70), 2**70).map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    st.text(max_size=12).map(json.dumps),  # YAML double-quoted: escapes give control characters, surrogates
+    st.lists(st.sampled_from(WORDS), max_size=3).map(lambda xs: "[" + ", ".join(xs) + "]"),
+)
+keys = st.one_of(st.sampled_from(KEYS), st.sampled_from(KEYS), st.text(min_size=1, max_size=8).map(json.dumps))
+
+
+def _render(entries: list[tuple[str, str]]) -> str:
+    """Block-style YAML from dotted keys; repeated keys stay repeated (duplicate-key documents)."""
+    lines, open_path = [], []
+    for key, value in entries:
+        parts = key.split(".") if not key.startswith('"') else [key]
+        common = 0
+        while common < min(len(open_path), len(parts) - 1) and open_path[common] == parts[common]:
+            common += 1
+        for depth in range(common, len(parts) - 1):
+            lines.append("  " * depth + f"{parts[depth]}:")
+        open_path = parts[:-1]
+        lines.append("  " * (len(parts) - 1) + f"{parts[-1]}: {value}")
+    return "\n".join(lines) + "\n"
+
+
+@st.composite
+def schema_recipes(draw) -> bytes:
+    tidy = draw(st.integers(0, 4)) > 0  # mostly distinct keys grouped by section; else duplicates and reopened sections
+    entries = draw(st.lists(st.tuples(keys, scalars), max_size=6, unique_by=(lambda kv: kv[0]) if tidy else None))
+    if tidy:
+        entries.sort(key=lambda kv: kv[0].split(".")[:-1])
+    if draw(st.integers(0, 9)):
+        name = draw(st.sampled_from(["fuzz"] * 6 + ["2024-01-01", "'x'", "a/b", ".h", "!!binary eA=="]))
+        entries = [("name", name)] + [e for e in entries if e[0] != "name"]
+    return _render(entries).encode("utf-8", "surrogatepass")
+
+
+@st.composite
+def alias_bombs(draw) -> bytes:
+    levels, fanout = draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    lines = ['l0: &l0 ["lol", "lol"]']
+    lines += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * fanout) + "]" for i in range(1, levels + 1)]
+    lines.append(f"name: fuzz\n{draw(st.sampled_from(['description', 'eval.tasks', 'plan']))}: *l{levels}")
+    return "\n".join(lines).encode()
+
+
+@st.composite
+def deep_documents(draw) -> bytes:
+    depth = draw(st.integers(1, 3000))
+    kind = draw(st.sampled_from(["[", "{a: ", "block"]))
+    if kind == "[":
+        body = "[" * depth + "]" * depth
+    elif kind == "{a: ":
+        body = "{a: " * depth + "1" + "}" * depth
+    else:
+        depth = min(depth, 200)
+        body = "\n" + "".join("  " * i + f"k{i}:\n" for i in range(1, depth)) + "  " * depth + "v"
+    return f"name: fuzz\nplan: {body}\n".encode()
+
+
+@st.composite
+def byte_flips(draw) -> bytes:
+    data = bytearray(HEADLINE)
+    for _ in range(draw(st.integers(1, 8))):
+        pos = draw(st.integers(0, len(data) - 1))
+        op = draw(st.sampled_from(["set", "insert", "delete"]))
+        byte = draw(st.integers(0, 255))
+        if op == "set":
+            data[pos] = byte
+        elif op == "insert":
+            data.insert(pos, byte)
+        else:
+            del data[pos]
+    return bytes(data)
+
+
+documents = st.one_of(schema_recipes(), schema_recipes(), schema_recipes(), schema_recipes(), alias_bombs(),
+                      deep_documents(), byte_flips(), st.binary(max_size=300))
+
+
+def _validate(path: Path) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_exit_code(["validate", str(path)])
+    return code, out.getvalue(), err.getvalue()
+
+
+def _kind(line: str) -> str:
+    for needle, kind in [("unsupported YAML tag", "tag"), ("duplicate key", "duplicate"), ("nesting deeper", "nesting"),
+                         ("expands to more than", "aliases"), ("recursive YAML alias", "aliases"),
+                         ("not UTF-8", "utf-8"), ("invalid recipe value", "value"), ("unknown recipe key", "unknown key"),
+                         ("malformed YAML", "malformed"), ("control character", "control"),
+                         ("unpaired surrogate", "control"), ("must be a YAML mapping", "shape")]:
+        if needle in line:
+            return kind
+    return "other"
+
+
+def run_fuzz(n_examples: int, workdir: str) -> dict:
+    """The property over ``n_examples`` generated files (runs in a child process: its peak RSS is the memory bound)."""
+    path = Path(workdir) / "recipe.yaml"
+    outcomes: Counter = Counter()
+    seconds: list[float] = []
+    _validate(REPO / "recipes" / "mixed_int8_int4.yaml")  # imports and typer's command, before timing
+
+    @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(documents)
+    def check(data: bytes) -> None:
+        path.write_bytes(data)
+        t0 = time.perf_counter()
+        code, out, err = _validate(path)
+        seconds.append(time.perf_counter() - t0)
+        assert code in (0, 1), (code, data[:300], err[-2000:])
+        if code == 1:
+            lines = err.strip("\n").split("\n")
+            assert len(lines) == 1 and lines[0].startswith("error: ") and len(lines[0]) > 8, (data[:300], err)
+            outcomes[_kind(lines[0])] += 1
+        else:
+            assert "schema_version: 1" in out, (data[:300], out, err)
+            outcomes["ok"] += 1
+
+    t0 = time.perf_counter()
+    check()
+    return {"n": len(seconds), "max_s": max(seconds), "total_s": time.perf_counter() - t0, "outcomes": dict(outcomes),
+            "max_rss_bytes": _peak_rss_bytes()}
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM: unlike ru_maxrss it does not carry the forking parent's peak over
+    exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # an alias bomb needed 12.6 GB before
+
+
+def test_any_recipe_file_is_ok_or_one_error_line(tmp_path):
+    code = ("import json, sys; from tests.test_recipe_fuzz import run_fuzz; "
+            "print(json.dumps(run_fuzz(int(sys.argv[1]), sys.argv[2])))")
+    child = subprocess.run([sys.executable, "-c", code, str(N_EXAMPLES), str(tmp_path)], cwd=REPO, capture_output=True,
+                           text=True, timeout=900, preexec_fn=_limit_memory)
+    assert child.returncode == 0, child.stderr[-6000:]
+    summary = json.loads(child.stdout.strip().splitlines()[-1])
+    print(summary)
+    assert summary["n"] >= N_EXAMPLES
+    assert summary["max_s"] < MAX_SECONDS_PER_RECIPE, summary
+    assert summary["max_rss_bytes"] < MAX_RSS_BYTES, summary
+    # the generator reached every class it is meant to (and valid recipes too)
+    for kind in ("ok", "tag", "duplicate", "nesting", "aliases", "utf-8", "value", "unknown key", "malformed",
+                 "control"):
+        assert summary["outcomes"].get(kind, 0) > 0, summary
+
+
+def _cli(*args: str, data: bytes | None = None, tmp_path: Path) -> subprocess.CompletedProcess:
+    """The console entry point under a 4 GiB address-space limit (an alias bomb needed 12.6 GB before)."""
+    if data is not None:
+        (tmp_path / "r.yaml").write_bytes(data)
+
+    return subprocess.run([sys.executable, "-m", "quant.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, preexec_fn=_limit_memory)
+
+
+def test_real_cli_cases(tmp_path):
+    bomb = "\n".join(['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]'] +
+                     [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)] +
+                     ["name: *a9"]).encode()
+    cases = [(bomb, 1, "expands to more than"), (b"name: caf\xe9\n", 1, "not UTF-8"),
+             (b"name: x\nplan: " + b"[" * 50000 + b"]" * 50000, 1, "nesting deeper"),
+             (b"name: x\nname: y\n", 1, "duplicate key"), (b"name: 2024-01-01\n", 0, "")]
+    recipe = str(tmp_path / "r.yaml")
+    for data, code, needle in cases:
+        t0 = time.perf_counter()
+        p = _cli("validate", recipe, data=data, tmp_path=tmp_path)
+        assert p.returncode == code and time.perf_counter() - t0 < 60, (data[:80], p.returncode, p.stderr[-2000:])
+        if code:
+            assert p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr
+    p = _cli("validate", str(REPO / "recipes" / "mixed_int8_int4.yaml"), "--set", "name=a\x1b[2Jb", tmp_path=tmp_path)
+    assert p.returncode == 1 and "control character" in p.stderr and "\x1b" not in p.stderr
