@@ -95,14 +95,18 @@ def test_two_ranks_give_the_one_process_checkpoint_with_awq_in_expert_chunks(tmp
     cfg = resolve_model("builtin:deepseek-v3-tiny").config_dict
     per_expert = expert_hessian_bytes(cfg["hidden_size"], cfg["moe_intermediate_size"])
     assert int(budget * 1e9) // per_expert == 6 and cfg["n_routed_experts"] == 16  # chunks of 6, 6, 4
-    args = ("--model", "builtin:deepseek-v3-tiny", "--set", "quantize.algorithm=awq", "--set",
-            f"quantize.hessian_budget_gb={budget}")
+    _same_checkpoint_as_one_process(tmp_path, 2, "--model", "builtin:deepseek-v3-tiny", "--set",
+                                    "quantize.algorithm=awq", "--set", f"quantize.hessian_budget_gb={budget}")
+
+
+def _same_checkpoint_as_one_process(tmp_path: Path, ranks: int, *args: str) -> None:
+    """``export`` in one process (one thread) and at ``ranks`` ranks under torchrun: the same checkpoint."""
     one = run_cli("export", HEADLINE, "-o", str(tmp_path / "one"), *args, env=ONE_THREAD)
     assert one.returncode == 0, one.stderr[-3000:]
-    p = subprocess.run(torchrun(2, "export", HEADLINE, "-o", str(tmp_path / "two"), *args), capture_output=True,
+    p = subprocess.run(torchrun(ranks, "export", HEADLINE, "-o", str(tmp_path / "many"), *args), capture_output=True,
                        text=True, env=_env(), timeout=900, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert checkpoint_hashes(tmp_path / "two") == checkpoint_hashes(tmp_path / "one")
+    assert checkpoint_hashes(tmp_path / "many") == checkpoint_hashes(tmp_path / "one")
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -229,13 +233,8 @@ def test_torchrun_job_ends_when_the_writer_rank_dies(tmp_path):
 def test_more_ranks_than_calibration_batches_give_the_one_process_checkpoint(tmp_path):
     """8 samples = one batch of 8: ranks 1 and 2 run no batch at all, so they see no forward pass and must learn
     from rank 0 which linears share an input (q/k/v are one solve group); a third family (Mixtral)."""
-    few = ("--model", "builtin:mixtral-tiny", *GPTQ, "--set", "calibration.n_samples=8")
-    one = run_cli("export", HEADLINE, "-o", str(tmp_path / "one"), *few, env=ONE_THREAD)
-    assert one.returncode == 0, one.stderr[-3000:]
-    p = subprocess.run(torchrun(3, "export", HEADLINE, "-o", str(tmp_path / "three"), *few), capture_output=True,
-                       text=True, env=_env(), timeout=900, cwd=REPO)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert checkpoint_hashes(tmp_path / "three") == checkpoint_hashes(tmp_path / "one")
+    _same_checkpoint_as_one_process(tmp_path, 3, "--model", "builtin:mixtral-tiny", *GPTQ, "--set",
+                                    "calibration.n_samples=8")
 
 
 def test_two_rank_eval_scores_half_the_samples_each_and_matches_one_process(reference, tmp_path):
