@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO, run_cli
 
@@ -32,9 +33,20 @@ def _env(**extra) -> dict:
 
 
 def checkpoint_hashes(run_dir: Path) -> dict:
-    """SHA-256 of every checkpoint file (export's manifest) and the bytes of every stored layer."""
+    """SHA-256 of every checkpoint file (export's manifest) and every stored layer's content: each tensor's bytes,
+    its module index and its report without the measured times (a layer file carries its report, whose seconds
+    differ from run to run)."""
+    from safetensors import safe_open
+
     files = json.loads((run_dir / "checkpoint" / "quant_manifest.json").read_text())["files"]
-    layers = {p.name: p.read_bytes() for p in sorted((run_dir / "quantized").glob("layer_*.safetensors"))}
+    layers = {}
+    for p in sorted((run_dir / "quantized").glob("layer_*.safetensors")):
+        with safe_open(str(p), "pt") as f:
+            meta = f.metadata()
+            report = {k: v for k, v in json.loads(meta["report"]).items() if "seconds" not in k}
+            tensors = {k: (str(t.dtype), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                       for k in f.keys() for t in [f.get_tensor(k)]}
+            layers[p.name] = (meta["modules"], report, tensors)
     return {"checkpoint": files, "layers": layers}
 
 
@@ -70,6 +82,32 @@ def test_two_ranks_give_the_one_process_plan_and_checkpoint(reference, tmp_path,
     m = json.loads((d / "manifest.json").read_text())
     assert m["stages"]["quantize"]["ranks"] == 2 and m["stages"]["profile"]["ranks"] == 2
     assert p.stdout.count("export: ran") == 1  # one writer prints
+
+
+def test_two_ranks_give_the_one_process_checkpoint_with_awq_in_expert_chunks(tmp_path):
+    """AWQ whose expert statistics come in 3 passes per MoE layer (``hessian_budget_gb`` holds 6 of the 16
+    experts' Hessians): every pass's relay hands both ranks every batch, each rank searches every expert, and the
+    checkpoint is the one process's byte for byte (deepseek-v3-tiny: its dense first layer takes the unrouted
+    path, its shared expert reuses the routed experts' s)."""
+    from quant.models import resolve_model
+    from quant.quantize import expert_hessian_bytes
+
+    budget = 1.3e-4
+    cfg = resolve_model("builtin:deepseek-v3-tiny").config_dict
+    per_expert = expert_hessian_bytes(cfg["hidden_size"], cfg["moe_intermediate_size"])
+    assert int(budget * 1e9) // per_expert == 6 and cfg["n_routed_experts"] == 16  # chunks of 6, 6, 4
+    _same_checkpoint_as_one_process(tmp_path, 2, "--model", "builtin:deepseek-v3-tiny", "--set",
+                                    "quantize.algorithm=awq", "--set", f"quantize.hessian_budget_gb={budget}")
+
+
+def _same_checkpoint_as_one_process(tmp_path: Path, ranks: int, *args: str) -> None:
+    """``export`` in one process (one thread) and at ``ranks`` ranks under torchrun: the same checkpoint."""
+    one = run_cli("export", HEADLINE, "-o", str(tmp_path / "one"), *args, env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr[-3000:]
+    p = subprocess.run(torchrun(ranks, "export", HEADLINE, "-o", str(tmp_path / "many"), *args), capture_output=True,
+                       text=True, env=_env(), timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert checkpoint_hashes(tmp_path / "many") == checkpoint_hashes(tmp_path / "one")
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -196,13 +234,8 @@ def test_torchrun_job_ends_when_the_writer_rank_dies(tmp_path):
 def test_more_ranks_than_calibration_batches_give_the_one_process_checkpoint(tmp_path):
     """8 samples = one batch of 8: ranks 1 and 2 run no batch at all, so they see no forward pass and must learn
     from rank 0 which linears share an input (q/k/v are one solve group); a third family (Mixtral)."""
-    few = ("--model", "builtin:mixtral-tiny", *GPTQ, "--set", "calibration.n_samples=8")
-    one = run_cli("export", HEADLINE, "-o", str(tmp_path / "one"), *few, env=ONE_THREAD)
-    assert one.returncode == 0, one.stderr[-3000:]
-    p = subprocess.run(torchrun(3, "export", HEADLINE, "-o", str(tmp_path / "three"), *few), capture_output=True,
-                       text=True, env=_env(), timeout=900, cwd=REPO)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert checkpoint_hashes(tmp_path / "three") == checkpoint_hashes(tmp_path / "one")
+    _same_checkpoint_as_one_process(tmp_path, 3, "--model", "builtin:mixtral-tiny", *GPTQ, "--set",
+                                    "calibration.n_samples=8")
 
 
 def test_two_rank_eval_scores_half_the_samples_each_and_matches_one_process(reference, tmp_path):
