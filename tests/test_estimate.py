@@ -57,6 +57,12 @@ RECORDS = [
      "cuda-graph"),
     ("DeepSeek-V3 layer GPTQ, solve_budget_gb 6", "deepseek-v3", 1, 32, "gptq", 6.0,
      _cell("| quant GPTQ (CUDA-graph column loop, `solve_budget_gb: 6`)", 4), None, "cuda-graph"),
+    # the fourth session's device run, after the forecasts were written (out of sample: the fused loop's layer time
+    # and AWQ's chunked statistics had not been measured in a layer run before)
+    ("DeepSeek-V3 layer GPTQ, fused loop", "deepseek-v3", 1, 32, "gptq", 3.0,
+     _cell("| GPTQ, 1 GPU |", 7), _cell("| GPTQ, 1 GPU |", 2), "fused"),
+    ("DeepSeek-V3 layer AWQ in expert chunks", "deepseek-v3", 1, 32, "awq", 3.0,
+     _cell("| AWQ, 1 GPU (beside the suite) |", 7), _cell("| AWQ, 1 GPU (beside the suite) |", 1), "fused"),
 ]
 
 
