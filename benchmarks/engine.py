@@ -202,6 +202,10 @@ class TiledSource(ModelSource):
         real = super().shapes()
         return {k: real[self._real(k)] for k in self.weight_map}
 
+    def dtypes(self):
+        real = super().dtypes()
+        return {k: real[self._real(k)] for k in self.weight_map}
+
 
 def calibration(n: int, seqlen: int, vocab: int, seed: int) -> CalibrationSet:
     g = torch.Generator().manual_seed(seed)

@@ -25,7 +25,8 @@ out over ranks, so each rank holds 1/N of the activations and runs 1/N of the fo
 whole layer and the non-expert modules' input Hessians, whose solves are shared out (the worst rank is assumed to
 solve them all). GPTQ and RTN divide the experts (their statistics, Hessians, solves and codes) over ranks; AWQ
 runs replicated (quant/smooth.py): every rank accumulates and searches every expert from every rank's batches.
-Eval dispatches the model over the N GPUs.
+Export's shard files are divided over ranks, each at the one-GPU rate, up to an assumed storage bandwidth
+(``STORAGE_BYTES_PER_S``). Eval dispatches the model over the N GPUs.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ AWQ_FACTOR = 1.4
 HOST_BASE = 3 * GB  # python, torch, CUDA host state
 HEADROOM = 0.95  # share of the card a forecast may fill
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# assumed, not measured: what the run directory's storage absorbs from all ranks' shard writes together (local NVMe
+# RAID or a parallel file system); the export forecast scales with ranks up to it
+STORAGE_BYTES_PER_S = 5e9
 
 
 @dataclass
@@ -370,6 +374,15 @@ def _eval_stage(recipe: Recipe, source: ModelSource, plan: BitPlan, model_bytes:
                          parts=parts, note=note)
 
 
+def _export_stage(recipe: Recipe, layers: list[LayerShape], ckpt: dict[str, float], gpus: int) -> StageForecast:
+    """Every rank packs, writes and hashes its share of the shard files (balanced by bytes) at one H200 host's
+    measured rate, together at most ``STORAGE_BYTES_PER_S``; a rank holds one shard and a layer's codes."""
+    rate = min(gpus * THROUGHPUTS["export_bytes_per_s"], STORAGE_BYTES_PER_S)
+    note = f"{gpus} ranks write shards, <= {STORAGE_BYTES_PER_S / GB:g} GB/s storage assumed" if gpus > 1 else ""
+    return StageForecast("export", 0.0, HOST_BASE + max(L.weight_bytes for L in layers) + recipe.export.max_shard_gb * GB,
+                         sum(ckpt.values()), sum(ckpt.values()) / rate, note=note)
+
+
 def plan_for(recipe: Recipe, source: ModelSource) -> tuple[BitPlan, RoutingProfile]:
     profile = synthetic_profile(source)
     return plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers,
@@ -406,9 +419,7 @@ def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: 
     profile_run = dataclasses.replace(run, batch=recipe.profile.batch_size)
     stages = [StageForecast("calibrate", 0.0, HOST_BASE, tokens_bytes, 0.0), _profile_stage(layers, profile_run, d),
               StageForecast("plan", 0.0, HOST_BASE, 0.0, 0.0), _quantize_stage(layers, run, d),
-              StageForecast("export", 0.0, HOST_BASE + max(L.weight_bytes for L in layers)
-                            + recipe.export.max_shard_gb * GB, sum(ckpt.values()),
-                            sum(ckpt.values()) / THROUGHPUTS["export_bytes_per_s"]),
+              _export_stage(recipe, layers, ckpt, gpus),
               _eval_stage(recipe, source, plan, model_bytes, run, d, layers, gpu_memory_gb)]
     params = sum(math.prod(s) for s in source.shapes().values())
     return Forecast(source.display_name, params, gpus, gpu_memory_gb, stages, ckpt,

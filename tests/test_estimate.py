@@ -208,6 +208,19 @@ def test_more_gpus_split_expert_work_and_activations_not_the_layer(shapes_dir):
     assert q4.seconds < q1.seconds and q4.gpu_bytes < q1.gpu_bytes
 
 
+def test_export_divides_over_ranks_up_to_the_storage_bandwidth(shapes_dir):
+    from quant.estimate import STORAGE_BYTES_PER_S
+    from quant.throughputs import THROUGHPUTS
+
+    path = shapes_dir("deepseek-v3", 1)
+    recipe, src = _bench_recipe(path, 32, "gptq", 3.0), load_headers(str(path))
+    e1, e8, e64 = (next(s for s in forecast(recipe, src, gpus=n, gpu_memory_gb=143).stages if s.stage == "export")
+                   for n in (1, 8, 64))
+    assert e1.disk_bytes == e8.disk_bytes and e1.seconds == pytest.approx(e1.disk_bytes / THROUGHPUTS["export_bytes_per_s"])
+    assert e8.seconds == pytest.approx(e1.seconds / 8) and "8 ranks write shards" in e8.note
+    assert e64.seconds == pytest.approx(e1.disk_bytes / STORAGE_BYTES_PER_S)  # 64 x 0.34 GB/s is past the storage
+
+
 def test_more_gpus_keep_awq_replicated(shapes_dir):
     """AWQ runs replicated (quant/smooth.py): at 4 GPUs each rank still holds every expert's statistics chunks and
     searches every expert (same expert memory, same solve time); only its share of the batches' activations and

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -259,3 +260,66 @@ def test_two_rank_eval_scores_half_the_samples_each_and_matches_one_process(refe
     assert b["proxies"]["n_tokens"] == a["proxies"]["n_tokens"]
     assert b["tasks"] == a["tasks"] and set(b["tasks"]) == {"quant_mmlu"}
     assert json.loads((two / "manifest.json").read_text())["stages"]["eval"]["ranks"] == 2
+
+
+BOTH_FORMATS = ("--model", "builtin:qwen3-moe-tiny", *GPTQ, "--set", "export.formats=[compressed-tensors,gptq]",
+                "--set", "export.max_shard_gb=0.0002")  # ~0.7 MB checkpoints: 4 shard files each
+FAILING_EXPORT = str(REPO / "tests" / "fixtures" / "failing_export_cli.py")
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def _temporaries(run_dir: Path) -> list[str]:
+    return [p.name for p in run_dir.iterdir() if p.name.startswith(".checkpoint")]
+
+
+def test_two_ranks_export_the_one_process_files_of_both_formats(reference, tmp_path):
+    """Each rank writes its share of every checkpoint's shard files; the writer finishes the checkpoints: every file
+    (shards, index, configs, manifest) is byte-identical to one process's."""
+    import shutil
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d in (one, two):
+        shutil.copytree(reference["qwen3-moe-tiny"], d)
+    p = run_cli("export", HEADLINE, "-o", str(one), *BOTH_FORMATS, env=ONE_THREAD)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run(torchrun(2, "export", HEADLINE, "-o", str(two), *BOTH_FORMATS), capture_output=True,
+                       text=True, env=_env(), timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for folder in ("checkpoint", "checkpoint-gptq"):
+        files = _files(two / folder)
+        assert len([f for f in files if f.endswith(".safetensors")]) >= 3, sorted(files)
+        assert "model.safetensors.index.json" in files and files == _files(one / folder), folder
+    assert re.search(r"checkpoint: \d+ shard files written by 2 ranks \(rank 0: [1-9]\d*, rank 1: [1-9]", p.stderr)
+    m1, m2 = (json.loads((d / "manifest.json").read_text())["stages"]["export"] for d in (one, two))
+    assert (m1["ranks"], m2["ranks"]) == (1, 2) and m1["outputs"] == m2["outputs"]
+    assert not _temporaries(two)
+
+
+def test_a_rank_that_cannot_write_its_shards_ends_every_rank_with_one_error_line(reference, tmp_path):
+    """Rank 1's shard writes fail (read-only file system): both ranks exit 1, the job prints one error line naming
+    rank 1 and the path, the manifest records export failed, no checkpoint or temporary is left (not even the
+    finished one the run had before); one process then finishes the export."""
+    import shutil
+
+    d = tmp_path / "ro"
+    shutil.copytree(reference["qwen3-moe-tiny"], d)
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, FAILING_EXPORT, "export", HEADLINE, "-o", str(d), *BOTH_FORMATS],
+                              cwd=REPO, env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                                                 RANK=str(r), LOCAL_RANK=str(r), QUANT_TEST_FAIL_EXPORT_RANK="1",
+                                                 **ONE_THREAD),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    errs = [proc.communicate(timeout=600)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [1, 1], errs
+    lines = _error_lines(errs[0]) + _error_lines(errs[1])
+    assert len(lines) == 1 and not _error_lines(errs[0]), errs
+    assert lines[0].startswith("error: rank 1 of 2: cannot write ") and "Read-only file system" in lines[0]
+    assert "Traceback" not in errs[0] + errs[1]
+    entry = json.loads((d / "manifest.json").read_text())["stages"]["export"]
+    assert entry["status"] == "failed" and "rank 1 of 2: cannot write" in entry["error"] and "outputs" not in entry
+    assert not (d / "checkpoint").exists() and not (d / "checkpoint-gptq").exists() and not _temporaries(d)
+    p = run_cli("export", HEADLINE, "-o", str(d), *BOTH_FORMATS, env=ONE_THREAD)
+    assert p.returncode == 0 and "ran export;" in p.stdout, p.stderr[-3000:]
