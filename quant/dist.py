@@ -317,6 +317,11 @@ def init_world(device: str, timeout_s: float | None = None) -> World:
                         "LOCAL_RANK, MASTER_ADDR, MASTER_PORT for every process)") from None
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise DistError(f"rank {rank}: LOCAL_RANK {local_rank} has no GPU of its own ({visible} visible on this "
+                            f"node): start at most {visible} process(es) per node (torchrun --nproc-per-node "
+                            f"{visible}), or run on CPUs with quantize.device: cpu")
         torch.cuda.set_device(local_rank)
     world = World(rank, size, local_rank, backend, timeout_s)
     with world._collective("joining the process group"):

@@ -29,7 +29,7 @@ def torchrun(n: int, *args: str, entry: tuple[str, ...] = ("-m", "quant.cli")) -
 
 
 def _env(**extra) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), **extra}
+    return {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
 def checkpoint_hashes(run_dir: Path) -> dict:
@@ -50,7 +50,9 @@ def checkpoint_hashes(run_dir: Path) -> dict:
     return {"checkpoint": files, "layers": layers}
 
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun gives each rank: CPU kernels' sums depend on the thread count
+# as torchrun gives each rank: CPU kernels' sums depend on the thread count. No GPU, also on GPU machines: these tests
+# check the gloo path's same-answer claim (byte-identical codes on CPUs); NCCL runs are benchmarks/distributed.py's
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 @pytest.fixture(scope="module")
