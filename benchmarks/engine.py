@@ -64,17 +64,20 @@ SHAPES = {
 TIMERS: dict[str, float] = {}  # seconds spent in the wrapped functions (layer loads, layer writes)
 
 
-def time_calls(module, name: str, key: str) -> None:
-    """Replace ``module.name`` by a wrapper that adds its wall time (after a device sync) to ``TIMERS[key]``."""
+def time_calls(module, name: str, key: str, device_sync: bool = True) -> None:
+    """Replace ``module.name`` by a wrapper that adds its wall time (after a device sync, unless ``device_sync`` is
+    False: a call on a background thread must not wait for the compute stream) to ``TIMERS[key]``."""
     fn = getattr(module, name)
 
     def wrapped(*args, **kwargs):
-        sync()
+        if device_sync:
+            sync()
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            sync()
+            if device_sync:
+                sync()
             TIMERS[key] = TIMERS.get(key, 0.0) + time.perf_counter() - t0
 
     setattr(module, name, wrapped)
@@ -197,6 +200,10 @@ class TiledSource(ModelSource):
 
     def shapes(self):
         real = super().shapes()
+        return {k: real[self._real(k)] for k in self.weight_map}
+
+    def dtypes(self):
+        real = super().dtypes()
         return {k: real[self._real(k)] for k in self.weight_map}
 
 
@@ -331,10 +338,12 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     import quant.layerwise
-    import quant.quantize
+    import quant.qstore
 
     time_calls(quant.layerwise, "load_layer", "load_s")
-    time_calls(quant.quantize, "write_layer", "write_s")
+    # layer files are written by qstore.LayerWriter on a background thread (codes already on the host): write_s is
+    # that thread's time, overlapped with the next layer's compute
+    time_calls(quant.qstore, "write_layer", "write_s", device_sync=False)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="quant-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     say(torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",

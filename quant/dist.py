@@ -121,15 +121,15 @@ class World:
             dist.broadcast_object_list(box, src=src, group=self.groups.get("idle" if idle else "objects"))
         return box[0]
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order, on every rank."""
+    def all_gather_object(self, obj: Any, idle: bool = False) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank. ``idle``: wait as long as a stage may take."""
         if not self.distributed:
             return [obj]
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.size
         with self._collective("all_gather_object"):
-            dist.all_gather_object(out, obj, group=self.groups.get("objects"))
+            dist.all_gather_object(out, obj, group=self.groups.get("idle" if idle else "objects"))
         return out
 
     def barrier(self) -> None:
@@ -169,7 +169,7 @@ class World:
             try:
                 outcome = ("ok", fn())
             except BaseException as e:  # every rank must learn of it, then the writer re-raises its own
-                self.broadcast_object(("error", _portable(e)), idle=True)
+                self.broadcast_object(("error", _portable(e, self.rank)), idle=True)
                 raise
         outcome = self.broadcast_object(outcome, idle=True)
         if outcome[0] == "error":
@@ -177,6 +177,28 @@ class World:
             err.elsewhere = True  # the writer prints it; this rank exits with its code, silently
             raise err
         return outcome[1]
+
+    def on_every_rank(self, fn: Callable[[], T]) -> list[T]:
+        """``fn()`` run by every rank at once (each on its share of the work), every rank's result in rank order on
+        every rank. An error on any rank ends every rank: the first failing rank raises (and prints) its own error,
+        the others raise a copy of it silently, so the job shows one error line. Ranks that finish early wait for
+        the slowest without the collective timeout; a rank that dies still ends the others at once."""
+        if not self.distributed:
+            return [fn()]
+        outcome: tuple[str, Any]
+        try:
+            outcome, error = ("ok", fn()), None
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it; this rank re-raises its own below
+            outcome, error = ("error", _portable(e, self.rank)), e
+        outcomes = self.all_gather_object(outcome, idle=True)
+        failed = [r for r, (status, _) in enumerate(outcomes) if status == "error"]
+        if not failed:
+            return [value for _, value in outcomes]
+        if failed[0] == self.rank:
+            raise error
+        err = outcomes[failed[0]][1]
+        err.elsewhere = True
+        raise err
 
     def agree_stop(self) -> str | None:
         """The first stop request any rank has (signal or stop file), agreed by all ranks: every rank stops
@@ -212,15 +234,16 @@ class World:
         return out
 
 
-def _portable(e: BaseException) -> BaseException:
-    """An exception other ranks can re-raise: itself when it pickles and is a QuantError, else a QuantError."""
+def _portable(e: BaseException, rank: int) -> BaseException:
+    """An exception other ranks can re-raise: itself when it pickles and is a QuantError, else a QuantError naming
+    ``rank``, the rank it happened on."""
     if isinstance(e, QuantError):
         try:
             pickle.loads(pickle.dumps(e))
             return e
         except Exception:  # noqa: BLE001 - an unpicklable error still needs a message
             pass
-    return QuantError(f"rank 0 failed: {type(e).__name__}: {e}")
+    return QuantError(f"rank {rank} failed: {type(e).__name__}: {e}")
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -294,6 +317,11 @@ def init_world(device: str, timeout_s: float | None = None) -> World:
                         "LOCAL_RANK, MASTER_ADDR, MASTER_PORT for every process)") from None
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise DistError(f"rank {rank}: LOCAL_RANK {local_rank} has no GPU of its own ({visible} visible on this "
+                            f"node): start at most {visible} process(es) per node (torchrun --nproc-per-node "
+                            f"{visible}), or run on CPUs with quantize.device: cpu")
         torch.cuda.set_device(local_rank)
     world = World(rank, size, local_rank, backend, timeout_s)
     with world._collective("joining the process group"):

@@ -10,18 +10,23 @@ its peak, named after the code that allocates them (bytes, per GPU):
   is one batch's routed expert activations, the statistics' padded blocks and, where SDPA has no fused kernel for
   the head dims (queries/keys and values of different width: MLA), the materialized attention scores. The solve
   working set is ``SOLVE_FACTOR`` times the largest sub-batch ``sharing.sub_batches`` admits (a GPTQ solve
-  allocates ~2.8x that estimate: copies, act-order permutations, the loss terms).
-- profile = activations + layer + the W4 sensitivity probe, which rounds all of a layer's experts at once in fp32
-  (``profile_memory``).
+  allocates ~2.8x that estimate: copies, act-order permutations, the loss terms); for AWQ ``AWQ_FACTOR`` times the
+  largest search sub-batch (``smooth.search_bytes``). AWQ's expert statistics come in the same chunks as GPTQ's
+  (its first pass also sums every expert's mean |x|, no Hessians).
+- profile = activations + layer + the W4 sensitivity probe, which rounds the rank's experts a few at a time in fp32
+  into dequantized copies it keeps for the layer's batches (``profile_memory``).
 - eval = the path ``evaluate.proxy_mode`` picks for the card: the whole model (transformers loads it to the CPU,
   then the GPU) + one batch of logits, or streamed: one decoder layer + both lm_heads + final hidden states.
 
-Time comes from throughputs measured on one H200 (quant/throughputs.py, each naming its BENCHMARKS.md record).
+Time comes from throughputs measured on one H200 (quant/throughputs.py, each naming its BENCHMARKS.md record);
+GPTQ's solve from its fp32 work at the fused column loop's rate, AWQ's search from its trial products.
 ``--gpus N`` follows quant's distributed run (quant/quantize.py, quant/sharing.py): calibration batches are dealt
-out over ranks, so each rank holds 1/N of the activations and runs 1/N of the forward passes; the experts (their
-statistics, Hessians, solves and codes) are divided over ranks; every rank holds the whole layer and the
-non-expert modules' input Hessians, whose solves are shared out (the worst rank is assumed to solve them all);
-eval dispatches the model over the N GPUs.
+out over ranks, so each rank holds 1/N of the activations and runs 1/N of the forward passes; every rank holds the
+whole layer and the non-expert modules' input Hessians, whose solves are shared out (the worst rank is assumed to
+solve them all). GPTQ and RTN divide the experts (their statistics, Hessians, solves and codes) over ranks; AWQ
+runs replicated (quant/smooth.py): every rank accumulates and searches every expert from every rank's batches.
+Export's shard files are divided over ranks, each at the one-GPU rate, up to an assumed storage bandwidth
+(``STORAGE_BYTES_PER_S``). Eval dispatches the model over the N GPUs.
 """
 
 from __future__ import annotations
@@ -39,17 +44,23 @@ from quant.models import ModelSource
 from quant.models.headers import Dims, dims
 from quant.plan import BitPlan, plan_bits
 from quant.plan_summary import summarize
-from quant.profile import RoutingProfile
+from quant.profile import PROBE_CHUNK_BYTES, RoutingProfile
 from quant.recipe import Recipe, parse_scheme
-from quant.throughputs import THROUGHPUTS
+from quant.throughputs import THROUGHPUTS, awq_search_seconds, gptq_solve_seconds
 
 GB = 1e9
 ACTIVATION_BUDGET = 8 << 30  # layerwise.Layerwise's default activation_budget_bytes
 STATS_BLOCK = 1 << 28  # routing.chunk_budget on a GPU: elements of one padded [n, C, .] block
 SOLVE_FACTOR = 2.8  # allocated / sub_batches' estimate, fit to the Qwen3-30B-A3B GPTQ record (14.8 GB)
+# allocated / search_bytes at the peak of a trial (rows, x / s, x Wᵀ, Q(W · s), y, y - x Wᵀ and its square), counted
+# from smooth's code (DeepSeek-V3 gate/up 1.13, down 1.22) with room for the quantizer's temporaries; not yet measured
+AWQ_FACTOR = 1.4
 HOST_BASE = 3 * GB  # python, torch, CUDA host state
 HEADROOM = 0.95  # share of the card a forecast may fill
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# assumed, not measured: what the run directory's storage absorbs from all ranks' shard writes together (local NVMe
+# RAID or a parallel file system); the export forecast scales with ranks up to it
+STORAGE_BYTES_PER_S = 5e9
 
 
 @dataclass
@@ -145,6 +156,8 @@ class Run:
     hessian_budget_gb: float
     solve_budget_gb: float
     gpus: int
+    awq_grid: int = 20
+    solve_kernel: str = "fused"  # GPTQ's column loop (throughputs.SOLVE_KERNELS): "cuda-graph" for older records
 
     @property
     def tokens(self) -> int:
@@ -153,6 +166,11 @@ class Run:
     @property
     def hessians(self) -> bool:
         return self.algorithm != "rtn"
+
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks the experts are divided over: AWQ runs replicated (every rank searches every expert)."""
+        return 1 if self.algorithm == "awq" else self.gpus
 
 
 def _activations(run: Run, d: Dims) -> float:
@@ -180,7 +198,7 @@ def _expert_chunks(layer: LayerShape, run: Run) -> list[int]:
     """Experts per Hessian pass on one rank (quantize._LayerJob.expert_chunks)."""
     from quant.quantize import expert_hessian_bytes
 
-    n = math.ceil(layer.n_experts / run.gpus)
+    n = math.ceil(layer.n_experts / run.expert_ranks)
     if not n:
         return []
     per = expert_hessian_bytes(*layer.expert_in) if run.hessians else 0
@@ -188,17 +206,41 @@ def _expert_chunks(layer: LayerShape, run: Run) -> list[int]:
     return [min(count, n - f) for f in range(0, n, count)]
 
 
+def _element_bytes(run: Run):
+    """One element's estimated working set for the run's algorithm (what sizes its sub-batches)."""
+    from quant.sharing import solve_bytes
+    from quant.smooth import search_bytes
+
+    return search_bytes if run.algorithm == "awq" else solve_bytes
+
+
 def _solve_sets(layer: LayerShape, run: Run, n_rank: int) -> tuple[list[tuple[int, float]], list[float]]:
     """Expert problems as (experts per sub-batch, its working set) and each linear group's working set."""
-    from quant.quantize import solve_bytes
-
+    per_element = _element_bytes(run)
     D, I = layer.expert_in
     experts = []
     for out_f, in_f in ((2 * I, D), (D, I)) if n_rank else ():
-        per = solve_bytes(out_f, in_f)
+        per = per_element(out_f, in_f)
         n = max(1, min(n_rank, int(run.solve_budget_gb * GB) // per))
         experts.append((n, n * per))
-    return experts, [solve_bytes(out_f, in_f) for in_f, out_f in layer.linear_groups]
+    return experts, [per_element(out_f, in_f) for in_f, out_f in layer.linear_groups]
+
+
+def _solve_problems(layer: LayerShape, run: Run, d: Dims, chunks: list[int]) -> list[tuple[int, int, int]]:
+    """The sub-batches a layer's solves run, as (elements, out_features, in_features): each expert chunk's
+    projections split as ``sharing.sub_batches`` splits them, then the linear groups; AWQ searches only the groups
+    reading the hidden state (attention or dense MLP inputs: their s folds into a norm; counted also for a shared
+    expert, which reuses the experts' s) and rounds the rest."""
+    from quant.sharing import sub_batches
+
+    D, I = layer.expert_in
+    out = []
+    for c in chunks:
+        for out_f, in_f in ((2 * I, D), (D, I)):
+            parts = sub_batches(list(range(c)), out_f, in_f, run.solve_budget_gb, _element_bytes(run))
+            out += [(len(p), out_f, in_f) for p in parts]
+    linears = [g for g in layer.linear_groups if run.algorithm != "awq" or g[0] == d.hidden]
+    return out + [(1, out_f, in_f) for in_f, out_f in linears]
 
 
 def quantize_memory(layer: LayerShape, run: Run, d: Dims) -> dict[str, float]:
@@ -213,18 +255,20 @@ def quantize_memory(layer: LayerShape, run: Run, d: Dims) -> dict[str, float]:
         chunk_peak = max(chunk_peak, count * per_h + done * layer.expert_code_bytes)
     lin_h = sum(4 * in_f**2 for in_f, _ in layer.linear_groups) if run.hessians else 0.0
     experts, linears = _solve_sets(layer, run, max(chunks, default=0))
-    ws_experts = SOLVE_FACTOR * max((b for _, b in experts), default=0.0)
+    factor = AWQ_FACTOR if run.algorithm == "awq" else SOLVE_FACTOR
+    ws_experts = factor * max((b for _, b in experts), default=0.0)
     transient = forward_transient(layer, run, d, 3 if run.hessians else 0)
     base = {"activations": _activations(run, d), "layer": layer.weight_bytes, "linear Hessians": lin_h}
     phase_experts = chunk_peak + max(ws_experts, transient)
-    phase_linears = sum(chunks) * layer.expert_code_bytes + SOLVE_FACTOR * max(linears, default=0.0)
+    phase_linears = sum(chunks) * layer.expert_code_bytes + factor * max(linears, default=0.0)
     parts = {**base, "expert Hessians + codes": chunk_peak, "solve working set": ws_experts,
              "forward transient": transient}
     return {**parts, "total": sum(base.values()) + max(phase_experts, phase_linears)}
 
 
 def quantize_seconds(layer: LayerShape, run: Run, d: Dims) -> float:
-    """Load, statistics (one pass per expert chunk), solve (GPTQ columns, launch bound) and propagation."""
+    """Load, statistics (one pass per expert chunk), solve (GPTQ's fp32 work or AWQ's trial products) and
+    propagation."""
     t = THROUGHPUTS
     seconds = (layer.weight_bytes / t["load_bytes_per_s"]
                + run.tokens * layer.active_params / run.gpus / t["forward_param_tokens_per_s"])
@@ -232,30 +276,33 @@ def quantize_seconds(layer: LayerShape, run: Run, d: Dims) -> float:
     if not run.hessians:
         return seconds + layer.weight_bytes / t["rtn_bytes_per_s"]
     D, I = layer.expert_in
-    macs = (run.tokens * d.top_k * (D**2 + I**2) * (layer.n_experts > 0) / run.gpus
+    macs = (run.tokens * d.top_k * (D**2 + I**2) * (layer.n_experts > 0) / run.expert_ranks
             + run.tokens * sum(in_f**2 for in_f, _ in layer.linear_groups)
             + max(len(chunks), 1) * run.tokens * layer.active_params / run.gpus)
-    experts, _ = _solve_sets(layer, run, max(chunks, default=0))
-    columns = sum(math.ceil(c / n) * in_f for c in chunks for (n, _), in_f in zip(experts, (D, I), strict=True))
-    columns += sum(in_f for in_f, _ in layer.linear_groups)
-    return seconds + macs / t["stats_macs_per_s"] + columns * t["gptq_seconds_per_column"]
+    problems = _solve_problems(layer, run, d, chunks)
+    if run.algorithm == "awq":
+        solve = awq_search_seconds(problems, run.awq_grid)
+    else:
+        solve = gptq_solve_seconds(problems, run.solve_kernel)
+    return seconds + macs / t["stats_macs_per_s"] + solve
 
 
 def _run_of(recipe: Recipe, gpus: int, hessian_budget_gb: float | None = None,
-            solve_budget_gb: float | None = None) -> Run:
+            solve_budget_gb: float | None = None, solve_kernel: str = "fused") -> Run:
     q, c = recipe.quantize, recipe.calibration
     return Run(c.n_samples, c.seq_len, q.batch_size, DTYPE_BYTES[recipe.model.dtype], q.algorithm,
-               hessian_budget_gb or q.hessian_budget_gb, solve_budget_gb or q.solve_budget_gb, gpus)
+               hessian_budget_gb or q.hessian_budget_gb, solve_budget_gb or q.solve_budget_gb, gpus, q.awq_grid,
+               solve_kernel)
 
 
 def profile_memory(layer: LayerShape, run: Run, d: Dims) -> dict[str, float]:
-    """Peak GPU bytes of profiling ``layer`` by term. The W4 sensitivity probe (profile._LayerStats._probe_weights)
-    rounds all of the rank's experts at once: fp32 copies of the fused ``[E, 2I, D]`` weights (~12 bytes per weight
-    at the peak of grid fitting and rounding), then keeps both dequantized tensors for the layer's batches."""
+    """Peak GPU bytes of profiling ``layer`` by term. The W4 sensitivity probe (profile._rtn_probe) rounds the rank's
+    experts a few at a time (fp32, ~12 bytes per weight of a ``PROBE_CHUNK_BYTES`` chunk at the peak of grid fitting
+    and rounding) into dequantized copies in the model dtype, which it keeps for the layer's batches."""
     D, I = layer.expert_in
     n = math.ceil(layer.n_experts / run.gpus)
-    gate_up, down = n * 2 * I * D, n * D * I
-    probe = max(12 * gate_up, 2 * gate_up + 12 * down, 2 * (gate_up + down) + forward_transient(layer, run, d, 4))
+    copies = n * 3 * I * D * run.dtype_bytes
+    probe = copies + max(3 * PROBE_CHUNK_BYTES if n else 0, forward_transient(layer, run, d, 4))
     parts = {"activations": _activations(run, d), "layer": layer.weight_bytes, "W4 sensitivity probe": probe}
     return {**parts, "total": sum(parts.values())}
 
@@ -352,6 +399,15 @@ def _eval_stage(recipe: Recipe, source: ModelSource, plan: BitPlan, model_bytes:
                          parts=parts, note=note)
 
 
+def _export_stage(recipe: Recipe, layers: list[LayerShape], ckpt: dict[str, float], gpus: int) -> StageForecast:
+    """Every rank packs, writes and hashes its share of the shard files (balanced by bytes) at one H200 host's
+    measured rate, together at most ``STORAGE_BYTES_PER_S``; a rank holds one shard and a layer's codes."""
+    rate = min(gpus * THROUGHPUTS["export_bytes_per_s"], STORAGE_BYTES_PER_S)
+    note = f"{gpus} ranks write shards, <= {STORAGE_BYTES_PER_S / GB:g} GB/s storage assumed" if gpus > 1 else ""
+    return StageForecast("export", 0.0, HOST_BASE + max(L.weight_bytes for L in layers) + recipe.export.max_shard_gb * GB,
+                         sum(ckpt.values()), sum(ckpt.values()) / rate, note=note)
+
+
 def plan_for(recipe: Recipe, source: ModelSource) -> tuple[BitPlan, RoutingProfile]:
     profile = synthetic_profile(source)
     if recipe.profile.layer_sensitivity is not None:  # same damage in every layer, less with more bits / smaller groups
@@ -374,13 +430,16 @@ def fitting_budgets(layers: list[LayerShape], recipe: Recipe, d: Dims, gpus: int
     return None
 
 
-def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: float = 80.0) -> Forecast:
-    """Every stage's forecast for ``recipe`` on ``source`` (shapes only) with ``gpus`` GPUs of ``gpu_memory_gb``."""
+def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: float = 80.0,
+             solve_kernel: str = "fused") -> Forecast:
+    """Every stage's forecast for ``recipe`` on ``source`` (shapes only) with ``gpus`` GPUs of ``gpu_memory_gb``.
+    ``solve_kernel``: GPTQ's column loop (``throughputs.SOLVE_KERNELS``): the engine's, or the one an older
+    record measured."""
     if gpus < 1 or gpu_memory_gb <= 0:
         raise PlanError(f"--gpus must be >= 1 and --gpu-memory-gb > 0, got {gpus} and {gpu_memory_gb}")
     d = dims(source.config_dict)
     plan, profile = plan_for(recipe, source)
-    run = _run_of(recipe, gpus)
+    run = _run_of(recipe, gpus, solve_kernel=solve_kernel)
     layers = layer_shapes(source, plan, run.dtype_bytes, d.top_k)
     model_bytes = sum(math.prod(s) for s in source.shapes().values()) * run.dtype_bytes
     ckpt = checkpoint_bytes(plan, source, profile, recipe.export.formats)
@@ -389,9 +448,7 @@ def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: 
     profile_stage = _profile_stage(layers, profile_run, d, recipe)
     stages = [StageForecast("calibrate", 0.0, HOST_BASE, tokens_bytes, 0.0), profile_stage,
               StageForecast("plan", 0.0, HOST_BASE, 0.0, 0.0), _quantize_stage(layers, run, d),
-              StageForecast("export", 0.0, HOST_BASE + max(L.weight_bytes for L in layers)
-                            + recipe.export.max_shard_gb * GB, sum(ckpt.values()),
-                            sum(ckpt.values()) / THROUGHPUTS["export_bytes_per_s"]),
+              _export_stage(recipe, layers, ckpt, gpus),
               _eval_stage(recipe, source, plan, model_bytes, run, d, layers, gpu_memory_gb)]
     params = sum(math.prod(s) for s in source.shapes().values())
     return Forecast(source.display_name, params, gpus, gpu_memory_gb, stages, ckpt,
@@ -429,8 +486,11 @@ def render(f: Forecast, recipe: Recipe) -> str:
                      f"{q.hessian_budget_gb:g} and {q.solve_budget_gb:g} do not)")
     else:
         lines.append("budgets: no quantize.hessian_budget_gb / solve_budget_gb fits the card")
-    lines.append(f"assumes: {'experts divided over ranks, every rank holds the layer and activations; ' if f.gpus > 1 else ''}"
-                 "time from one H200's throughputs (BENCHMARKS.md)")
+    ranks = ""
+    if f.gpus > 1:
+        experts = "AWQ replicated on every rank" if q.algorithm == "awq" else "experts divided over ranks"
+        ranks = f"{experts}, every rank holds the layer and its share of the batches; "
+    lines.append(f"assumes: {ranks}time from one H200's throughputs (BENCHMARKS.md)")
     return "\n".join(lines)
 
 

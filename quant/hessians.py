@@ -141,18 +141,21 @@ class ExpertStats:
     ranks accumulate the experts they own. Routed tokens are bucketed over *all* experts and each bucket then
     restricted to the range, so an expert's sums do not depend on which range it was accumulated in. The
     routed tokens go through a ``Relay`` channel (``consumers``: the ranks accumulating some range this pass).
+    ``hessians=False`` keeps only counts, routing-weight sums and the gate/up input's ``Σ |x|`` (no Hessians, no
+    down input): what AWQ's shared gate/up search needs of every expert before any chunk's Hessians.
     """
 
     def __init__(self, view: ExpertsView, gate_weighted: bool, all_experts: bool, first: int = 0,
                  count: int | None = None, need_down: bool = True, relay: Relay | None = None,
-                 consumers: set[int] | None = None):
+                 consumers: set[int] | None = None, hessians: bool = True):
         relay = relay or Relay(SINGLE)
         count = view.n_experts - first if count is None else count
         E, D, I = count, view.gate_up.shape[2], view.intermediate
         dev = view.gate_up.device
+        need_down = need_down and hessians
         self.view, self.gate_weighted, self.all_experts, self.need_down = view, gate_weighted, all_experts, need_down
         self.first, self.count = first, count
-        self.sum_gu = torch.zeros(E, D, D, dtype=torch.float32, device=dev)
+        self.sum_gu = torch.zeros(E, D, D, dtype=torch.float32, device=dev) if hessians else None
         self.sum_down = torch.zeros(E, I, I, dtype=torch.float32, device=dev) if need_down else None
         self.abs_gu = torch.zeros(E, D, dtype=torch.float32, device=dev)
         self.abs_down = torch.zeros(E, I, dtype=torch.float32, device=dev)
@@ -186,7 +189,8 @@ class ExpertStats:
             sqrt_w = row_w.sqrt().unsqueeze(-1)
             xg = xg.float() * sqrt_w
             a = None if a is None else a.float() * sqrt_w
-        _add_gram(self.sum_gu, b, xg)
+        if self.sum_gu is not None:
+            _add_gram(self.sum_gu, b, xg)
         self.abs_gu.index_add_(0, b.experts, xg.abs().sum(dim=1, dtype=torch.float32))
         if a is not None:
             _add_gram(self.sum_down, b, a)

@@ -7,9 +7,9 @@ stage and everything after it. A stage that raises is recorded as failed and its
 an unwritable path becomes one line naming the path.
 
 Under torchrun every rank runs the pipeline: the writer (rank 0) alone claims the run directory, decides which
-stages are fresh, writes the manifest and runs the single-rank stages while the other ranks wait; ``profile``,
-``quantize`` and ``eval`` (``DISTRIBUTED``) run on every rank. Between stages a stop request (signal, stop file)
-ends the run, resumable.
+stages are fresh, writes the manifest and runs the single-rank stages while the other ranks wait;
+``profile``, ``quantize``, ``export`` and ``eval`` (``DISTRIBUTED``) run on every rank. Between stages a stop request
+(signal, stop file) ends the run, resumable.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ DEPENDS = {
     "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
     "report": (("report", "eval"), ("profile", "plan", "quantize", "export", "eval"), ("report.md", "metrics.json")),
 }
-DISTRIBUTED = ("profile", "quantize", "eval")  # stages every rank runs (``run_<stage>(..., world)``); others: the writer
+# stages every rank runs (``run_<stage>(..., world)``); the others run on the writer alone
+DISTRIBUTED = ("profile", "quantize", "export", "eval")
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop a run after the layer in hand (Slurm job scripts do)
 
 

@@ -37,7 +37,7 @@ SENSITIVITY_BITS, SENSITIVITY_GROUP = 4, 128  # the probe: this expert alone at 
 # expert pass then costs a fraction of the layer's forward (an 8 x 2048-token batch routes ~1k tokens to each of
 # 128 experts: 1/16 of them are probed).
 PROBE_TOKENS = 64
-_PROBE_CHUNK_BYTES = 1 << 30  # fp32 working set while the probe's RTN weights are made, a few experts at a time
+PROBE_CHUNK_BYTES = 1 << 30  # fp32 working set while the probe's RTN weights are made, a few experts at a time
 
 
 @dataclass
@@ -225,7 +225,7 @@ def _rtn_probe(w: torch.Tensor) -> torch.Tensor:
     """``w [E, out, in]`` round-to-nearest at the probe's precision, dequantized, in ``w``'s dtype."""
     spec = QuantSpec(SENSITIVITY_BITS, effective_group_size(SENSITIVITY_GROUP, w.shape[2]))
     out = torch.empty_like(w)
-    step = max(1, _PROBE_CHUNK_BYTES // (4 * w[0].numel()))
+    step = max(1, PROBE_CHUNK_BYTES // (4 * w[0].numel()))
     for i in range(0, w.shape[0], step):
         out[i : i + step] = quantize_weight(w[i : i + step], spec, w.dtype).dequantize()
     return out

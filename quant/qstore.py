@@ -46,15 +46,35 @@ def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[st
     os.replace(tmp, path)
 
 
-def read_layer(path: Path, device: str | torch.device = "cpu") -> dict[str, QuantizedWeight]:
-    """Inverse of ``write_layer``: 2-D QuantizedWeights (``q [out, in]``, ``scale [out, G]``)."""
+def read_layer(path: Path, device: str | torch.device = "cpu", names=None) -> dict[str, QuantizedWeight]:
+    """Inverse of ``write_layer``: 2-D QuantizedWeights (``q [out, in]``, ``scale [out, G]``); only ``names``
+    (a collection of module names) when given."""
     out = {}
     with safe_open(str(path), "pt", device=str(device)) as f:
         meta = json.loads(f.metadata()["modules"])
         for name, (bits, group, sym) in meta.items():
+            if names is not None and name not in names:
+                continue
             zero = f.get_tensor(f"{name}.zero") if not sym else None
             out[name] = QuantizedWeight(f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.scale"), zero,
                                         QuantSpec(bits, group, sym))
+    return out
+
+
+def read_layout(path: Path) -> dict[str, tuple[QuantSpec, tuple]]:
+    """Per stored module, from the file's header alone (no tensor is read): its spec and the ``(shape, dtype)`` of
+    its codes, scale and zero point (None when symmetric), dtypes as safetensors names them (``I8``, ``BF16``)."""
+    out = {}
+    with safe_open(str(path), "pt") as f:
+        for name, (bits, group, sym) in json.loads(f.metadata()["modules"]).items():
+            parts = []
+            for part in ("q", "scale", "zero"):
+                if part == "zero" and sym:
+                    parts.append(None)
+                    continue
+                s = f.get_slice(f"{name}.{part}")
+                parts.append((tuple(s.get_shape()), s.get_dtype()))
+            out[name] = (QuantSpec(bits, group, sym), tuple(parts))
     return out
 
 

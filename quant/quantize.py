@@ -41,7 +41,7 @@ from quant.progress import step
 from quant.qstore import LayerWriter, layer_file, load_into_layer, read_report
 from quant.recipe import QuantizeSpec
 from quant.relay import Relay
-from quant.sharing import my_linear_groups, share_results, solve_bytes, sub_batches  # noqa: F401 - solve_bytes: quant estimate
+from quant.sharing import my_linear_groups, share_results, sub_batches
 from quant.smooth import run_awq
 
 log = logging.getLogger(__name__)

@@ -10,6 +10,8 @@ per-rank reports are merged. In a world of one every function here is the identi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from quant.algos.grid import QuantizedWeight, QuantSpec
 from quant.dist import assign
 from quant.models.layers import layer_weights
@@ -27,10 +29,11 @@ def solve_bytes(out_f: int, in_f: int) -> int:
     return 4 * (2 * out_f * in_f + 3 * in_f * in_f)
 
 
-def sub_batches(experts: list[int], out_f: int, in_f: int, budget_gb: float) -> list[list[int]]:
-    """Split a batch into equal parts so one solve's fp32 working set (``solve_bytes`` per expert) fits the
-    budget."""
-    cap = max(1, int(budget_gb * 1e9) // solve_bytes(out_f, in_f))
+def sub_batches(experts: list[int], out_f: int, in_f: int, budget_gb: float,
+                per_expert: Callable[[int, int], int] = solve_bytes) -> list[list[int]]:
+    """Split a batch into equal parts so one solve's fp32 working set (``per_expert(out_f, in_f)`` each, GPTQ's
+    ``solve_bytes`` by default) fits the budget."""
+    cap = max(1, int(budget_gb * 1e9) // per_expert(out_f, in_f))
     n = -(-len(experts) // -(-len(experts) // cap)) if experts else 1
     return [experts[i : i + n] for i in range(0, len(experts), n)]
 

@@ -13,17 +13,23 @@ What is folded where (every fold is exact in real arithmetic; the checkpoint sta
 The search needs no stored activations: ``rows = Lᵀ`` with ``L Lᵀ = Σ x xᵀ`` gives AWQ's output error exactly,
 and per-channel ``mean |x|`` is accumulated alongside the Hessians. Changed norms and routers are returned so
 the checkpoint writer ships them.
+
+Memory: the experts' Hessians are accumulated in chunks that fit ``quantize.hessian_budget_gb`` (one calibration
+pass each, as for GPTQ; DeepSeek-V3's 256 experts need 57 GB at once), and each search runs a few experts at a
+time within ``quantize.solve_budget_gb``. The shared gate/up search keeps every expert's error at every grid
+point across chunks and picks after the last, so the result does not depend on the budgets.
 """
 
 from __future__ import annotations
 
 import torch
 
-from quant.algos.awq import AWQExtra, awq_search
+from quant.algos.awq import AWQExtra, awq_search, pick_scales, quantize_scaled, smoothing_grid, trial_errors
 from quant.algos.grid import QuantSpec
 from quant.hessians import ExpertStats, LinearStats, agree_leaders, linear_stats
 from quant.models.layers import smoothing_sites
 from quant.relay import Relay
+from quant.sharing import sub_batches
 
 
 def rows_from_hessian(H: torch.Tensor) -> torch.Tensor:
@@ -36,63 +42,126 @@ def rows_from_hessian(H: torch.Tensor) -> torch.Tensor:
     return L.transpose(1, 2)
 
 
-def _search(w, H, means, spec, job, shared=False, extra=None):
+def _search(w, H, means, spec, job):
+    """Per-element search (one s per batch element) of ``w [B, O, I]`` given ``H [B, I, I]``."""
     x = rows_from_hessian(H)
     mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
-    O, I = w.shape[1], w.shape[2]
-    per_element = 4 * (2 * I * I + O * I + 3 * I * O)  # x / s, rows, Q(W·s), and x Wᵀ / y / diff [I, O]
-    chunk = max(1, int(job.spec.solve_budget_gb * 1e9) // per_element)
-    return awq_search(w, x, mask, spec, w.dtype, n_grid=job.spec.awq_grid, share_across_batch=shared,
-                      extra=extra, channel_means=means, batch_chunk=chunk)
+    return awq_search(w, x, mask, spec, w.dtype, n_grid=job.spec.awq_grid, channel_means=means)
 
 
-def _take(t: torch.Tensor, experts: list[int]) -> torch.Tensor:
-    """``t[experts]``, without a copy when ``experts`` is every index in order."""
-    return t if experts == list(range(t.shape[0])) else t[torch.tensor(experts, device=t.device)]
+def search_bytes(out_f: int, in_f: int) -> int:
+    """One element's estimated fp32 search working set: the rows and ``x / s`` ``2 I²``, ``Q(W · s)`` ``O I``, and
+    ``x Wᵀ``, ``y`` and their difference ``3 I O`` (quant estimate uses it)."""
+    return 4 * (2 * in_f * in_f + out_f * in_f + 3 * in_f * out_f)
+
+
+def _sub_batches(job, experts: list[int], weights: torch.Tensor) -> list[list[int]]:
+    """``experts`` in equal runs whose search working set (``search_bytes`` each) fits ``solve_budget_gb``."""
+    return sub_batches(experts, weights.shape[1], weights.shape[2], job.spec.solve_budget_gb, search_bytes)
+
+
+def _in_chunk(experts: list[int], stats: ExpertStats) -> list[int]:
+    return [e for e in experts if stats.first <= e < stats.first + stats.count]
+
+
+def _local(experts: list[int], stats: ExpertStats) -> torch.Tensor:
+    return torch.tensor([e - stats.first for e in experts], device=stats.weight_sum.device)
 
 
 def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
-    """Per-expert s for down_proj, folded into that expert's up rows."""
+    """Per-expert s for the chunk's down_proj, folded into that expert's up rows."""
     v, I = job.view, job.view.intermediate
-    H_down = stats.hessians()[1]
-    mean_down = stats.mean_abs()[1]
     for (proj, spec, _few), experts in groups.items():
         if proj != "down":
             continue
-        sel = torch.tensor(experts, device=v.down.device)
-        res = _search(v.down.data[sel], _take(H_down, experts), mean_down[sel], spec, job)
-        v.down.data[sel] = res.weight.dequantize().to(v.down.dtype)
-        v.gate_up.data[sel, I:] = (v.gate_up.data[sel, I:].float() / res.scales[:, :, None]).to(v.gate_up.dtype)
-        job.record(res.weight, [[(f"layers.{job.idx}.experts.{e}.down", slice(None))] for e in experts])
+        for sub in _sub_batches(job, _in_chunk(experts, stats), v.down):
+            sel, local = torch.tensor(sub, device=v.down.device), _local(sub, stats)
+            denom = stats.weight_sum[local].clamp_min(1e-12).float()
+            H = stats.sum_down[local] / denom[:, None, None]
+            res = _search(v.down.data[sel], H, stats.abs_down[local] / denom[:, None], spec, job)
+            v.down.data[sel] = res.weight.dequantize().to(v.down.dtype)
+            v.gate_up.data[sel, I:] = (v.gate_up.data[sel, I:].float() / res.scales[:, :, None]).to(v.gate_up.dtype)
+            job.record(res.weight, [[(f"layers.{job.idx}.experts.{e}.down", slice(None))] for e in sub])
 
 
-def _experts_gate_up(job, stats: ExpertStats, groups: dict, params: dict) -> torch.Tensor:
-    """One s for every routed expert's gate/up (token-weighted), folded into the post-attention norm."""
-    v, I = job.view, job.view.intermediate
-    H = stats.sum_gu  # token-weighted sums (not normalized per expert: the shared search weighs experts by tokens)
-    mean = (stats.abs_gu.sum(0) / stats.weight_sum.sum().clamp_min(1e-12).float())[None]
-    fused = sorted(((spec, e) for (proj, spec, _f), e in groups.items() if proj == "gate_up"), key=lambda t: -len(t[1]))
-    if not fused:
-        return torch.ones(v.gate_up.shape[2], device=v.gate_up.device)
-    (spec, experts), rest = fused[0], fused[1:]
-    sel = torch.tensor(experts, device=v.gate_up.device)
-    extra = None
-    if rest:
-        e_spec, e_exp = rest[0]
-        e_sel = torch.tensor(e_exp, device=sel.device)
-        x = rows_from_hessian(H[e_sel])
-        extra = AWQExtra(v.gate_up.data[e_sel], x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device), e_spec)
-    res = _search(v.gate_up.data[sel], _take(H, experts), mean, spec, job, shared=True, extra=extra)
-    s = res.scales
-    _write_gate_up(job, experts, res.weight, I)
-    if rest:
-        _write_gate_up(job, rest[0][1], res.extra_weight, I)
-    for r_spec, r_exp in rest[1:]:  # a third spec among the experts: quantize with the shared s, unsearched
-        from quant.algos.grid import quantize_weight
+class _GateUpSearch:
+    """One s for every routed expert's gate/up (token-weighted), searched over expert chunks.
 
-        r_sel = torch.tensor(r_exp, device=sel.device)
-        _write_gate_up(job, r_exp, quantize_weight(v.gate_up.data[r_sel].float() * s, r_spec, v.gate_up.dtype), I)
-    return s
+    The α grid comes from every expert's mean |x| (``totals``, the first pass); each chunk adds its experts'
+    trial errors, computed from their token-weighted Hessian sums (not normalized per expert: the shared search
+    weighs experts by tokens) with the chunk's down folds already in the up rows; the pick and the quantization
+    follow the last chunk. An expert's errors depend on that expert alone and the tables are joined in expert
+    order, so the result is the one a search over all experts at once gives. The largest (spec, experts) group is
+    searched, the second counts in the loss with its own spec (a shared s, as for the shared expert's extra), a
+    third spec is quantized with the s found, unsearched.
+    """
+
+    def __init__(self, job, totals: ExpertStats, groups: dict):
+        self.job = job
+        fused = sorted(((spec, e) for (proj, spec, _f), e in groups.items() if proj == "gate_up"),
+                       key=lambda t: -len(t[1]))
+        self.searched, self.rest = fused[:2], fused[2:]
+        mean = (totals.abs_gu.sum(0) / totals.weight_sum.sum().clamp_min(1e-12).float())[None]
+        self.s_grid = smoothing_grid(mean, job.spec.awq_grid)[1]  # [n_grid, 1, D]
+        self.tables: list[list[torch.Tensor]] = [[] for _ in self.searched]
+
+    def add(self, stats: ExpertStats) -> None:
+        v = self.job.view
+        for table, (spec, experts) in zip(self.tables, self.searched, strict=True):
+            for sub in _sub_batches(self.job, _in_chunk(experts, stats), v.gate_up):
+                x = rows_from_hessian(stats.sum_gu[_local(sub, stats)])
+                part = AWQExtra(v.gate_up.data[torch.tensor(sub, device=x.device)], x,
+                                torch.ones(x.shape[:2], dtype=torch.bool, device=x.device), spec)
+                table.append(trial_errors(part, self.s_grid, v.gate_up.dtype, shared=True))
+
+    def finish(self) -> torch.Tensor:
+        """Pick s ``[D]``, quantize every planned gate/up with it; returns s (ones when none is planned)."""
+        v = self.job.view
+        if not self.searched:
+            return torch.ones(v.gate_up.shape[2], device=v.gate_up.device)
+        s = pick_scales([torch.cat(t, dim=1) for t in self.tables], self.s_grid, shared=True)[0]  # [1, D]
+        for spec, experts in self.searched + self.rest:
+            for sub in _sub_batches(self.job, experts, v.gate_up):
+                w = v.gate_up.data[torch.tensor(sub, device=s.device)]
+                _write_gate_up(self.job, sub, quantize_scaled(w, s, spec, v.gate_up.dtype),
+                               v.intermediate)
+        return s[0]
+
+
+def _close_linear_stats(lin_stats: dict[str, LinearStats], world) -> None:
+    for st in lin_stats.values():
+        st.remove()
+    agree_leaders(lin_stats, world)
+
+
+def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay) -> torch.Tensor:
+    """One calibration pass per expert chunk (``job.expert_chunks``: their Hessians fit ``hessian_budget_gb``);
+    the first pass (on ``relay``, which the linears' statistics use) also takes the linears' statistics and every
+    expert's counts and gate/up ``Σ |x|`` (the plan's token floor and the shared search's grid need all experts).
+    Every rank consumes every batch of every pass (AWQ runs replicated). Folds and writes the routed experts;
+    returns the gate/up s, still to be folded into the norm and the routed experts' readers.
+
+    Folding a chunk changes only its experts, which feed neither another chunk's gate/up input (the
+    post-attention norm's output, folded last) nor its down input (its own gate/up), so later passes stay exact."""
+    v, chunks = job.view, job.expert_chunks(range(job.view.n_experts))
+    for i, (first, count) in enumerate(chunks):
+        relay = relay if i == 0 else Relay(lw.world)
+        stats = ExpertStats(v, False, job.spec.all_experts, first, count, relay=relay)
+        totals = stats
+        if i == 0 and len(chunks) > 1:
+            totals = ExpertStats(v, False, job.spec.all_experts, relay=relay, hessians=False)
+        lw.run(job.layer, hidden, after_step=relay.flush)
+        stats.remove()
+        if i == 0:
+            totals.remove()
+            _close_linear_stats(lin_stats, lw.world)
+            groups = job.expert_groups(0, v.n_experts, totals.counts)
+            search = _GateUpSearch(job, totals, groups)
+            del totals
+        _experts_down(job, stats, groups)
+        search.add(stats)
+        del stats
+    return search.finish()
 
 
 def _write_gate_up(job, experts: list[int], qw, I: int) -> None:
@@ -139,19 +208,10 @@ def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
     sites = smoothing_sites(job.source, job.layer, job.idx, set(job.mods))
     relay = Relay(lw.world)  # every rank consumes every batch: AWQ runs replicated
     lin_stats = linear_stats(job.linears, relay)
-    stats = None
-    if job.view is not None and job.experts_planned():
-        stats = ExpertStats(job.view, False, job.spec.all_experts, relay=relay)
-    lw.run(job.layer, hidden, after_step=relay.flush)
-    for st in lin_stats.values():
-        st.remove()
-    agree_leaders(lin_stats, lw.world)
     params: dict[str, torch.Tensor] = {}
-    if stats is not None:
-        stats.remove()
-        groups = job.expert_groups(0, job.view.n_experts, stats.counts)
-        _experts_down(job, stats, groups)
-        s = _experts_gate_up(job, stats, groups, params)
+    routed = job.view is not None and bool(job.experts_planned())
+    if routed:
+        s = _expert_passes(job, lw, hidden, lin_stats, relay)
         _fold_norm(sites.mlp_norm[0], sites.mlp_norm[1], s, params)
         for name, weight in sites.mlp_readers:
             weight.data = (weight.data.float() * s).to(weight.dtype)
@@ -162,12 +222,15 @@ def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         for local, mod in sites.kept_mlp_inputs:  # kept (bf16) shared-expert gate/up also read the norm
             mod.weight.data = (mod.weight.data.float() * s).to(mod.weight.dtype)
             params[local + ".weight"] = mod.weight.data
+    else:
+        lw.run(job.layer, hidden, after_step=relay.flush)
+        _close_linear_stats(lin_stats, lw.world)
     attn = [n for n in sites.attn_linears if n in job.linears]
     if attn:
         s_attn = _smooth_linears(job, attn, lin_stats, None)
         _fold_norm(sites.attn_norm[0], sites.attn_norm[1], s_attn, params)
     dense_in = [n for n in job.linears if ".mlp." in n and n.rsplit(".", 1)[1] in ("gate", "up")]
-    if dense_in and stats is None:
+    if dense_in and not routed:
         s_mlp = _smooth_linears(job, dense_in, lin_stats, None)
         _fold_norm(sites.mlp_norm[0], sites.mlp_norm[1], s_mlp, params)
     job.run_linears({}, skip=set(job.results))  # the rest: round-to-nearest

@@ -150,11 +150,12 @@ def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
             "resumed_layers": sum(r.resumed for r in reports)}
 
 
-def run_export(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+def run_export(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+    """Every rank writes its share of each checkpoint's shard files; the writer alone finishes each checkpoint."""
     from quant.export import export_all
 
     plan = BitPlan.load(run_dir / "plan.json")
-    written = export_all(source, plan, recipe, run_dir)
+    written = export_all(source, plan, recipe, run_dir, world)
     return {"formats": list(written)}
 
 

@@ -62,14 +62,32 @@ def file_sha256(path: Path) -> str:
         pass
     digest = sha256_uncached(path)
     if _stat_key(path) == key:  # unchanged while it was read: worth remembering
-        try:
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"stat": key, "sha256": digest, "path": str(path)}))
-            os.replace(tmp, entry)
-        except OSError:  # a read-only cache only costs a re-read next time
-            pass
+        _remember(path, key, digest)
     return digest
+
+
+def _remember(path: Path, key: list[int], digest: str) -> None:
+    entry = cache_root() / "sha256" / f"{key[0]}-{key[1]}.json"
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"stat": key, "sha256": digest, "path": str(path)}))
+        os.replace(tmp, entry)
+    except OSError:  # a read-only cache only costs a re-read next time
+        pass
+
+
+def file_stamp(path: Path) -> tuple[int, int]:
+    """(size, mtime in ns) of ``path``: what another process (another node of a shared file system) sees of it too."""
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def remember_sha256(path: Path, digest: str, stamp: tuple[int, int]) -> None:
+    """Cache ``digest``, computed by another process that saw ``path`` with ``stamp`` (``file_stamp``), if the
+    file still has that stamp here; else nothing (``file_sha256`` will read it)."""
+    if file_stamp(path) == tuple(stamp):
+        _remember(path, _stat_key(path), digest)
 
 
 def pid_alive(pid: int) -> bool:

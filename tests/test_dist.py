@@ -37,6 +37,19 @@ def test_single_process_world_is_identity(monkeypatch):
     assert w.agree_stop() == "SIGUSR1" and init_world("cpu").agree_stop() is None  # a fresh flag per world
 
 
+def test_a_rank_without_a_gpu_of_its_own_is_one_clear_error(monkeypatch):
+    """torchrun with more processes per node than visible GPUs: the rank whose LOCAL_RANK has no GPU says so and how
+    to start the job, before any process group is joined (it used to fail in torch.cuda.set_device)."""
+    from quant.errors import DistError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(DistError, match=r"rank 1: LOCAL_RANK 1 has no GPU of its own \(1 visible.*--nproc-per-node 1"):
+        init_world("cuda")
+
+
 def test_relay_consumes_at_once_in_a_world_of_one():
     seen = []
     relay = Relay(SINGLE)

@@ -85,6 +85,20 @@ def test_expert_hessians_of_a_chunk_equal_the_full_pass(experts):
         torch.testing.assert_close(a[2:5], b)
 
 
+def test_totals_without_hessians_equal_the_full_statistics(experts):
+    """AWQ's first pass over every expert (counts, routing-weight sums, gate/up Σ|x|) holds no Hessian and takes
+    the same sums as a pass that also accumulates them."""
+    idx, w = _skewed_routing(6)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(7))
+    full, totals = ExpertStats(experts, False, False), ExpertStats(experts, False, False, hessians=False)
+    with torch.no_grad():
+        experts.module(x, idx, w)
+    full.remove(), totals.remove()
+    assert totals.sum_gu is None and totals.sum_down is None
+    for name in ("counts", "weight_sum", "abs_gu"):
+        assert torch.equal(getattr(full, name), getattr(totals, name)), name
+
+
 def test_load_buckets_cover_every_assignment_once_and_bound_padding():
     idx, w = _skewed_routing(5)
     counts, buckets = load_buckets(idx, w, E, width=D, max_waste=1.5)

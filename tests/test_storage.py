@@ -71,3 +71,22 @@ def test_next_run_cleans_temporaries_of_a_killed_run(tmp_path, quant_cache):
         p.mkdir() if "checkpoint" in p.name else p.write_text("half")
     run(recipe, out, until="plan")
     assert not [p for p in leaks if p.exists()]
+
+
+def test_a_digest_from_another_process_is_kept_only_for_the_file_it_saw(tmp_path, monkeypatch):
+    """The writer rank keeps the SHA-256 another rank computed for a shard file it wrote (no re-read), unless the
+    file's size or mtime differ from what that rank saw."""
+    from quant.storage import file_stamp, remember_sha256
+
+    f, g = tmp_path / "shard", tmp_path / "other"
+    f.write_bytes(b"written by rank 1")
+    g.write_bytes(b"also by rank 1")
+    reads = []
+    real = storage.sha256_uncached
+    monkeypatch.setattr(storage, "sha256_uncached", lambda p: reads.append(p) or real(p))
+    remember_sha256(f, "a" * 64, file_stamp(f))
+    assert file_sha256(f) == "a" * 64 and reads == []  # taken as given: that rank hashed the bytes it wrote
+    stamp = file_stamp(g)
+    g.write_bytes(b"changed since")
+    remember_sha256(g, "b" * 64, stamp)
+    assert file_sha256(g) == hashlib.sha256(b"changed since").hexdigest() and reads == [g]

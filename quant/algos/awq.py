@@ -90,39 +90,62 @@ def awq_search(
     ``channel_means [N, I]`` (N = 1 when shared, else B): mean |x| per channel measured elsewhere, for callers
     whose rows are not activations but a square root of their second moment (``x = Lᵀ`` with ``L Lᵀ = Σ x xᵀ``
     gives the same loss from a Hessian, without keeping activations). ``batch_chunk``: batch elements whose
-    trial errors are computed at once (bounds the search's working memory; the result does not depend on it)."""
+    trial errors are computed at once (bounds the search's working memory; the result does not depend on it).
+
+    The search is :func:`smoothing_grid`, :func:`trial_errors` per part and :func:`pick_scales`; a caller that
+    cannot hold every element's input at once (a shared search over experts whose Hessians come in chunks) runs
+    those three itself: every element's trial errors depend on that element alone."""
     assert n_grid >= 1, n_grid
     parts = [AWQExtra(w, x, mask, spec)] + ([extra] if extra is not None else [])
     for part in parts:
         _check_part(part, w.shape[0], w.shape[2], share_across_batch)
-    if channel_means is None:
-        means = _channel_means(parts, share_across_batch)  # [N, I], N = 1 if shared else B
-    else:
-        means = _floor_means(channel_means.float())
-    alphas = torch.linspace(0.0, 1.0, n_grid, device=w.device)
-    s_grid = torch.stack([_smoothing(means, alpha) for alpha in alphas.tolist()])  # [n_grid, N, I]
-    errors = []  # per part [n_grid, B']; the loop runs over α, each step batched over a chunk of the batch
-    for part in parts:
-        step = batch_chunk or part.w.shape[0]
-        chunks = []
-        for b0 in range(0, part.w.shape[0], step):
-            sl = slice(b0, b0 + step)
-            sub = AWQExtra(part.w[sl], part.x[sl], part.mask[sl], part.spec)
-            ref = torch.bmm(sub.x.float(), sub.w.float().transpose(1, 2))
-            grid = s_grid if share_across_batch else s_grid[:, sl]
-            chunks.append(torch.stack([_output_error(sub, ref, s, scale_dtype) for s in grid]))
-            del ref
-        errors.append(torch.cat(chunks, dim=1))
-    objective = sum(e.sum(dim=1, keepdim=True) for e in errors) if share_across_batch else sum(errors)
-    best = torch.nan_to_num(objective, nan=float("inf")).argmin(dim=0)  # [N]; ties keep the smaller α
-    s = s_grid[best, torch.arange(best.shape[0], device=w.device)]  # [N, I]
-    picked = [e[best.expand(e.shape[1]) if share_across_batch else best, torch.arange(e.shape[1], device=w.device)]
-              for e in errors]
-    _check_finite_error(picked)
-    weights = [_quantize_scaled(part, s, scale_dtype) for part in parts]
+    means = _channel_means(parts, share_across_batch) if channel_means is None else channel_means
+    alphas, s_grid = smoothing_grid(means, n_grid)
+    errors = [trial_errors(part, s_grid, scale_dtype, share_across_batch, batch_chunk) for part in parts]
+    s, best, picked = pick_scales(errors, s_grid, share_across_batch)
+    weights = [quantize_scaled(part.w, s, part.spec, scale_dtype) for part in parts]
     alpha = alphas[best].expand(w.shape[0])
     extra_fields = (weights[1], picked[1], errors[1][0]) if extra is not None else (None, None, None)
     return AWQResult(s[0] if share_across_batch else s, weights[0], alpha, picked[0], errors[0][0], *extra_fields)
+
+
+def smoothing_grid(channel_means: torch.Tensor, n_grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``channel_means [N, I]`` -> ``(alphas [n_grid], s_grid [n_grid, N, I])``, ``α`` in ``linspace(0, 1)``;
+    means below ``_MIN_RELATIVE_MEAN`` of a row's largest are floored to it."""
+    means = _floor_means(channel_means.float())
+    alphas = torch.linspace(0.0, 1.0, n_grid, device=means.device)
+    return alphas, torch.stack([_smoothing(means, alpha) for alpha in alphas.tolist()])
+
+
+def trial_errors(part: AWQExtra, s_grid: torch.Tensor, scale_dtype: torch.dtype, shared: bool,
+                 batch_chunk: int | None = None) -> torch.Tensor:
+    """Output error of ``part`` at every grid point: ``[n_grid, B']``, element ``b``'s column computed from
+    element ``b`` alone. ``s_grid [n_grid, 1, I]`` when ``shared``, else ``[n_grid, B', I]``. The loop runs over
+    α, each step batched over ``batch_chunk`` elements at a time."""
+    _check_part(part, part.w.shape[0], part.w.shape[2], True)
+    step = batch_chunk or part.w.shape[0]
+    chunks = []
+    for b0 in range(0, part.w.shape[0], step):
+        sl = slice(b0, b0 + step)
+        sub = AWQExtra(part.w[sl], part.x[sl], part.mask[sl], part.spec)
+        ref = torch.bmm(sub.x.float(), sub.w.float().transpose(1, 2))
+        grid = s_grid if shared else s_grid[:, sl]
+        chunks.append(torch.stack([_output_error(sub, ref, s, scale_dtype) for s in grid]))
+        del ref
+    return torch.cat(chunks, dim=1)
+
+
+def pick_scales(errors: list[torch.Tensor], s_grid: torch.Tensor, shared: bool):
+    """The grid point with the least error (summed over parts, and over the batch when ``shared``; ties keep the
+    smaller α) -> ``(s [N, I], best [N], picked)``, ``picked``: each part's errors at it ``[B']``. Raises
+    NumericalError when a picked error is not finite."""
+    objective = sum(e.sum(dim=1, keepdim=True) for e in errors) if shared else sum(errors)
+    best = torch.nan_to_num(objective, nan=float("inf")).argmin(dim=0)  # [N]
+    s = s_grid[best, torch.arange(best.shape[0], device=best.device)]  # [N, I]
+    picked = [e[best.expand(e.shape[1]) if shared else best, torch.arange(e.shape[1], device=e.device)]
+              for e in errors]
+    _check_finite_error(picked)
+    return s, best, picked
 
 
 def _check_part(part: AWQExtra, B: int, n_in: int, shared: bool) -> None:
@@ -139,13 +162,13 @@ def _check_part(part: AWQExtra, B: int, n_in: int, shared: bool) -> None:
 
 
 def _channel_means(parts: list[AWQExtra], shared: bool) -> torch.Tensor:
-    """mean |x| per channel over the real rows of every part: ``[B, I]``, or ``[1, I]`` when shared; floored
-    at ``_MIN_RELATIVE_MEAN`` of the largest; all ones for an element without rows."""
+    """mean |x| per channel over the real rows of every part: ``[B, I]``, or ``[1, I]`` when shared (zero for an
+    element without rows: :func:`smoothing_grid` floors it to all ones)."""
     sums = [(p.x.float().abs() * p.mask[..., None]).sum(dim=1) for p in parts]  # [B', I]
     counts = [p.mask.sum(dim=1).float() for p in parts]  # [B']
     if shared:
         sums, counts = [t.sum(dim=0, keepdim=True) for t in sums], [c.sum(dim=0, keepdim=True) for c in counts]
-    return _floor_means(sum(sums) / sum(counts).clamp_min(1.0)[:, None])
+    return sum(sums) / sum(counts).clamp_min(1.0)[:, None]
 
 
 def _floor_means(mean: torch.Tensor) -> torch.Tensor:
@@ -159,15 +182,15 @@ def _smoothing(means: torch.Tensor, alpha: float) -> torch.Tensor:
     return s / (s.amax(dim=-1, keepdim=True) * s.amin(dim=-1, keepdim=True)).sqrt()
 
 
-def _quantize_scaled(part: AWQExtra, s: torch.Tensor, scale_dtype: torch.dtype) -> QuantizedWeight:
-    """``Q(W · s)`` for ``s [B' or 1, I]``."""
-    return quantize_weight(part.w.float() * s[:, None, :], part.spec, scale_dtype)
+def quantize_scaled(w: torch.Tensor, s: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype) -> QuantizedWeight:
+    """``Q(W · s)`` for ``w [B', O, I]`` and ``s [B' or 1, I]``."""
+    return quantize_weight(w.float() * s[:, None, :], spec, scale_dtype)
 
 
 def _output_error(part: AWQExtra, ref: torch.Tensor, s: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     """``Σ_real rows ||x Wᵀ − (x / s) Q(W · s)ᵀ||²`` per element ``[B']`` for ``s [B' or 1, I]`` and
     ``ref = x Wᵀ [B', C', O']``."""
-    w_hat = _quantize_scaled(part, s, scale_dtype).dequantize().float()
+    w_hat = quantize_scaled(part.w, s, part.spec, scale_dtype).dequantize().float()
     y = torch.bmm(part.x.float() / s[:, None, :], w_hat.transpose(1, 2))
     return (((y - ref) ** 2).sum(dim=-1) * part.mask).sum(dim=-1)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from quant.dist import SINGLE, World
 from quant.export.targets import name_regexes
 from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
@@ -66,11 +67,12 @@ def compress_module(qw) -> dict[str, torch.Tensor]:
 
 
 def write_compressed_tensors(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
-                             extra_manifest: dict | None = None) -> Path:
-    """Write the checkpoint to ``out`` atomically; returns ``out``."""
+                             extra_manifest: dict | None = None, world: World = SINGLE) -> Path:
+    """Write the checkpoint to ``out`` atomically (each rank of ``world`` its share of the shards); returns ``out``."""
     config = json.loads((source.path / "config.json").read_text())
     config["quantization_config"] = quantization_config(source, plan)
     write_checkpoint(source, plan, qdir, out, max_shard_bytes, compress_module, {"config.json": config},
-                     {"format": "compressed-tensors", **(extra_manifest or {})})
-    log.info("wrote compressed-tensors checkpoint %s", out)
+                     {"format": "compressed-tensors", **(extra_manifest or {})}, world)
+    if world.is_writer:
+        log.info("wrote compressed-tensors checkpoint %s", out)
     return out

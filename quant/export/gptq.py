@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from quant.dist import SINGLE, World
 from quant.errors import PlanError
 from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
@@ -188,8 +189,9 @@ def check_gptq_plan(plan: BitPlan, source: ModelSource) -> None:
 
 
 def write_gptq(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
-               extra_manifest: dict | None = None) -> Path:
-    """Write the GPTQ-format checkpoint to ``out`` atomically; returns ``out``."""
+               extra_manifest: dict | None = None, world: World = SINGLE) -> Path:
+    """Write the GPTQ-format checkpoint to ``out`` atomically (each rank of ``world`` its share of the shards);
+    returns ``out``."""
     check_gptq_plan(plan, source)
     qcfg = quantize_config(plan, source)
     v2 = qcfg["checkpoint_format"] == "gptq_v2"
@@ -197,4 +199,4 @@ def write_gptq(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_sh
     config["quantization_config"] = qcfg
     return write_checkpoint(source, plan, qdir, out, max_shard_bytes, lambda qw: gptq_tensors(qw, v2),
                             {"config.json": config, "quantize_config.json": qcfg},
-                            {"format": "gptq", **(extra_manifest or {})})
+                            {"format": "gptq", **(extra_manifest or {})}, world)

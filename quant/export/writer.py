@@ -1,80 +1,41 @@
 """Checkpoint writing shared by every format: sharded safetensors, index, copied side files, SHA-256 manifest,
-atomic directory replacement.
+atomic directory replacement, on one rank or many.
 
-A checkpoint directory is built under a temporary name beside its destination and renamed into place only
-when complete, so a directory with the final name is always a finished checkpoint.
+A checkpoint directory is built under a temporary name beside its destination (``.<name>.tmp-<writer pid>``) and
+renamed into place only when complete, so a directory with the final name is always a finished checkpoint. Under
+torchrun every rank writes its share of the shard files (``shards.py``) into that one temporary directory and
+hashes them; the writer (rank 0) alone creates it, waits for every rank, writes the index, config, side files and
+manifest (with the ranks' digests) and renames it. A failure on any rank ends every rank and the writer deletes
+the temporary; one left by a killed job carries the writer's pid and is removed when the run directory is next
+claimed (``storage.remove_stale``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
-from quant.errors import CheckpointError, NumericalError
+from quant.dist import SINGLE, World
+from quant.errors import CheckpointError
+from quant.export.shards import Shard, index, plan_shards, plan_tensors, shard_owners, write_shard
 from quant.models import ModelSource
 from quant.models.source import remote_code_files
 from quant.plan import BitPlan
-from quant.qstore import layer_file, read_layer, read_params
-from quant.rundir import atomic_write_text
-from quant.storage import file_sha256
+from quant.rundir import atomic_write_text, environment_error
+from quant.storage import file_sha256, file_stamp, remember_sha256
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "quant_manifest.json"
 CARD = "README.md"  # the model card, written after evaluation (report stage), then added to the manifest
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
               "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "LICENSE", "LICENSE.txt")
-
-
-class ShardWriter:
-    """Collects tensors and writes ``model-XXXXX-of-YYYYY.safetensors`` shards of at most ``max_bytes``."""
-
-    def __init__(self, out: Path, max_bytes: int):
-        self.out, self.max_bytes = out, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Queue one tensor; a floating-point tensor with NaN or infinite values is refused (NumericalError)."""
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise NumericalError(f"{name} holds NaN or infinite values; a checkpoint must not ship them (is the "
-                                 "source model damaged?)")
-        n = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + n > self.max_bytes:
-            self._flush()
-        self.pending[name] = tensor.contiguous().cpu()
-        self.pending_bytes += n
-        self.total_bytes += n
-
-    def _flush(self) -> None:
-        i = len(self.shards)
-        save_file(self.pending, str(self.out / f".shard-{i:05d}.safetensors"), metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
-
-    def close(self) -> None:
-        """Flush, give shards their final names and write the index (single file: model.safetensors)."""
-        if self.pending or not self.shards:
-            self._flush()
-        n = len(self.shards)
-        if n == 1:
-            os.replace(self.out / ".shard-00000.safetensors", self.out / "model.safetensors")
-            return
-        weight_map = {}
-        for i, names in enumerate(self.shards):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self.out / f".shard-{i:05d}.safetensors", self.out / final)
-            weight_map.update({k: final for k in names})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def copy_side_files(src: Path, dst: Path) -> None:
@@ -87,11 +48,13 @@ def copy_side_files(src: Path, dst: Path) -> None:
         shutil.copy2(code, dst / code.name)
 
 
-def write_manifest(directory: Path, extra: dict | None = None) -> None:
-    """SHA-256 of every file in the checkpoint (except the manifest itself)."""
+def write_manifest(directory: Path, extra: dict | None = None, digests: dict[str, str] | None = None) -> None:
+    """SHA-256 of every file in the checkpoint (except the manifest itself); ``digests``: those already known
+    (relative name -> SHA-256, computed by the rank that wrote the file)."""
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    known = digests or {}
     data = dict(extra or {})
-    data["files"] = {str(p.relative_to(directory)): file_sha256(p) for p in files}
+    data["files"] = {(rel := str(p.relative_to(directory))): known.get(rel) or file_sha256(p) for p in files}
     (directory / MANIFEST).write_text(json.dumps(data, indent=1))
 
 
@@ -136,73 +99,82 @@ def checkpoint_digest(directory: Path) -> str | None:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
 
-@contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
-    """Yield a temporary directory; on success it replaces ``final`` (old content removed), else it is deleted."""
+def temp_directory(final: Path) -> Path:
+    """A new, empty ``.<final>.tmp-<pid>`` beside ``final`` (the pid is the writer's: see ``storage.remove_stale``)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    try:
-        yield tmp
-        if final.exists():
-            old = final.parent / f".{final.name}.old-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
 
 
-def _layer_of_key(key: str) -> int | None:
-    parts = key.split(".")
-    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else None
-
-
-class _LayerCache:
-    """The quantize stage's stored modules and changed kept parameters (on-disk names) of one layer at a time."""
-
-    def __init__(self, source: ModelSource, qdir: Path):
-        self.source, self.qdir, self.layer = source, qdir, object()
-        self.modules: dict = {}
-        self.params: dict[str, torch.Tensor] = {}
-
-    def load(self, layer: int | None) -> None:
-        if layer == self.layer:
-            return
-        path = layer_file(self.qdir, layer)
-        self.layer = layer
-        self.modules = read_layer(path) if path.is_file() else {}
-        raw = read_params(path) if path.is_file() else {}
-        self.params = {self.source.family.disk_key(layer, k): v for k, v in raw.items()}
+def replace_directory(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` to ``final``, replacing (and then deleting) any old ``final``."""
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
 
 
 def write_checkpoint(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
-                     module_tensors: Callable, config_files: dict[str, dict], manifest: dict) -> Path:
-    """Stream every tensor of ``source`` to a new checkpoint at ``out`` (atomically): quantized modules as
-    ``module_tensors(stored) -> {suffix: tensor}``, kept tensors from the quantize stage when it changed them
-    (AWQ folds) else from the source. ``config_files``: JSON files to write (config.json, ...)."""
-    by_prefix = {m.disk_prefix: n for n, m in source.modules.items()}
-    quantized = plan.quantized()
-    cache = _LayerCache(source, qdir)
-    with atomic_directory(out) as tmp:
-        writer = ShardWriter(tmp, max_shard_bytes)
-        for key in sorted(source.weight_map, key=lambda k: (_layer_of_key(k) is None, _layer_of_key(k) or 0, k)):
-            cache.load(_layer_of_key(key))
-            prefix = key.removesuffix(".weight")
-            name = by_prefix.get(prefix) if key.endswith(".weight") else None
-            if name is not None and name in quantized:
-                for suffix, tensor in module_tensors(cache.modules[name]).items():
-                    writer.add(f"{prefix}.{suffix}", tensor)
-            elif key in cache.params:
-                writer.add(key, cache.params[key].to(source.read_tensors([key])[key].dtype))
-            else:
-                writer.add(key, source.read_tensors([key])[key])
-        writer.close()
-        for fname, data in config_files.items():
-            (tmp / fname).write_text(json.dumps(data, indent=2))
-        copy_side_files(source.path, tmp)
-        write_manifest(tmp, manifest)
+                     module_tensors: Callable, config_files: dict[str, dict], manifest: dict,
+                     world: World = SINGLE) -> Path:
+    """Write every tensor of ``source`` to a new checkpoint at ``out`` (atomically), each rank of ``world`` its share
+    of the shard files: quantized modules as ``module_tensors(stored) -> {suffix: tensor}``, kept tensors from the
+    quantize stage when it changed them (AWQ folds) else from the source. ``config_files``: JSON files to write
+    (config.json, ...). The files are the same, byte for byte, at any world size."""
+    shards = plan_shards(plan_tensors(source, plan, qdir, module_tensors), max_shard_bytes)
+    owners = shard_owners(shards, world.size)
+    tmp = Path(world.on_writer(lambda: str(temp_directory(out))))
+    try:
+        mine = [s for s, r in zip(shards, owners, strict=True) if r == world.rank]
+        written = world.on_every_rank(lambda: _write_shards(mine, source, qdir, module_tensors, tmp, world))
+        world.on_writer(lambda: _finish(tmp, out, shards, written, source, config_files, manifest))
+    except BaseException:
+        if world.is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
+
+
+def _write_shards(shards: list[Shard], source: ModelSource, qdir: Path, module_tensors: Callable, tmp: Path,
+                  world: World) -> dict[str, tuple[str, tuple[int, int]]]:
+    """This rank's shard files: file -> (SHA-256, (size, mtime) when hashed). Under torchrun a full disk or an
+    unwritable path becomes one line naming this rank (one process: the pipeline names it)."""
+    t0, out = time.perf_counter(), {}
+    try:
+        for shard in shards:
+            path = write_shard(shard, source, qdir, module_tensors, tmp)
+            out[shard.file] = (file_sha256(path), file_stamp(path))
+    except OSError as e:
+        plain = environment_error(e, tmp, lambda: sum(s.nbytes for s in shards)) if world.distributed else None
+        if plain is None:
+            raise
+        raise type(plain)(f"rank {world.rank} of {world.size}: {plain}") from None
+    log.debug("rank %d wrote %d shard files (%.1f MB) in %.1f s", world.rank, len(shards),
+              sum(s.nbytes for s in shards) / 1e6, time.perf_counter() - t0)
+    return out
+
+
+def _finish(tmp: Path, out: Path, shards: list[Shard], written: list[dict], source: ModelSource,
+            config_files: dict[str, dict], manifest: dict) -> None:
+    """The writer's part once every shard is on disk: index, config and side files, manifest, rename."""
+    digests = {}
+    for rank, part in enumerate(written):
+        for file, (digest, stamp) in part.items():
+            if rank > 0:  # the writer's own digest cache may not have seen another node's files
+                remember_sha256(tmp / file, digest, stamp)
+            digests[file] = digest
+    if (idx := index(shards)) is not None:
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(idx, indent=2))
+    for fname, data in config_files.items():
+        (tmp / fname).write_text(json.dumps(data, indent=2))
+    copy_side_files(source.path, tmp)
+    write_manifest(tmp, manifest, digests)
+    replace_directory(tmp, out)
+    if len(written) > 1:
+        log.info("%s: %d shard files written by %d ranks (%s)", out.name, len(shards), len(written),
+                 ", ".join(f"rank {r}: {len(part)}" for r, part in enumerate(written)))

@@ -118,6 +118,7 @@ class ModelSource:
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
             raise ModelError(f"{self.path / 'config.json'}: num_hidden_layers must be a positive integer, got {layers!r}")
         self.weight_map = _read_index(self.path)
+        self._dtypes: dict[str, str] = {}
         self._headers = self._read_headers()
 
     def _family(self, model_type: str, declared: str | None) -> FamilySpec:
@@ -171,12 +172,15 @@ class ModelSource:
         return read_safetensors(self.path, self.weight_map, keys, device)
 
     def _read_headers(self) -> dict[str, tuple[int, ...]]:
-        """Shape of every tensor from the shard headers, checking each header and that it holds what the index says."""
+        """Shape (and, into ``_dtypes``, dtype) of every tensor from the shard headers, checking each header and that
+        it holds what the index says."""
         out: dict[str, tuple[int, ...]] = {}
         for file in sorted(set(self.weight_map.values())):
             with open_safetensors(self.path / file) as f:
                 for key in f.keys():
-                    out[key] = tuple(f.get_slice(key).get_shape())
+                    header = f.get_slice(key)
+                    out[key] = tuple(header.get_shape())
+                    self._dtypes[key] = header.get_dtype()
         absent = sorted(k for k, f in self.weight_map.items() if k not in out)
         if absent:
             raise ModelError(f"{self.path}: {absent[0]} is not in {self.weight_map[absent[0]]}, where the index puts "
@@ -186,6 +190,10 @@ class ModelSource:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every tensor, from safetensors headers."""
         return dict(self._headers)
+
+    def dtypes(self) -> dict[str, str]:
+        """Dtype of every tensor as safetensors names it (``BF16``, ``F32``), from safetensors headers."""
+        return dict(self._dtypes)
 
     @cached_property
     def modules(self) -> dict[str, ModuleInfo]:

@@ -74,6 +74,23 @@ def test_batch_chunks_do_not_change_the_search(shared: bool) -> None:
         assert torch.equal(part.alpha, whole.alpha) and torch.allclose(part.error, whole.error)
 
 
+def test_shared_search_from_tables_of_expert_chunks_equals_the_whole_search() -> None:
+    """A shared search whose experts arrive in chunks (their Hessians do not fit at once): each chunk's trial
+    errors, joined in expert order, then one pick, give the same s, errors and codes as awq_search over all."""
+    from quant.algos.awq import pick_scales, quantize_scaled, smoothing_grid, trial_errors
+
+    w, x, mask = weights(), outlier_activations(), full_mask()
+    x[:, :, :3] *= 30
+    means = ((x.abs() * mask[..., None]).sum((0, 1)) / mask.sum())[None]
+    whole = awq_search(w, x, mask, SPEC, torch.bfloat16, share_across_batch=True, channel_means=means)
+    s_grid = smoothing_grid(means, 20)[1]
+    tables = [trial_errors(AWQExtra(w[c], x[c], mask[c], SPEC), s_grid, torch.bfloat16, shared=True)
+              for c in (slice(0, 1), slice(1, 3), slice(3, B))]
+    s, best, picked = pick_scales([torch.cat(tables, dim=1)], s_grid, shared=True)
+    assert best.shape == (1,) and torch.equal(s[0], whole.scales) and torch.equal(picked[0], whole.error)
+    assert torch.equal(quantize_scaled(w, s, SPEC, torch.bfloat16).q, whole.weight.q)
+
+
 def test_alpha_zero_without_outliers_is_rtn() -> None:
     """With the grid reduced to α = 0 the result is exactly round-to-nearest."""
     w, x, mask = weights(), outlier_activations(), full_mask()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO, run_cli
 
@@ -27,17 +29,30 @@ def torchrun(n: int, *args: str, entry: tuple[str, ...] = ("-m", "quant.cli")) -
 
 
 def _env(**extra) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), **extra}
+    return {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
 def checkpoint_hashes(run_dir: Path) -> dict:
-    """SHA-256 of every checkpoint file (export's manifest) and the bytes of every stored layer."""
+    """SHA-256 of every checkpoint file (export's manifest) and every stored layer's content: each tensor's bytes,
+    its module index and its report without the measured times (a layer file carries its report, whose seconds
+    differ from run to run)."""
+    from safetensors import safe_open
+
     files = json.loads((run_dir / "checkpoint" / "quant_manifest.json").read_text())["files"]
-    layers = {p.name: p.read_bytes() for p in sorted((run_dir / "quantized").glob("layer_*.safetensors"))}
+    layers = {}
+    for p in sorted((run_dir / "quantized").glob("layer_*.safetensors")):
+        with safe_open(str(p), "pt") as f:
+            meta = f.metadata()
+            report = {k: v for k, v in json.loads(meta["report"]).items() if "seconds" not in k}
+            tensors = {k: (str(t.dtype), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                       for k in f.keys() for t in [f.get_tensor(k)]}
+            layers[p.name] = (meta["modules"], report, tensors)
     return {"checkpoint": files, "layers": layers}
 
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun gives each rank: CPU kernels' sums depend on the thread count
+# as torchrun gives each rank: CPU kernels' sums depend on the thread count. No GPU, also on GPU machines: these tests
+# check the gloo path's same-answer claim (byte-identical codes on CPUs); NCCL runs are benchmarks/distributed.py's
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +84,32 @@ def test_two_ranks_give_the_one_process_plan_and_checkpoint(reference, tmp_path,
     m = json.loads((d / "manifest.json").read_text())
     assert m["stages"]["quantize"]["ranks"] == 2 and m["stages"]["profile"]["ranks"] == 2
     assert p.stdout.count("export: ran") == 1  # one writer prints
+
+
+def test_two_ranks_give_the_one_process_checkpoint_with_awq_in_expert_chunks(tmp_path):
+    """AWQ whose expert statistics come in 3 passes per MoE layer (``hessian_budget_gb`` holds 6 of the 16
+    experts' Hessians): every pass's relay hands both ranks every batch, each rank searches every expert, and the
+    checkpoint is the one process's byte for byte (deepseek-v3-tiny: its dense first layer takes the unrouted
+    path, its shared expert reuses the routed experts' s)."""
+    from quant.models import resolve_model
+    from quant.quantize import expert_hessian_bytes
+
+    budget = 1.3e-4
+    cfg = resolve_model("builtin:deepseek-v3-tiny").config_dict
+    per_expert = expert_hessian_bytes(cfg["hidden_size"], cfg["moe_intermediate_size"])
+    assert int(budget * 1e9) // per_expert == 6 and cfg["n_routed_experts"] == 16  # chunks of 6, 6, 4
+    _same_checkpoint_as_one_process(tmp_path, 2, "--model", "builtin:deepseek-v3-tiny", "--set",
+                                    "quantize.algorithm=awq", "--set", f"quantize.hessian_budget_gb={budget}")
+
+
+def _same_checkpoint_as_one_process(tmp_path: Path, ranks: int, *args: str) -> None:
+    """``export`` in one process (one thread) and at ``ranks`` ranks under torchrun: the same checkpoint."""
+    one = run_cli("export", HEADLINE, "-o", str(tmp_path / "one"), *args, env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr[-3000:]
+    p = subprocess.run(torchrun(ranks, "export", HEADLINE, "-o", str(tmp_path / "many"), *args), capture_output=True,
+                       text=True, env=_env(), timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert checkpoint_hashes(tmp_path / "many") == checkpoint_hashes(tmp_path / "one")
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -195,13 +236,8 @@ def test_torchrun_job_ends_when_the_writer_rank_dies(tmp_path):
 def test_more_ranks_than_calibration_batches_give_the_one_process_checkpoint(tmp_path):
     """8 samples = one batch of 8: ranks 1 and 2 run no batch at all, so they see no forward pass and must learn
     from rank 0 which linears share an input (q/k/v are one solve group); a third family (Mixtral)."""
-    few = ("--model", "builtin:mixtral-tiny", *GPTQ, "--set", "calibration.n_samples=8")
-    one = run_cli("export", HEADLINE, "-o", str(tmp_path / "one"), *few, env=ONE_THREAD)
-    assert one.returncode == 0, one.stderr[-3000:]
-    p = subprocess.run(torchrun(3, "export", HEADLINE, "-o", str(tmp_path / "three"), *few), capture_output=True,
-                       text=True, env=_env(), timeout=900, cwd=REPO)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert checkpoint_hashes(tmp_path / "three") == checkpoint_hashes(tmp_path / "one")
+    _same_checkpoint_as_one_process(tmp_path, 3, "--model", "builtin:mixtral-tiny", *GPTQ, "--set",
+                                    "calibration.n_samples=8")
 
 
 def test_two_rank_eval_scores_half_the_samples_each_and_matches_one_process(reference, tmp_path):
@@ -226,3 +262,66 @@ def test_two_rank_eval_scores_half_the_samples_each_and_matches_one_process(refe
     assert b["proxies"]["n_tokens"] == a["proxies"]["n_tokens"]
     assert b["tasks"] == a["tasks"] and set(b["tasks"]) == {"quant_mmlu"}
     assert json.loads((two / "manifest.json").read_text())["stages"]["eval"]["ranks"] == 2
+
+
+BOTH_FORMATS = ("--model", "builtin:qwen3-moe-tiny", *GPTQ, "--set", "export.formats=[compressed-tensors,gptq]",
+                "--set", "export.max_shard_gb=0.0002")  # ~0.7 MB checkpoints: 4 shard files each
+FAILING_EXPORT = str(REPO / "tests" / "fixtures" / "failing_export_cli.py")
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def _temporaries(run_dir: Path) -> list[str]:
+    return [p.name for p in run_dir.iterdir() if p.name.startswith(".checkpoint")]
+
+
+def test_two_ranks_export_the_one_process_files_of_both_formats(reference, tmp_path):
+    """Each rank writes its share of every checkpoint's shard files; the writer finishes the checkpoints: every file
+    (shards, index, configs, manifest) is byte-identical to one process's."""
+    import shutil
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d in (one, two):
+        shutil.copytree(reference["qwen3-moe-tiny"], d)
+    p = run_cli("export", HEADLINE, "-o", str(one), *BOTH_FORMATS, env=ONE_THREAD)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run(torchrun(2, "export", HEADLINE, "-o", str(two), *BOTH_FORMATS), capture_output=True,
+                       text=True, env=_env(), timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for folder in ("checkpoint", "checkpoint-gptq"):
+        files = _files(two / folder)
+        assert len([f for f in files if f.endswith(".safetensors")]) >= 3, sorted(files)
+        assert "model.safetensors.index.json" in files and files == _files(one / folder), folder
+    assert re.search(r"checkpoint: \d+ shard files written by 2 ranks \(rank 0: [1-9]\d*, rank 1: [1-9]", p.stderr)
+    m1, m2 = (json.loads((d / "manifest.json").read_text())["stages"]["export"] for d in (one, two))
+    assert (m1["ranks"], m2["ranks"]) == (1, 2) and m1["outputs"] == m2["outputs"]
+    assert not _temporaries(two)
+
+
+def test_a_rank_that_cannot_write_its_shards_ends_every_rank_with_one_error_line(reference, tmp_path):
+    """Rank 1's shard writes fail (read-only file system): both ranks exit 1, the job prints one error line naming
+    rank 1 and the path, the manifest records export failed, no checkpoint or temporary is left (not even the
+    finished one the run had before); one process then finishes the export."""
+    import shutil
+
+    d = tmp_path / "ro"
+    shutil.copytree(reference["qwen3-moe-tiny"], d)
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, FAILING_EXPORT, "export", HEADLINE, "-o", str(d), *BOTH_FORMATS],
+                              cwd=REPO, env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                                                 RANK=str(r), LOCAL_RANK=str(r), QUANT_TEST_FAIL_EXPORT_RANK="1",
+                                                 **ONE_THREAD),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    errs = [proc.communicate(timeout=600)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [1, 1], errs
+    lines = _error_lines(errs[0]) + _error_lines(errs[1])
+    assert len(lines) == 1 and not _error_lines(errs[0]), errs
+    assert lines[0].startswith("error: rank 1 of 2: cannot write ") and "Read-only file system" in lines[0]
+    assert "Traceback" not in errs[0] + errs[1]
+    entry = json.loads((d / "manifest.json").read_text())["stages"]["export"]
+    assert entry["status"] == "failed" and "rank 1 of 2: cannot write" in entry["error"] and "outputs" not in entry
+    assert not (d / "checkpoint").exists() and not (d / "checkpoint-gptq").exists() and not _temporaries(d)
+    p = run_cli("export", HEADLINE, "-o", str(d), *BOTH_FORMATS, env=ONE_THREAD)
+    assert p.returncode == 0 and "ran export;" in p.stdout, p.stderr[-3000:]
