@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO / "benchmarks" / "reference_moe"))
 from evaluate_reference import nextline_samples  # noqa: E402
 
 from quant.calibration import build_calibration  # noqa: E402
-from quant.evaluate import logprobs, proxies  # noqa: E402
+from quant.evalstream import ProxySums  # noqa: E402
+from quant.evaluate import _final_hidden  # noqa: E402
 from quant.layerwise import Layerwise  # noqa: E402
 from quant.models import resolve_model  # noqa: E402
 from quant.plan import plan_bits  # noqa: E402
@@ -109,11 +110,22 @@ def heldout_code_docs() -> list[dict]:
     return [{"path": p.split(" ", 1)[0], "domain": "code", "text": "# ---- " + p} for p in parts]
 
 
-def metrics(model, tokens, base_lp, lines) -> dict:
-    """The pipeline's own proxies (quant.evaluate) against bf16, plus next-line exact match."""
-    p = proxies(base_lp, logprobs(model, tokens, 16, "cpu"), tokens)
-    return {"ppl": p["perplexity"]["quantized"], "kl": p["kl"]["quantized"], "top1": p["top1_agreement"]["quantized"],
-            "nextline_em": nextline_greedy_match(model, lines)}
+def reference(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.nn.Module]:
+    """The bf16 model's final-norm hidden states on the held-out tokens and its lm_head (what the proxies compare)."""
+    return _final_hidden(model, tokens, 16, "cpu"), model.get_output_embeddings()
+
+
+def proxies(model, tokens: torch.Tensor, base: tuple[torch.Tensor, torch.nn.Module]) -> dict:
+    """The pipeline's own eval proxies (quant.evalstream.ProxySums) of ``model`` against the bf16 reference."""
+    sums = ProxySums("cpu")
+    sums.score(*base, *reference(model, tokens), tokens, "cpu")
+    p = sums.metrics()
+    return {"ppl": p["perplexity"]["quantized"], "kl": p["kl"]["quantized"], "top1": p["top1_agreement"]["quantized"]}
+
+
+def metrics(model, tokens, base, lines) -> dict:
+    """The pipeline's own proxies against bf16, plus next-line exact match."""
+    return proxies(model, tokens, base) | {"nextline_em": nextline_greedy_match(model, lines)}
 
 
 def run(seeds: list[int], out: Path, n_lines: int) -> dict:
@@ -126,10 +138,10 @@ def run(seeds: list[int], out: Path, n_lines: int) -> dict:
     samples = nextline_samples(tok, heldout_code_docs(), n_lines, seed=0, max_context=256, max_line_tokens=48)
     lines = nextline_batch(tok, samples[:n_lines])
     base = load_model(src.path)
-    base_lp = logprobs(base, eval_tokens, 16, "cpu")
+    base_ref = reference(base, eval_tokens)
     results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     bits: dict[str, float] = {}
-    bf16 = metrics(base, eval_tokens, base_lp, lines)
+    bf16 = metrics(base, eval_tokens, base_ref, lines)
     once: dict[str, dict] = {}  # configurations that do not read calibration data (uniform RTN)
     for seed in seeds:
         t0 = time.perf_counter()
@@ -151,7 +163,7 @@ def run(seeds: list[int], out: Path, n_lines: int) -> dict:
             quantize_model(src, calib, plan, QuantizeSpec(**q_kw), Layerwise(src, "bfloat16", "cpu", 8), qdir)
             model = load_model(src.path)
             apply_quantized(model, src, qdir)
-            results[name].append(metrics(model, eval_tokens, base_lp, lines))
+            results[name].append(metrics(model, eval_tokens, base_ref, lines))
             shutil.rmtree(qdir, ignore_errors=True)
             if plan_kw.get("policy") == "uniform" and q_kw["algorithm"] == "rtn":
                 once[name] = results[name][-1]
@@ -204,9 +216,22 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--lines", type=int, default=200)
     ap.add_argument("--out", default="study")
+    ap.add_argument("--study", choices=("selection", "servable"), default="selection",
+                    help="selection: expert-selection policies (study.json); servable: one scheme per MoE layer "
+                         "(servable.json, benchmarks/study_servable.py)")
+    ap.add_argument("--jobs", type=int, default=2, help="servable: worker processes")
+    ap.add_argument("--threads", type=int, default=1, help="servable: torch threads per worker")
+    ap.add_argument("--sizes", nargs="+", default=["1x", "4x", "16x"], help="servable: calibration sizes")
+    ap.add_argument("--report-only", action="store_true",
+                    help="servable: tables of the tasks finished so far (a stopped run), without running any")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.study == "servable":
+        import study_servable
+
+        study_servable.main(a.seeds, out, a.jobs, a.threads, a.lines, a.sizes, a.report_only)
+        return
     data = run(a.seeds, out, a.lines)
     (out / "table.md").write_text(table(data) + "\n")
     plot(data, out / "study_kl.png")

@@ -39,12 +39,13 @@ from dataclasses import dataclass, field
 import torch
 
 from quant.errors import PlanError
+from quant.layer_damage import pass_cost
 from quant.models import ModelSource
 from quant.models.headers import Dims, dims
 from quant.plan import BitPlan, plan_bits
 from quant.plan_summary import summarize
 from quant.profile import PROBE_CHUNK_BYTES, RoutingProfile
-from quant.recipe import Recipe
+from quant.recipe import Recipe, parse_scheme
 from quant.throughputs import THROUGHPUTS, awq_search_seconds, gptq_solve_seconds
 
 GB = 1e9
@@ -306,13 +307,37 @@ def profile_memory(layer: LayerShape, run: Run, d: Dims) -> dict[str, float]:
     return {**parts, "total": sum(parts.values())}
 
 
-def _profile_stage(layers: list[LayerShape], run: Run, d: Dims) -> StageForecast:
+def _profile_stage(layers: list[LayerShape], run: Run, d: Dims, recipe: Recipe) -> StageForecast:
     t = THROUGHPUTS
     seconds = sum(L.weight_bytes / t["load_bytes_per_s"] + run.tokens * L.active_params / t["profile_param_tokens_per_s"]
                   for L in layers)
     worst = max((profile_memory(L, run, d) for L in layers), key=lambda m: m["total"])
-    return StageForecast("profile", worst["total"], _host(layers, run, d), 0.0, seconds,
-                         parts={k: v for k, v in worst.items() if k != "total"})
+    stage = StageForecast("profile", worst["total"], _host(layers, run, d), 0.0, seconds,
+                          parts={k: v for k, v in worst.items() if k != "total"})
+    ls = recipe.profile.layer_sensitivity
+    return stage if ls is None else _with_layer_damage(stage, layers, run, d, ls)
+
+
+def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Run, d: Dims, ls) -> StageForecast:
+    """The profile stage plus quant.layer_damage's pass: the weights once more (in ``ls.dtype``), every stream
+    through every later layer; branches on the GPU while they fit the activation budget, else on the host."""
+    dt = DTYPE_BYTES[ls.dtype]
+    tokens = ls.n_samples * run.seq_len
+    forwards, param_tokens, streams = pass_cost([(L.active_params, L.n_experts > 0) for L in layers],
+                                                len(ls.schemes), tokens)
+    branches = streams * tokens * d.hidden * dt
+    worst = max(layers, key=lambda L: L.weight_bytes)
+    parts = {"layer damage: branches": branches if branches <= ACTIVATION_BUDGET else 0.0,
+             "layer damage: layer": worst.weight_bytes * dt / run.dtype_bytes,
+             "layer damage: RTN of 16 experts": 12 * 16 * worst.expert_numel}
+    seconds = (sum(L.weight_bytes for L in layers) / THROUGHPUTS["load_bytes_per_s"]
+               + param_tokens / THROUGHPUTS["profile_param_tokens_per_s"])
+    gpu = max(stage.gpu_bytes, sum(parts.values()))
+    originals = worst.n_experts * worst.expert_numel * dt  # the layer's expert weights, kept on the host
+    host = HOST_BASE + parts["layer damage: layer"] + originals + branches - parts["layer damage: branches"]
+    return dataclasses.replace(stage, gpu_bytes=gpu, host_bytes=max(stage.host_bytes, host),
+                               seconds=stage.seconds + seconds, parts=stage.parts if gpu == stage.gpu_bytes else parts,
+                               note=f"includes the layer-damage pass: {forwards} layer forwards over {tokens} tokens")
 
 
 def _host(layers: list[LayerShape], run: Run, d: Dims) -> float:
@@ -385,6 +410,9 @@ def _export_stage(recipe: Recipe, layers: list[LayerShape], ckpt: dict[str, floa
 
 def plan_for(recipe: Recipe, source: ModelSource) -> tuple[BitPlan, RoutingProfile]:
     profile = synthetic_profile(source)
+    if recipe.profile.layer_sensitivity is not None:  # same damage in every layer, less with more bits / smaller groups
+        profile.layer_damage = {s: torch.full((len(profile.layers),), 4.0 ** -b * g / 128, dtype=torch.float64)
+                                for s, (b, g) in ((s, parse_scheme(s)) for s in recipe.profile.layer_sensitivity.schemes)}
     return plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers,
                      recipe.export.formats), profile
 
@@ -417,7 +445,8 @@ def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: 
     ckpt = checkpoint_bytes(plan, source, profile, recipe.export.formats)
     tokens_bytes = recipe.calibration.n_samples * recipe.calibration.seq_len * 8
     profile_run = dataclasses.replace(run, batch=recipe.profile.batch_size)
-    stages = [StageForecast("calibrate", 0.0, HOST_BASE, tokens_bytes, 0.0), _profile_stage(layers, profile_run, d),
+    profile_stage = _profile_stage(layers, profile_run, d, recipe)
+    stages = [StageForecast("calibrate", 0.0, HOST_BASE, tokens_bytes, 0.0), profile_stage,
               StageForecast("plan", 0.0, HOST_BASE, 0.0, 0.0), _quantize_stage(layers, run, d),
               _export_stage(recipe, layers, ckpt, gpus),
               _eval_stage(recipe, source, plan, model_bytes, run, d, layers, gpu_memory_gb)]

@@ -3,7 +3,8 @@
 Expert decisions come from a policy over per-expert scores (routing profile); rules for attention, shared
 experts, dense MLPs, super experts and edge layers override scores; router, embeddings and lm_head are always
 kept. ``per_layer`` granularity projects expert decisions onto whole MoE layers under the same budget, which is
-what vLLM can serve (one scheme per fused MoE layer).
+what vLLM can serve (one scheme per fused MoE layer). Layer policies (``quant.layer_plan.LAYER_POLICIES``:
+``layer_sensitivity``) decide bits and group size per MoE layer directly.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import torch
 
+from quant.algos.grid import shared_group_size
 from quant.errors import PlanError
+from quant.layer_plan import LAYER_POLICIES
 from quant.models import ModuleInfo
 from quant.profile import RoutingProfile
 from quant.recipe import PlanSpec
@@ -49,6 +52,8 @@ class BitPlan:
     schema_version: int = SCHEMA_VERSION
     notes: list[str] = field(default_factory=list)
     group_rule: str = ""  # how each module's group size was chosen (see ``resolve_group_sizes``)
+    # quant.servable.serving_summary: vLLM/SGLang problems, predicted KL, the best plan they serve (plan stage)
+    serving: dict = field(default_factory=dict)
 
     def quantized(self) -> dict[str, ModulePlan]:
         return {n: p for n, p in self.modules.items() if not p.keep}
@@ -205,11 +210,22 @@ def resolve_group_sizes(modules: dict[str, ModuleInfo], requested: int, formats:
         if bad:
             raise PlanError(f"{unit}: in_features {bad[0]} is not divisible by plan.group_size {requested}; use a "
                             f"group size dividing {bad[0]} (e.g. 32, 64) or -1 (per channel)")
-        group = requested
-        while group > 1 and any(w % group for w in widths):
-            group //= 2
+        group = shared_group_size(requested, widths)
         out.update({m.name: group for m in members})
     return out
+
+
+LAYER_GROUP_RULE = (" Layer policies ask for one group size per MoE layer (its scheme's); the same rule resolves it for "
+                    "that layer's experts.")
+
+
+def _resolve_requested(quantized: dict[str, ModuleInfo], requested: dict[str, int],
+                       formats: tuple[str, ...]) -> dict[str, int]:
+    """``resolve_group_sizes`` for each requested group size in turn (layer policies ask per MoE layer)."""
+    groups: dict[str, int] = {}
+    for g in sorted({requested[n] for n in quantized}):
+        groups.update(resolve_group_sizes({n: m for n, m in quantized.items() if requested[n] == g}, g, formats))
+    return groups
 
 
 def _rule_bits(m: ModuleInfo, spec: PlanSpec, n_layers: int) -> tuple[int | str | None, str] | None:
@@ -232,23 +248,31 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
               n_layers: int, formats: tuple[str, ...] = ("compressed-tensors",)) -> BitPlan:
     """Decide every module's bits from the profile and the plan spec (pure: no I/O, no model). ``formats``: the
     checkpoint formats the plan will be exported to (they decide which modules share a group size)."""
-    high = _high_mask(profile, modules, spec)
+    layer_schemes = LAYER_POLICIES[spec.policy](profile, modules, spec) if spec.policy in LAYER_POLICIES else None
+    high = _high_mask(profile, modules, spec) if layer_schemes is None else None
     supers = set(profile.super_experts(spec.protect.super_expert_ratio)) if spec.protect.super_experts else set()
     decided: dict[str, tuple[int | None, str]] = {}
+    requested: dict[str, int] = {}  # the group size asked for: plan.group_size, or a layer policy's per MoE layer
     for name, m in modules.items():
         rule = _rule_bits(m, spec, n_layers)
         if rule is None and (m.layer, m.expert) in supers:
             rule = (spec.protect.super_experts, "protect.super_experts")
+        group_size = spec.group_size
         if rule is not None:
             bits, reason = rule
+        elif layer_schemes is not None:
+            bits, group_size = layer_schemes[m.layer]
+            reason = f"{spec.policy}:w{bits}g{group_size}"
         elif high[profile.row(m.layer), m.expert]:
             bits, reason = spec.high_bits, f"{spec.policy}:high"
         else:
             bits, reason = spec.low_bits, f"{spec.policy}:low"
         decided[name] = (None if bits == "keep" else int(bits), reason)
-    quantized = {n: modules[n] for n, (bits, _) in decided.items() if bits is not None}
-    groups = resolve_group_sizes(quantized, spec.group_size, formats)
+        requested[name] = group_size
+    groups = _resolve_requested({n: modules[n] for n, (bits, _) in decided.items() if bits is not None}, requested,
+                                formats)
     out = {n: ModulePlan(bits, groups[n], spec.symmetric, reason) if bits is not None else ModulePlan(None, reason=reason)
            for n, (bits, reason) in decided.items()}
+    rule = GROUP_RULE.format(requested=spec.group_size) + (LAYER_GROUP_RULE if layer_schemes is not None else "")
     return BitPlan(out, algorithm, spec.granularity, spec.target_runtime, spec.policy, profile.model_fingerprint,
-                   group_rule=GROUP_RULE.format(requested=spec.group_size))
+                   group_rule=rule)

@@ -58,6 +58,9 @@ class RoutingProfile:
     down_out_absmax: torch.Tensor
     domain_counts: dict[str, torch.Tensor] = field(default_factory=dict)
     sensitivity: torch.Tensor | None = None
+    # scheme name ("w4g128") -> [L] KL per token when only that MoE layer's experts take the scheme (RTN);
+    # None when profile.layer_sensitivity was not set (see quant.layer_damage)
+    layer_damage: dict[str, torch.Tensor] | None = None
     schema_version: int = SCHEMA_VERSION
 
     def share(self) -> torch.Tensor:
@@ -109,6 +112,7 @@ class RoutingProfile:
         d.update({k: getattr(self, k).tolist() for k in _STATS})
         d["domain_counts"] = {k: v.tolist() for k, v in self.domain_counts.items()}
         d["sensitivity"] = None if self.sensitivity is None else self.sensitivity.tolist()
+        d["layer_damage"] = None if self.layer_damage is None else {k: v.tolist() for k, v in self.layer_damage.items()}
         return d
 
     @classmethod
@@ -120,6 +124,8 @@ class RoutingProfile:
         kw["domain_counts"] = {k: torch.tensor(v, dtype=torch.float64) for k, v in d["domain_counts"].items()}
         if d.get("sensitivity") is not None:
             kw["sensitivity"] = torch.tensor(d["sensitivity"], dtype=torch.float64)
+        if d.get("layer_damage") is not None:
+            kw["layer_damage"] = {k: torch.tensor(v, dtype=torch.float64) for k, v in d["layer_damage"].items()}
         return cls(**kw)
 
     def save(self, path: Path) -> None:

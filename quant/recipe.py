@@ -42,6 +42,32 @@ def _check_bits(value: Any, what: str) -> Any:
     return value
 
 
+def _check_group(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or (value != -1 and (value < 8 or value & (value - 1))):
+        raise ValueError(f"{what} must be -1 (per channel) or a power of two >= 8, got {value!r}")
+    return value
+
+
+_SCHEME = re.compile(r"^w(\d+)g(\d+)$")
+
+
+def parse_scheme(name: str) -> tuple[int, int]:
+    """``"w4g128"`` -> (bits, group size): one symmetric expert scheme of a whole MoE layer."""
+    m = _SCHEME.match(str(name))
+    if not m:
+        raise ValueError(f"a layer scheme is written w<bits>g<group>, e.g. w4g128 or w8g32; got {name!r}")
+    bits, group = int(m.group(1)), int(m.group(2))
+    if bits not in VALID_BITS:
+        raise ValueError(f"bits of scheme {name!r} must be one of {VALID_BITS}")
+    if group < 8 or group & (group - 1):
+        raise ValueError(f"group of scheme {name!r} must be a power of two >= 8 (per channel is not offered here)")
+    return bits, group
+
+
+def scheme_name(bits: int, group_size: int) -> str:
+    return f"w{bits}g{group_size}"
+
+
 def _check_fraction(value: float, what: str) -> float:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"{what} must be in (0, 1], got {value}")
@@ -82,10 +108,31 @@ class CalibrationSpec(_Strict):
         return self
 
 
+class LayerSensitivitySpec(_Strict):
+    """Per MoE layer and scheme: KL(model ‖ model with only that layer's experts at the scheme, RTN), measured
+    in the profile stage on ``n_samples`` calibration samples (``quant.layer_damage``)."""
+
+    schemes: tuple[str, ...] = ("w4g128", "w4g64", "w4g32", "w8g128")
+    n_samples: int = Field(16, ge=1)
+    # float32 keeps the residual stream's rounding out of the small (W8) damages; the model dtype halves memory
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @field_validator("schemes")
+    @classmethod
+    def _schemes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("profile.layer_sensitivity.schemes must name at least one scheme")
+        parsed = [parse_scheme(s) for s in v]
+        if len(set(parsed)) != len(parsed):
+            raise ValueError(f"profile.layer_sensitivity.schemes has duplicates: {list(v)}")
+        return tuple(scheme_name(*p) for p in parsed)
+
+
 class ProfileSpec(_Strict):
     batch_size: int = Field(8, ge=1)
     min_tokens: int = Field(4, ge=0)
     extra_datasets: tuple[str, ...] = ()
+    layer_sensitivity: LayerSensitivitySpec | None = None
 
 
 class ProtectSpec(_Strict):
@@ -107,7 +154,8 @@ class ProtectSpec(_Strict):
 
 
 class PlanSpec(_Strict):
-    policy: Literal["top_fraction", "budget", "sensitivity", "random", "inverse", "uniform"] = "top_fraction"
+    policy: Literal["top_fraction", "budget", "sensitivity", "random", "inverse", "uniform",
+                    "layer_sensitivity"] = "top_fraction"
     top_fraction: float = 0.2
     score: Literal["tokens", "weight_mass", "product"] = "tokens"
     ranking: Literal["per_layer", "global"] = "per_layer"
@@ -116,6 +164,8 @@ class PlanSpec(_Strict):
     budget_avg_bits: float | None = None
     budget_gb: float | None = Field(None, gt=0.0, le=MAX_GB)
     group_size: int = 128
+    # layer policies: further group sizes a whole MoE layer may get, paying for the extra scales from the budget
+    layer_group_sizes: tuple[int, ...] = ()
     symmetric: bool = True
     granularity: Literal["per_expert", "per_layer"] = "per_expert"
     target_runtime: Literal["any", "vllm", "sglang", "transformers", "gptqmodel"] = "any"
@@ -135,8 +185,14 @@ class PlanSpec(_Strict):
     @field_validator("group_size")
     @classmethod
     def _group(cls, v: int) -> int:
-        if v != -1 and (v < 8 or v & (v - 1)):
-            raise ValueError(f"plan.group_size must be -1 (per channel) or a power of two >= 8, got {v}")
+        return _check_group(v, "plan.group_size")
+
+    @field_validator("layer_group_sizes")
+    @classmethod
+    def _layer_groups(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        for g in v:
+            if _check_group(g, "plan.layer_group_sizes entries") == -1:
+                raise ValueError("plan.layer_group_sizes: per channel (-1) is not offered to layer policies")
         return v
 
     @model_validator(mode="after")
@@ -150,7 +206,20 @@ class PlanSpec(_Strict):
                 f"plan.budget_avg_bits ({self.budget_avg_bits}) must lie between low_bits ({self.low_bits}) "
                 f"and high_bits ({self.high_bits})"
             )
+        if self.policy == "layer_sensitivity":
+            self._check_layer_policy()
+        elif self.layer_group_sizes:
+            raise ValueError("plan.layer_group_sizes is read by plan.policy 'layer_sensitivity' only")
         return self
+
+    def _check_layer_policy(self) -> None:
+        fix = {"plan.budget_avg_bits": self.budget_avg_bits is not None and self.budget_gb is None,
+               "plan.granularity: per_layer": self.granularity == "per_layer",
+               "plan.symmetric: true": self.symmetric, "plan.group_size other than -1": self.group_size != -1}
+        missing = [k for k, ok in fix.items() if not ok]
+        if missing:
+            raise ValueError(f"plan.policy 'layer_sensitivity' (one symmetric scheme per MoE layer within an "
+                             f"average-bits budget) needs {', '.join(missing)}")
 
 
 class QuantizeSpec(_Strict):
@@ -265,6 +334,25 @@ class Recipe(_Strict):
     export: ExportSpec = ExportSpec()
     eval: EvalSpec = EvalSpec()
     report: ReportSpec = ReportSpec()
+
+    @model_validator(mode="after")
+    def _layer_damage_measured(self) -> Recipe:
+        """A layer policy chooses among schemes the profile measured: its base schemes must be among them."""
+        p = self.plan
+        if p.policy != "layer_sensitivity":
+            return self
+        ls = self.profile.layer_sensitivity
+        need = [scheme_name(b, p.group_size) for b in sorted({p.low_bits, p.high_bits})]
+        have = set(ls.schemes) if ls else set()
+        lacking = [s for s in need if s not in have]
+        if lacking:
+            raise ValueError(f"plan.policy 'layer_sensitivity' needs profile.layer_sensitivity.schemes to include "
+                             f"{', '.join(lacking)} (have: {', '.join(sorted(have)) or 'profile.layer_sensitivity unset'})")
+        for g in p.layer_group_sizes:
+            if not any(parse_scheme(s)[1] == g for s in have):
+                raise ValueError(f"plan.layer_group_sizes has {g}, but profile.layer_sensitivity.schemes measures "
+                                 f"no scheme with group {g}: add e.g. w{p.low_bits}g{g}")
+        return self
 
     @field_validator("schema_version")
     @classmethod

@@ -127,6 +127,39 @@ def _routing_lines(profile: RoutingProfile, min_tokens: int) -> list[str]:
     return lines
 
 
+def _kl(value: float | None) -> str:
+    return "not predictable (a scheme the profile did not measure)" if value is None else f"{value:.4g}"
+
+
+def serving_lines(serving: dict) -> list[str]:
+    """Whether vLLM/SGLang serve the plan and, from the profile's per-layer damage, the best plan they serve."""
+    if not serving:
+        return ["Not recorded (plan written by an older quant)."]
+    problems = serving["problems"]
+    blocked = [rt for rt, p in problems.items() if p]
+    lines = [f"- not servable by {', '.join(blocked)}: {problems[blocked[0]][0]}" if blocked
+             else f"- servable by {' and '.join(problems)} (one scheme per MoE layer)"]
+    if not serving.get("damage_measured"):
+        return lines + ["- set `profile.layer_sensitivity` to measure per-layer damage and price the best plan "
+                        "vLLM/SGLang serve at this size"]
+    alt = serving.get("best_servable")
+    lines.append(f"- this plan's predicted KL on the calibration proxy: {_kl(serving['predicted_kl'])} "
+                 f"({serving['expert_storage_bits']:.3f} stored bits per expert weight)")
+    if alt is None:
+        return lines + ["- no plan of measured vLLM/SGLang schemes fits this plan's size"]
+    schemes = ", ".join(f"{layer}: {s}" for layer, s in alt["layers"].items())
+    lines.append(f"- best plan vLLM/SGLang serve at this size (`plan.policy: layer_sensitivity`): predicted KL "
+                 f"{alt['predicted_kl']:.4g} ({alt['expert_storage_bits']:.3f} stored bits); layers {schemes}")
+    if blocked and serving["predicted_kl"] is not None:
+        d = alt["predicted_kl"] - serving["predicted_kl"]
+        verdict = ("this plan is predicted better by that much: the price of serving it with vLLM/SGLang" if d > 0
+                   else "the servable plan is predicted at least as good")
+        lines.append(f"- servable plan minus this plan, predicted KL: {d:+.4g} ({verdict})")
+    return lines + ["", "Calibration proxy: the sum over MoE layers of the KL of the model output when only that "
+                    "layer's experts are quantized (round-to-nearest, measured in the profile on calibration "
+                    "tokens); experts mixing schemes within a layer are weighted by their share of its W4 error."]
+
+
 def write_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     profile = RoutingProfile.load(run_dir / "profile.json")
     plan = BitPlan.load(run_dir / "plan.json")
@@ -140,8 +173,10 @@ def write_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
              f"algorithm `{plan.algorithm}`; policy `{plan.policy}`, granularity `{plan.granularity}`, "
              f"target runtime `{plan.target_runtime}`.", "", "## Evaluation", ""] + _eval_lines(ev)
     lines += ["", "## Plan", ""] + _plan_lines(summary)
+    lines += ["", "## Serving with vLLM / SGLang", ""] + serving_lines(plan.serving)
     lines += ["", "## Routing", ""] + _routing_lines(profile, recipe.profile.min_tokens)
     lines += [""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Quantization", ""] + _quantize_lines(layers)
-    atomic_write_text(run_dir / "metrics.json", json.dumps({"plan": summary["headline"], "eval": ev}, indent=1))
+    atomic_write_text(run_dir / "metrics.json", json.dumps({"plan": summary["headline"], "eval": ev,
+                                                                 "serving": plan.serving}, indent=1))
     atomic_write_text(run_dir / "report.md", "\n".join(lines) + "\n")

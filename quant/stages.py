@@ -65,9 +65,20 @@ def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     return {"n_tokens": int(calib.tokens.numel())}
 
 
+def _layer_damage(recipe: Recipe, source: ModelSource, calib: CalibrationSet) -> dict:
+    from quant.layer_damage import measure_layer_damage, spread_rows
+
+    ls = recipe.profile.layer_sensitivity
+    tokens = calib.tokens[spread_rows(calib.tokens.shape[0], ls.n_samples)]
+    lw = Layerwise(source, ls.dtype, recipe.quantize.device, recipe.profile.batch_size)
+    return measure_layer_damage(source, tokens, lw, ls.schemes)
+
+
 def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
     calib = load_calibration(run_dir)
     profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size, world))
+    if recipe.profile.layer_sensitivity is not None:  # one pass on the writer, its result on every rank
+        profile.layer_damage = world.on_writer(lambda: _layer_damage(recipe, source, calib))
     if world.is_writer:
         tmp = temp_path(run_dir / "profile.json")
         profile.save(tmp)
@@ -78,12 +89,14 @@ def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World
 def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     from quant.export import check_formats
     from quant.runtimes import check_runtime
+    from quant.servable import serving_summary
 
     profile = RoutingProfile.load(run_dir / "profile.json")
     formats = recipe.export.formats
     plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers, formats)
     check_runtime(plan, source, recipe.plan.target_runtime, formats)
     check_formats(plan, source, formats)
+    plan.serving = serving_summary(plan, source, profile, formats)
     summary = summarize(plan, source, profile)
     plan.notes.append(json.dumps(summary["headline"]))
     tmp = temp_path(run_dir / "plan.json")

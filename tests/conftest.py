@@ -45,6 +45,15 @@ def quant_cache(tmp_path_factory) -> Path:
     return path
 
 
+def expert_schemes_by_layer(plan) -> dict[int, set[tuple[int | None, int]]]:
+    """Layer index -> the (bits, group size) its routed-expert projections got (one entry: one scheme per layer)."""
+    out: dict[int, set] = {}
+    for name, p in plan.modules.items():
+        if ".experts." in name:
+            out.setdefault(int(name.split(".")[1]), set()).add((p.bits, p.group_size))
+    return out
+
+
 def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """``quant ARGS`` in a subprocess (the real console entry point), capturing output."""
     full_env = {**os.environ, **(env or {})}

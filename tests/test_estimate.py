@@ -283,6 +283,27 @@ def test_real_source_and_header_source_forecast_alike(quant_cache):
                                                                         for s in b.stages]
 
 
+def test_mixed_vllm_recipe_forecasts_the_layer_damage_pass(shapes_dir):
+    """recipes/mixed_vllm.yaml on a DeepSeek-V3-shaped model: the plan is made (synthetic damage), and the profile
+    stage adds the damage pass: sum over layers of the streams alive there (1 + 4 schemes per MoE layer so far)."""
+    from quant.recipe import load_recipe
+
+    path = shapes_dir("deepseek-v3", 1)
+    src = load_headers(str(path))
+    with_damage = forecast(load_recipe(REPO / "recipes" / "mixed_vllm.yaml", model=str(path)), src)
+    without = forecast(load_recipe(REPO / "recipes" / "mixed_vllm.yaml", model=str(path), overrides=(
+        "plan.policy=top_fraction", "plan.budget_avg_bits=null", "plan.layer_group_sizes=[]",
+        "profile.layer_sensitivity=null")), src)
+    p1, p0 = (next(s for s in f.stages if s.stage == "profile") for f in (with_damage, without))
+    moe = [L for L in range(src.n_layers) if L in src.moe_layers()]
+    streams, forwards = 1, 0
+    for layer in range(src.n_layers):
+        forwards += streams + (4 if layer in moe else 0)
+        streams += 4 if layer in moe else 0
+    assert f"{forwards} layer forwards over {16 * 256} tokens" in p1.note
+    assert p1.seconds > p0.seconds and p1.gpu_bytes >= p0.gpu_bytes
+
+
 @pytest.mark.parametrize("mode", ["whole", "streamed"])
 def test_eval_forecast_matches_the_streamed_and_whole_records(mode, shapes_dir):
     """The eval stage's peak against the two paths measured in BENCHMARKS.md (Qwen3-30B-A3B shape, 2 layers, the

@@ -87,6 +87,42 @@ def test_recipe_is_frozen_and_hash_is_stable():
         a.name = "y"
 
 
+LAYER_POLICY = {"policy": "layer_sensitivity", "granularity": "per_layer", "budget_avg_bits": 4.75}
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"plan": LAYER_POLICY}, r"needs profile.layer_sensitivity.schemes to include w4g128, w8g128 \(have: "
+                             r"profile.layer_sensitivity unset\)"),
+    ({"plan": LAYER_POLICY, "profile": {"layer_sensitivity": {"schemes": ["w4g128", "w8g64"]}}},
+     "to include w8g128"),
+    ({"plan": dict(LAYER_POLICY, layer_group_sizes=[32]),
+      "profile": {"layer_sensitivity": {"schemes": ["w4g128", "w8g128"]}}}, "measures no scheme with group 32"),
+    ({"plan": {"policy": "layer_sensitivity"}, "profile": {"layer_sensitivity": {}}},
+     "needs plan.budget_avg_bits, plan.granularity: per_layer"),
+    ({"plan": dict(LAYER_POLICY, symmetric=False), "profile": {"layer_sensitivity": {}}}, "plan.symmetric: true"),
+    ({"plan": dict(LAYER_POLICY, layer_group_sizes=[-1]), "profile": {"layer_sensitivity": {}}}, "per channel"),
+    ({"plan": {"layer_group_sizes": [32]}}, "read by plan.policy 'layer_sensitivity' only"),
+    ({"profile": {"layer_sensitivity": {"schemes": ["int4"]}}}, "written w<bits>g<group>"),
+    ({"profile": {"layer_sensitivity": {"schemes": ["w5g128"]}}}, "bits of scheme 'w5g128'"),
+    ({"profile": {"layer_sensitivity": {"schemes": ["w4g100"]}}}, "power of two"),
+    ({"profile": {"layer_sensitivity": {"schemes": []}}}, "at least one scheme"),
+    ({"profile": {"layer_sensitivity": {"schemes": ["w4g128", "w4g128"]}}}, "duplicates"),
+    ({"profile": {"layer_sensitivity": {"n_samples": 0}}}, "n_samples"),
+    ({"profile": {"layer_sensitivity": {"dtype": "int8"}}}, "dtype"),
+])
+def test_layer_policy_needs_its_measurements_and_settings(data, message):
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe({"name": "x", **data})
+
+
+def test_layer_policy_recipe_resolves():
+    r = parse_recipe({"name": "x", "plan": dict(LAYER_POLICY, layer_group_sizes=[32, 64]),
+                      "profile": {"layer_sensitivity": {}}})
+    assert r.profile.layer_sensitivity.schemes == ("w4g128", "w4g64", "w4g32", "w8g128")
+    assert r.profile.layer_sensitivity.n_samples == 16 and r.profile.layer_sensitivity.dtype == "float32"
+    assert r.plan.layer_group_sizes == (32, 64)
+
+
 def test_eval_parallel_keys_belong_to_their_backend():
     """eval.mode is one of auto|whole|streamed; tensor/data-parallel sizes are vllm's, GPU dispatch is hf's."""
     assert parse_recipe({"name": "x", "eval": {"mode": "streamed"}}).eval.mode == "streamed"

@@ -53,6 +53,15 @@ def effective_group_size(group_size: int, in_features: int) -> int:
     return in_features if group_size == -1 or group_size > in_features else group_size
 
 
+def shared_group_size(requested: int, widths) -> int:
+    """One group size for modules of input widths ``widths`` that must share a scheme: the largest power of two
+    <= ``requested`` (> 0) dividing every width."""
+    group = requested
+    while group > 1 and any(w % group for w in widths):
+        group //= 2
+    return group
+
+
 def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     B, out, n_in = w.shape
     assert n_in % group_size == 0, f"in_features {n_in} not divisible by group size {group_size}"

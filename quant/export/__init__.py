@@ -58,7 +58,8 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
         problems = {rt: problems_for(plan, source, rt, (fmt,)) for rt in RUNTIMES}
         backend = "TORCH" if fmt == "gptq" and gptqmodel_kernel_problem(plan) else None
         card = render_card(recipe, source, summary, ev, problems, version("moe-quant"), fmt=fmt,
-                           runtime_notes=runtime_notes(plan, source, fmt), gptqmodel_backend=backend)
+                           runtime_notes=runtime_notes(plan, source, fmt), gptqmodel_backend=backend,
+                           serving=plan.serving)
         atomic_write_text(run_dir / folder / CARD, card)
         add_to_manifest(run_dir / folder, CARD)
 

@@ -77,6 +77,10 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
     policy = f"`{p.policy}`"
     if p.policy in ("top_fraction", "random", "inverse"):
         policy += f" ({p.top_fraction:.0%} of experts at high bits; score `{p.score}`, ranking `{p.ranking}`)"
+    elif p.policy == "layer_sensitivity":
+        groups = ", ".join(str(g) for g in (p.group_size, *p.layer_group_sizes))
+        policy += (f" (one scheme per MoE layer, chosen by measured output damage within {p.budget_avg_bits} average "
+                   f"expert bits; group sizes {groups})")
     elif p.policy == "budget":
         policy += f" ({f'{p.budget_avg_bits} average expert bits' if p.budget_avg_bits else f'{p.budget_gb} GB'})"
     group = "per channel" if p.group_size == -1 else f"group size {p.group_size}"
@@ -157,9 +161,22 @@ def _snippet(runtime: str, repo: str, trust: bool, backend: str | None = None) -
             'print(model.tokenizer.decode(model.generate("Hello")[0]))', "```"]
 
 
+def _servable_alternative(serving: dict | None, runtime_problems: dict[str, list[str]]) -> list[str]:
+    """When vLLM/SGLang cannot serve this plan: the best plan they serve at its size and the predicted price."""
+    alt = (serving or {}).get("best_servable")
+    if alt is None or not any(runtime_problems.get(rt) for rt in ("vllm", "sglang")):
+        return []
+    ours = serving.get("predicted_kl")
+    versus = f" against this checkpoint's {ours:.4g}" if ours is not None else ""
+    return [f"vLLM and SGLang run one scheme per MoE layer. The best such plan at this checkpoint's size "
+            f"(quant's `layer_sensitivity` policy, e.g. `recipes/mixed_vllm.yaml`) has a predicted KL of "
+            f"{alt['predicted_kl']:.4g}{versus} on the calibration proxy (sum of per-layer KLs measured on "
+            "calibration tokens).", ""]
+
+
 def _serving(runtime_problems: dict[str, list[str]], fmt: str, repo: str, trust: bool,
-             notes: dict[str, str], gptqmodel_backend: str | None) -> list[str]:
-    lines = []
+             notes: dict[str, str], gptqmodel_backend: str | None, serving: dict | None = None) -> list[str]:
+    lines = _servable_alternative(serving, runtime_problems)
     for rt in RUNTIMES:
         lines += [f"### {RUNTIME_NAMES[rt]}", ""]
         if rt not in runtime_problems:
@@ -179,13 +196,14 @@ def _serving(runtime_problems: dict[str, list[str]], fmt: str, repo: str, trust:
 def render_card(recipe: Recipe, source: ModelSource, plan_summary: dict, eval_result: dict | None,
                 runtime_problems: dict[str, list[str]], tool_version: str, *, fmt: str | None = None,
                 repo_id: str | None = None, runtime_notes: dict[str, str] | None = None,
-                gptqmodel_backend: str | None = None) -> str:
+                gptqmodel_backend: str | None = None, serving: dict | None = None) -> str:
     """README.md for the checkpoint of format ``fmt`` (default: the recipe's first export format, i.e. the run's
     ``checkpoint/``). ``plan_summary``: ``plan_summary.summarize`` output or its ``headline``. ``runtime_problems``:
     runtime -> reasons it cannot serve the checkpoint (empty list: servable); ``library_name`` is the first of
     transformers / vLLM that can. ``runtime_notes``: runtime -> a line shown in its section (warnings).
     ``gptqmodel_backend``: the ``BACKEND`` member the GPTQModel snippet must name (its default kernel cannot run
-    the plan). ``repo_id`` goes into the snippets (default ``ORG/NAME``)."""
+    the plan). ``repo_id`` goes into the snippets (default ``ORG/NAME``). ``serving``: the plan's
+    ``quant.servable.serving_summary`` (names the best plan vLLM/SGLang serve when they cannot serve this one)."""
     fmt = fmt or recipe.export.formats[0]
     repo = repo_id or "ORG/NAME"
     title = repo_id.split("/")[-1] if repo_id else f"{source.display_name.split('/')[-1]} ({recipe.name})"
@@ -194,6 +212,6 @@ def render_card(recipe: Recipe, source: ModelSource, plan_summary: dict, eval_re
     lines += ["", "## Plan", ""] + _plan(plan_summary)
     lines += ["", "## Evaluation", ""] + _eval(eval_result)
     lines += ["", "## Serving", ""] + _serving(runtime_problems, fmt, repo, recipe.model.trust_remote_code,
-                                               runtime_notes or {}, gptqmodel_backend)
+                                               runtime_notes or {}, gptqmodel_backend, serving)
     lines += ["## Provenance", "", f"Made with moe-quant {tool_version} (`quant run`)."]
     return "\n".join(lines) + "\n"

@@ -212,3 +212,32 @@ def test_cards_of_a_per_expert_mixtral_run(tmp_path):
     serving = _section(body, "Serving")
     assert "vLLM refuses this checkpoint at load" in _section(serving, "vLLM", "###")
     assert "not servable" in _section(serving, "GPTQModel", "###") and "serve Mixtral with vllm" in serving
+
+
+SERVING = {"problems": {"vllm": ["vllm applies one quantization scheme to all experts of a fused MoE layer"],
+                        "sglang": ["sglang applies one quantization scheme"]},
+           "predicted_kl": 0.0209, "expert_storage_bits": 4.875, "damage_measured": True,
+           "best_servable": {"policy": "layer_sensitivity", "layers": {"0": "w8g128", "1": "w4g32"},
+                             "predicted_kl": 0.0166, "expert_storage_bits": 4.87}}
+
+
+def test_serving_names_the_best_servable_plan_when_vllm_cannot_serve(builtin_source):
+    problems = dict(ALL_OK, vllm=SERVING["problems"]["vllm"], sglang=SERVING["problems"]["sglang"])
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0", serving=SERVING))
+    serving = _section(body, "Serving")
+    assert "layer_sensitivity" in serving and "0.0166" in serving and "0.0209" in serving
+    assert "vllm serve" not in _section(serving, "vLLM", "###")
+    # a layer plan vLLM serves: the snippet, and no alternative offered
+    layer = _recipe("acme/Tiny-MoE-A1B", "plan.policy=layer_sensitivity", "plan.granularity=per_layer",
+                    "plan.budget_avg_bits=4.8", "plan.layer_group_sizes=[64]",
+                    "profile.layer_sensitivity.schemes=[w4g32,w8g32,w4g64]")
+    _, body = _split(render_card(layer, builtin_source, HEADLINE, None, ALL_OK, "0.1.0",
+                                 serving=dict(SERVING, problems={"vllm": [], "sglang": []})))
+    serving = _section(body, "Serving")
+    assert "vllm serve ORG/NAME" in serving and "layer_sensitivity" not in serving
+    assert "one scheme per MoE layer, chosen by measured output damage within 4.8 average expert bits; group " \
+           "sizes 32, 64" in _section(body, "What this is")
+    # no measured damage: nothing to offer, nothing invented
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0",
+                                 serving=dict(SERVING, best_servable=None, damage_measured=False)))
+    assert "layer_sensitivity" not in _section(body, "Serving")

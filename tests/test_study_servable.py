@@ -1,0 +1,65 @@
+"""The servable study's arithmetic (benchmarks/study_servable.py): the share of the per-expert plan's KL gain over
+uniform INT4 that a plan keeps, per seed then averaged, and tables over sizes that ran only some configurations."""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import study_servable as ss  # noqa: E402
+
+BASE, REF, LAYER = (f"{n}|gptq" for n in (ss.BASELINE, ss.REFERENCE, "layer_sensitivity W4/W8 g128"))
+
+
+def _task(seed: int, size: str, kls: dict[str, float]) -> dict:
+    results = {k: {"kl": kl, "ppl": 35.0 + kl, "top1": 0.9, "bits": 4.5, "storage_bits": 4.625,
+                   "servable": k != REF, "predicted_kl": 0.7 * kl, "layers": {"0": "w8g128", "1": "w4g128"}}
+               for k, kl in kls.items()}
+    if size == "1x":
+        for r in results.values():
+            r["nextline_em"] = 0.05
+    return {"seed": seed, "size": size, "damage": {s: [1e-3, 2e-3] for s in ss.SCHEMES}, "results": results}
+
+
+@pytest.fixture
+def data() -> dict:
+    tasks = [_task(0, "1x", {BASE: 0.040, REF: 0.020, LAYER: 0.010}),
+             _task(1, "1x", {BASE: 0.036, REF: 0.026, LAYER: 0.031}),
+             _task(0, "16x", {BASE: 0.030, REF: 0.020}), _task(1, "16x", {BASE: 0.028, REF: 0.018})]
+    return {"sizes": {"1x": 32, "16x": 512}, "seq_len": 256, "schemes": ss.SCHEMES, "tasks": tasks}
+
+
+def test_gain_kept_is_per_seed_against_that_seeds_baseline_and_reference(data):
+    kept = ss._recovered(data, "1x", LAYER)
+    assert kept == pytest.approx([(0.040 - 0.010) / (0.040 - 0.020), (0.036 - 0.031) / (0.036 - 0.026)])
+    row = next(r for r in ss.table_1x(data).splitlines() if r.startswith("| layer_sensitivity W4/W8 g128 |"))
+    spread = 100 * statistics.stdev(kept)
+    assert f"| {100 * statistics.fmean(kept):.0f} ± {spread:.0f} % |" in row and "| 20.50 ± 14.85 |" in row  # KL x1e3
+    assert ss._recovered(data, "1x", BASE) == [0.0, 0.0] and ss._recovered(data, "1x", REF) == [1.0, 1.0]
+
+
+def test_a_size_that_did_not_run_a_configuration_shows_a_dash(data):
+    assert ss._recovered(data, "16x", LAYER) == [] and ss._keys(data) == [BASE, REF, LAYER]
+    rows = {r.split(" | ")[0][2:]: r for r in ss.table_scaling(data).splitlines()[2:]}
+    assert rows["layer_sensitivity W4/W8 g128"].endswith("| 20.50 ± 14.85 | — | 100 ± 71 % | — | — |")
+    assert rows[ss.REFERENCE].endswith("| 23.00 ± 4.24 | 19.00 ± 1.41 | 100 ± 0 % | 100 ± 0 % | 35.019 ± 0.001 |")
+    layers = ss.table_layers(data).splitlines()[2:]
+    assert layers == ["| layer_sensitivity W4/W8 g128 | 1x | 0 | w8g128 w4g128 |",
+                      "| layer_sensitivity W4/W8 g128 | 1x | 1 | w8g128 w4g128 |"]
+
+
+def test_report_only_tables_the_finished_tasks_and_names_the_rest(data, tmp_path):
+    (tmp_path / "tasks").mkdir()
+    for t in data["tasks"]:
+        (tmp_path / "tasks" / f"{t['seed']}-{t['size']}.json").write_text(json.dumps(t | {"cpu_seconds": 10.0}))
+    (tmp_path / "tasks" / "1-16x.json").unlink()
+    got = ss.collect([0, 1, 2], tmp_path, {"1x": 32, "16x": 512})
+    assert got["missing"] == ["2-1x", "1-16x", "2-16x"] and got["task_cpu_seconds"] == 30.0
+    assert json.loads((tmp_path / "servable.json").read_text())["missing"] == got["missing"]
+    text = ss.report(got, tmp_path)
+    assert text.startswith("**Partial: tasks (seed-size) not finished: 2-1x, 1-16x, 2-16x.**")
+    assert (tmp_path / "servable_table.md").read_text() == text + "\n" and (tmp_path / "servable_kl.png").is_file()
+    assert (tmp_path / "tasks" / "0-1x.json").is_file()  # nothing is removed
