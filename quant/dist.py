@@ -132,12 +132,13 @@ class World:
             dist.all_gather_object(out, obj, group=self.groups.get("idle" if idle else "objects"))
         return out
 
-    def barrier(self) -> None:
+    def barrier(self, idle: bool = False, what: str = "barrier") -> None:
+        """Wait until every rank is here. ``idle``: wait as long as a stage may take."""
         if self.distributed:
             import torch.distributed as dist
 
-            with self._collective("barrier"):
-                dist.barrier(group=self.groups.get("objects"))
+            with self._collective(what):
+                dist.barrier(group=self.groups.get("idle" if idle else "objects"))
 
     def broadcast_tensor(self, t: torch.Tensor, src: int) -> None:
         """In place: ``t`` (contiguous, on :attr:`device`) takes rank ``src``'s values."""
@@ -344,8 +345,7 @@ def close_world(world: World, clean: bool = True) -> None:
         if not dist.is_initialized():
             return
         if clean:
-            with world._collective("leaving the process group"):
-                dist.barrier(group=world.groups.get("idle"))
+            world.barrier(idle=True, what="leaving the process group")
         dist.destroy_process_group()
 
 
