@@ -72,7 +72,7 @@ def builtin_path(name: str) -> Path:
     remove_stale(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=f".tmp-{os.getpid()}", dir=target.parent))
     try:
-        _build(name, tmp) if name in BUILTINS else _unpack(SHIPPED[name], tmp)
+        _build_here_or_apart(name, tmp) if name in BUILTINS else _unpack(SHIPPED[name], tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race; its copy is identical
@@ -125,6 +125,24 @@ def _init_experts(model: torch.nn.Module, gen: torch.Generator, std: float) -> N
             if experts is not None and hasattr(experts, "gate_up_proj"):
                 for p in (experts.gate_up_proj, experts.down_proj):
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def _build_here_or_apart(name: str, out: Path) -> None:
+    """``_build`` in this process, or in a child process when this one has joined a process group (torchrun):
+    transformers' ``save_pretrained`` then writes the config and weights on rank 0 only, and another rank's
+    folder would lack them."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        _build(name, out)
+        return
+    import subprocess
+    import sys
+
+    code = "import sys; from pathlib import Path; from quant.models.builtin import _build; _build(sys.argv[1], Path(sys.argv[2]))"
+    p = subprocess.run([sys.executable, "-c", code, name, str(out)], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise ModelError(f"building builtin model '{name}' failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
 def _build(name: str, out: Path) -> None:
