@@ -42,7 +42,9 @@ def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[st
             tensors[f"{name}.zero"] = qw.zero.contiguous().cpu()
         meta[name] = [qw.spec.bits, qw.spec.group_size, qw.spec.symmetric]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata={"modules": json.dumps(meta), "report": json.dumps(report or {})})
+    # one metadata key: safetensors keeps metadata in a hash map, so several keys come out in varying order and the
+    # same layer would not always be the same bytes
+    save_file(tensors, str(tmp), metadata={"quant": json.dumps({"modules": meta, "report": report or {}})})
     os.replace(tmp, path)
 
 
@@ -51,7 +53,7 @@ def read_layer(path: Path, device: str | torch.device = "cpu", names=None) -> di
     (a collection of module names) when given."""
     out = {}
     with safe_open(str(path), "pt", device=str(device)) as f:
-        meta = json.loads(f.metadata()["modules"])
+        meta = _header(f)["modules"]
         for name, (bits, group, sym) in meta.items():
             if names is not None and name not in names:
                 continue
@@ -66,7 +68,7 @@ def read_layout(path: Path) -> dict[str, tuple[QuantSpec, tuple]]:
     its codes, scale and zero point (None when symmetric), dtypes as safetensors names them (``I8``, ``BF16``)."""
     out = {}
     with safe_open(str(path), "pt") as f:
-        for name, (bits, group, sym) in json.loads(f.metadata()["modules"]).items():
+        for name, (bits, group, sym) in _header(f)["modules"].items():
             parts = []
             for part in ("q", "scale", "zero"):
                 if part == "zero" and sym:
@@ -81,7 +83,15 @@ def read_layout(path: Path) -> dict[str, tuple[QuantSpec, tuple]]:
 def read_report(path: Path) -> dict:
     """The layer report stored by ``write_layer`` (empty for a file written without one)."""
     with safe_open(str(path), "pt") as f:
-        return json.loads((f.metadata() or {}).get("report") or "{}")
+        return _header(f)["report"]
+
+
+def _header(f) -> dict:
+    """``{"modules": ..., "report": ...}`` of an open layer file (also from files of the two-key layout)."""
+    m = f.metadata() or {}
+    if "quant" in m:
+        return json.loads(m["quant"])
+    return {"modules": json.loads(m["modules"]), "report": json.loads(m.get("report") or "{}")}
 
 
 def dequantize_2d(qw: QuantizedWeight) -> torch.Tensor:

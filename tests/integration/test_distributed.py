@@ -42,8 +42,8 @@ def checkpoint_hashes(run_dir: Path) -> dict:
     layers = {}
     for p in sorted((run_dir / "quantized").glob("layer_*.safetensors")):
         with safe_open(str(p), "pt") as f:
-            meta = f.metadata()
-            report = {k: v for k, v in json.loads(meta["report"]).items() if "seconds" not in k}
+            meta = json.loads(f.metadata()["quant"])
+            report = {k: v for k, v in meta["report"].items() if "seconds" not in k}
             tensors = {k: (str(t.dtype), tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
                        for k in f.keys() for t in [f.get_tensor(k)]}
             layers[p.name] = (meta["modules"], report, tensors)
