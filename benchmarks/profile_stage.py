@@ -4,7 +4,9 @@ Builds (or reuses) the 2-layer Qwen3-30B-A3B-shaped model of ``benchmarks/engine
 profile stage (routing counts, routing mass, top-1, per-domain counts, down-projection maxima, the per-expert W4
 sensitivity probe) twice on ``--samples × --seqlen`` random tokens, bf16 on the GPU, and prints seconds per layer and
 tokens/s for each run (the first includes warm-up), then a CUDA kernel profile of a short run.
-Usage (GPU): python benchmarks/profile_stage.py --samples 512 --seqlen 2048
+Usage (GPU): python benchmarks/profile_stage.py --samples 512 --seqlen 2048 [--shape deepseek-v3 --layers 1]
+
+First prints the same layers' load and forward without the profile's hooks, the floor the profile is held to.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import build_model, calibration  # noqa: E402
+from engine import SHAPES, build_model, calibration  # noqa: E402
 
 from quant.layerwise import Layerwise  # noqa: E402
 from quant.models import ModelSource  # noqa: E402
@@ -32,27 +34,55 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--workdir", default="/tmp/qb")
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--cold-trace", action="store_true", help="run the first profile under the torch profiler")
     a = ap.parse_args()
-    model_dir = Path(a.workdir) / "model-qwen3-30b-a3b-2"
+    model_dir = Path(a.workdir) / f"model-{a.shape}-{a.layers}"
     if not (model_dir / "config.json").is_file():
-        build_model("qwen3-30b-a3b", 2, model_dir, seed=0)
+        build_model(a.shape, a.layers, model_dir, seed=0)
     src = ModelSource(model_dir)
-    calib = calibration(a.samples, a.seqlen, 32000, seed=0)
+    calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
+    lw = Layerwise(src, "bfloat16", "cuda", a.batch)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    hidden = lw.embed(calib.tokens)
+    load = fwd = 0.0
+    for idx in range(src.n_layers):  # the same layers without the profile's hooks: load + forward alone
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        with lw.layer(idx) as layer:
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            hidden = lw.forward(layer, hidden, out=hidden)
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+        load, fwd = load + t2 - t1, fwd + t3 - t2
+    print(f"forward alone: {time.perf_counter() - t0:.2f} s (loads {load:.2f} s, forward {fwd:.2f} s = "
+          f"{calib.tokens.numel() * src.n_layers / fwd:.0f} tokens/s per layer)", flush=True)
+    del hidden
+    from torch.profiler import ProfilerActivity, profile
+
     for rep in range(2):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        profile_routing(src, calib, Layerwise(src, "bfloat16", "cuda", a.batch))
+        if rep == 0 and a.cold_trace:  # where the first profile's extra seconds go
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as cold:
+                profile_routing(src, calib, Layerwise(src, "bfloat16", "cuda", a.batch))
+                torch.cuda.synchronize()
+            print(cold.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+        else:
+            profile_routing(src, calib, Layerwise(src, "bfloat16", "cuda", a.batch))
         torch.cuda.synchronize()
         s = time.perf_counter() - t0
         print(f"profile run {rep}: {src.n_layers} layers x {a.samples}x{a.seqlen} tokens: {s:.2f} s = "
               f"{s / src.n_layers:.2f} s/layer, {calib.tokens.numel() / s:.0f} tokens/s", flush=True)
-    from torch.profiler import ProfilerActivity, profile
-
-    short = calibration(64, a.seqlen, 32000, seed=0)
+    short = calibration(min(64, a.samples), a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         profile_routing(src, short, Layerwise(src, "bfloat16", "cuda", a.batch))
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=50))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -86,8 +86,10 @@ def environment_error(error: BaseException, where: Path, needed_bytes=None) -> R
 def versions() -> dict[str, str]:
     import importlib.metadata as md
 
-    out = {"python": platform.python_version()}
-    for pkg in ("moe-quant", "torch", "transformers", "compressed-tensors", "safetensors", "lm_eval"):
+    from quant import version
+
+    out = {"python": platform.python_version(), "moe-quant": version()}
+    for pkg in ("torch", "transformers", "compressed-tensors", "safetensors", "lm_eval"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:

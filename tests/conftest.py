@@ -37,6 +37,15 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report) -> None:
+    """With ``QUANT_TEST_FAILLOG=FILE``: each failure's traceback is appended to FILE as it happens (device runs
+    under a time limit keep what failed even when the run is cut off before pytest's summary)."""
+    path = os.environ.get("QUANT_TEST_FAILLOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"===== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def quant_cache(tmp_path_factory) -> Path:
     """Builtin models are built once per session into a private cache (never the user's ~/.cache)."""
@@ -52,6 +61,12 @@ def expert_schemes_by_layer(plan) -> dict[int, set[tuple[int | None, int]]]:
         if ".experts." in name:
             out.setdefault(int(name.split(".")[1]), set()).add((p.bits, p.group_size))
     return out
+
+
+def repo_pythonpath() -> str:
+    """PYTHONPATH for child processes: the checkout first, then whatever the caller had (e.g. a --target folder of
+    carried wheels on a GPU node), never replacing it."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:

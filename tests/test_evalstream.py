@@ -20,8 +20,8 @@ from quant.models import ModelSource, resolve_model
 from quant.pipeline import run
 from quant.plan import BitPlan
 from quant.recipe import load_recipe
+from tests.conftest import REPO, repo_pythonpath
 
-REPO = Path(__file__).resolve().parents[1]
 HEADLINE = REPO / "recipes" / "mixed_int8_int4.yaml"
 MODEL = "builtin:deepseek-v3-tiny"  # MLA attention, a shared expert, a dense first layer
 FAST = ("calibration.n_samples=8", "calibration.seq_len=64", "eval.perplexity.n_samples=5",
@@ -168,7 +168,7 @@ def test_two_ranks_give_the_numbers_of_one(exported, tmp_path):
     single-process numbers."""
     overrides = ("eval.mode=streamed", *FAST[2:])
     single = evaluate_run(_recipe("eval.mode=streamed"), resolve_model(MODEL), exported)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REPO / "tests" / "fixtures" / "eval_worker.py"), str(exported), MODEL, str(tmp_path), *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)

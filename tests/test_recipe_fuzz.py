@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -197,8 +198,13 @@ def _limit_memory() -> None:
 def test_any_recipe_file_is_ok_or_one_error_line(tmp_path):
     code = ("import json, sys; from tests.test_recipe_fuzz import run_fuzz; "
             "print(json.dumps(run_fuzz(int(sys.argv[1]), sys.argv[2])))")
+    # the address-space cap measures the parser, not the machine: one BLAS/OpenMP thread (each reserves its own
+    # buffers: OpenBLAS on a 32-core node could not start its threads under the cap) and no CUDA (its context
+    # reserves address space by the GB; parsing a recipe never needs a GPU)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1"}
     child = subprocess.run([sys.executable, "-c", code, str(N_EXAMPLES), str(tmp_path)], cwd=REPO, capture_output=True,
-                           text=True, timeout=900, preexec_fn=_limit_memory)
+                           text=True, timeout=900, preexec_fn=_limit_memory, env=env)
     assert child.returncode == 0, child.stderr[-6000:]
     summary = json.loads(child.stdout.strip().splitlines()[-1])
     print(summary)

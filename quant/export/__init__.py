@@ -43,7 +43,7 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     """The model card (README.md) of every exported checkpoint, from the plan summary, eval and runtime checks;
     its SHA-256 is added to the checkpoint's manifest, so what is published is what was written."""
     import json
-    from importlib.metadata import version
+    from quant import version
 
     from quant.export.card import RUNTIMES, render_card
     from quant.plan_summary import summarize
@@ -57,7 +57,7 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     for fmt, folder in checkpoint_dirs(recipe).items():
         problems = {rt: problems_for(plan, source, rt, (fmt,)) for rt in RUNTIMES}
         backend = "TORCH" if fmt == "gptq" and gptqmodel_kernel_problem(plan) else None
-        card = render_card(recipe, source, summary, ev, problems, version("moe-quant"), fmt=fmt,
+        card = render_card(recipe, source, summary, ev, problems, version(), fmt=fmt,
                            runtime_notes=runtime_notes(plan, source, fmt), gptqmodel_backend=backend,
                            serving=plan.serving)
         atomic_write_text(run_dir / folder / CARD, card)

@@ -168,14 +168,14 @@ def _alt(numbers: list[int]) -> str:
 
 
 def quantize_config(plan: BitPlan, source: ModelSource) -> dict:
-    from importlib.metadata import version
+    from quant import version
 
     base, rules = dynamic_rules(plan, source)
     sym_all = all(p.symmetric for p in plan.quantized().values())
     return {
         "bits": base[0], "group_size": base[1], "desc_act": False, "sym": base[2], "lm_head": False,
         "quant_method": "gptq", "checkpoint_format": "gptq" if sym_all else "gptq_v2", "pack_dtype": "int32",
-        "dynamic": rules, "meta": {"quantizer": [f"moe-quant:{version('moe-quant')}"]},
+        "dynamic": rules, "meta": {"quantizer": [f"moe-quant:{version()}"]},
     }
 
 

@@ -103,10 +103,10 @@ def test_batched_matches_reference(B: int, grids: str, group_size: int, bits: in
     for b in range(B):
         ref = reference_gptq(w[b], H[b], spec, torch.bfloat16, **options)
         differs = result.weight.q[b] != ref.q[0]
-        assert differs.float().mean() <= 5e-3, f"element {b}: {differs.float().mean():.2%} of codes differ"
         # Rows are independent in GPTQ. An fp32 tie at a rounding boundary, broken differently by the
-        # blocked update order, sends one row down another, equally valid path (seen: 1 row in 32, its
-        # error within a few % either way); every other row must match the reference exactly.
+        # blocked update order, sends one row down another, equally valid path from that column on (seen: 1 row
+        # in 32, its error within a few % either way; where it happens depends on the BLAS: 1.1 % of the codes
+        # on the H200 node's CPU, under 0.5 % here); every other row must match the reference exactly.
         rows = differs.any(dim=-1)
         assert rows.sum() <= N_OUT // 16, f"element {b}: {int(rows.sum())} rows differ"
         ours = row_errors(w[b], result.weight.dequantize()[b], H[b])

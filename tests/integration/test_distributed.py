@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, repo_pythonpath, run_cli
 
 HEADLINE = str(REPO / "recipes" / "mixed_int8_int4.yaml")
 GPTQ = ("--set", "quantize.algorithm=gptq")
@@ -29,7 +29,7 @@ def torchrun(n: int, *args: str, entry: tuple[str, ...] = ("-m", "quant.cli")) -
 
 
 def _env(**extra) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **extra}
+    return {**os.environ, "PYTHONPATH": repo_pythonpath(), "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
 def checkpoint_hashes(run_dir: Path) -> dict:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, repo_pythonpath
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "torchrun")
 SCRIPTS = REPO / "examples" / "slurm"
@@ -107,7 +107,7 @@ def _start_daemons(root: Path) -> dict:
         "SelectTypeParameters=CR_CPU", "ReturnToService=2", "KillWait=15", "SlurmdTimeout=120",
         f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN",
         f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8", ""]))
-    env = {**os.environ, "SLURM_CONF": str(conf), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "SLURM_CONF": str(conf), "PYTHONPATH": repo_pythonpath()}
     for daemon in ("slurmctld", "slurmd"):
         subprocess.run([daemon, "-f", str(conf)], check=True, env=env, timeout=60)
     return env
