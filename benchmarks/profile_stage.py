@@ -28,6 +28,11 @@ from quant.models import ModelSource  # noqa: E402
 from quant.profile import profile_routing  # noqa: E402
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=512)
@@ -36,26 +41,27 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/qb")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--cold-trace", action="store_true", help="run the first profile under the torch profiler")
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to try the script on a tiny shape")
+    ap.add_argument("--cold-trace", action="store_true", help="run the first profile under cProfile")
     a = ap.parse_args()
     model_dir = Path(a.workdir) / f"model-{a.shape}-{a.layers}"
     if not (model_dir / "config.json").is_file():
         build_model(a.shape, a.layers, model_dir, seed=0)
     src = ModelSource(model_dir)
     calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
-    lw = Layerwise(src, "bfloat16", "cuda", a.batch)
-    torch.cuda.synchronize()
+    lw = Layerwise(src, "bfloat16", a.device, a.batch)
+    sync()
     t0 = time.perf_counter()
     hidden = lw.embed(calib.tokens)
     load = fwd = 0.0
     for idx in range(src.n_layers):  # the same layers without the profile's hooks: load + forward alone
-        torch.cuda.synchronize()
+        sync()
         t1 = time.perf_counter()
         with lw.layer(idx) as layer:
-            torch.cuda.synchronize()
+            sync()
             t2 = time.perf_counter()
             hidden = lw.forward(layer, hidden, out=hidden)
-            torch.cuda.synchronize()
+            sync()
             t3 = time.perf_counter()
         load, fwd = load + t2 - t1, fwd + t3 - t2
     print(f"forward alone: {time.perf_counter() - t0:.2f} s (loads {load:.2f} s, forward {fwd:.2f} s = "
@@ -64,23 +70,29 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     for rep in range(2):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        if rep == 0 and a.cold_trace:  # where the first profile's extra seconds go
-            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as cold:
-                profile_routing(src, calib, Layerwise(src, "bfloat16", "cuda", a.batch))
-                torch.cuda.synchronize()
-            print(cold.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+        if rep == 0 and a.cold_trace:  # where the first profile's extra seconds go (Python level: I/O and waits too)
+            import cProfile
+            import pstats
+
+            cold = cProfile.Profile()
+            cold.enable()
+            profile_routing(src, calib, Layerwise(src, "bfloat16", a.device, a.batch))
+            sync()
+            cold.disable()
+            pstats.Stats(cold).sort_stats("cumulative").print_stats(35)
+            pstats.Stats(cold).sort_stats("tottime").print_stats(15)
         else:
-            profile_routing(src, calib, Layerwise(src, "bfloat16", "cuda", a.batch))
-        torch.cuda.synchronize()
+            profile_routing(src, calib, Layerwise(src, "bfloat16", a.device, a.batch))
+        sync()
         s = time.perf_counter() - t0
         print(f"profile run {rep}: {src.n_layers} layers x {a.samples}x{a.seqlen} tokens: {s:.2f} s = "
               f"{s / src.n_layers:.2f} s/layer, {calib.tokens.numel() / s:.0f} tokens/s", flush=True)
     short = calibration(min(64, a.samples), a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        profile_routing(src, short, Layerwise(src, "bfloat16", "cuda", a.batch))
-        torch.cuda.synchronize()
+        profile_routing(src, short, Layerwise(src, "bfloat16", a.device, a.batch))
+        sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
 

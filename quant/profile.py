@@ -162,8 +162,10 @@ class _LayerStats:
     tensor (rows ``_SUMMED``, ``_MAXED``, then the domains), which a relay hands to :meth:`add` in global batch
     order, so the totals are the same at any world size."""
 
-    def __init__(self, n_experts: int, domains: list[str], device, probe_tokens: int | None = PROBE_TOKENS):
-        self.n_experts, self.domains, self.probe_tokens = n_experts, domains, probe_tokens
+    def __init__(self, n_experts: int, domains: list[str], device, probe_tokens: int | None = PROBE_TOKENS,
+                 kernel: str = "auto"):
+        assert kernel in ("auto", "grouped", "buckets"), kernel
+        self.n_experts, self.domains, self.probe_tokens, self.kernel = n_experts, domains, probe_tokens, kernel
         self.total = torch.zeros(len(_SUMMED) + len(_MAXED) + len(domains), n_experts, dtype=torch.float64,
                                  device=device)
         self.token_domain: torch.Tensor | None = None  # [T] domain index of the batch's tokens
@@ -182,8 +184,12 @@ class _LayerStats:
         E = view.n_experts
         out = torch.zeros_like(self.total)
         s = {key: out[i] for i, key in enumerate(_SUMMED + _MAXED)}
+        grouped = self.kernel == "grouped" or (self.kernel == "auto" and grouped_mm_ok(view, x.dtype))
         width = max(view.gate_up.shape[1], view.gate_up.shape[2])
-        counts, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device))
+        if grouped:
+            counts, buckets = torch.bincount(idx.reshape(-1), minlength=E), []
+        else:
+            counts, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device))
         s["counts"] += counts.double()
         s["weight_mass"].index_add_(0, idx.reshape(-1), w.reshape(-1).double())
         s["top1"] += torch.bincount(idx.gather(1, w.argmax(dim=1, keepdim=True)).reshape(-1), minlength=E).double()
@@ -192,6 +198,9 @@ class _LayerStats:
             out[len(_SUMMED) + len(_MAXED):] += torch.bincount(pair, minlength=len(self.domains) * E).view(
                 len(self.domains), E).double()
         gu_q, down_q = self._probe_weights(view)
+        if grouped:
+            self._grouped(view, x, idx, w, counts, s, gu_q, down_q)
+            return out
         x_padded = with_zero_row(x)
         for b in buckets:
             xg = b.gather(x_padded)
@@ -208,6 +217,48 @@ class _LayerStats:
             s["sensitivity"].index_add_(0, b.experts, err.sum(dim=1).double())
         return out
 
+    def _grouped(self, view: ExpertsView, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                 s: dict[str, torch.Tensor], gu_q: torch.Tensor, down_q: torch.Tensor) -> None:
+        """Maxima and probe over the routed assignments sorted by expert, one grouped GEMM per projection over a
+        contiguous expert range (no padding, no copy of the experts' weights: a range of them is a view), the
+        ranges cut so that ``rows x width`` stays within the device's chunk budget. The same statistics as the
+        load buckets' padded batched GEMMs, from the same rows: the probe takes the same evenly strided slots."""
+        E, k = view.n_experts, idx.shape[1]
+        order = torch.argsort(idx.reshape(-1), stable=True)  # tokens ascending within an expert, as in the buckets
+        token, weight = order // k, w.reshape(-1)[order]
+        host = counts.tolist()
+        ends = torch.cumsum(counts, 0)
+        width = max(view.gate_up.shape[1], view.gate_up.shape[2])
+        for e0, e1 in _expert_ranges(host, width, chunk_budget(x.device)):
+            r0, r1 = sum(host[:e0]), sum(host[:e1])
+            if r0 == r1:
+                continue
+            offs = (ends[e0:e1] - r0).to(torch.int32)
+            experts = torch.repeat_interleave(torch.arange(e0, e1, device=x.device), counts[e0:e1],
+                                              output_size=r1 - r0)
+            xs = x[token[r0:r1]]
+            a = _grouped_intermediate(xs, view.gate_up[e0:e1], offs, view.act)
+            y = _gmm(a, view.down[e0:e1], offs)
+            for key, t in (("down_in_absmax", a), ("down_out_absmax", y)):  # extreme values: every routed token
+                lo, hi = torch.aminmax(t, dim=1)
+                peak = torch.zeros(E, device=t.device).scatter_reduce_(0, experts, torch.maximum(hi, -lo).float(),
+                                                                       "amax")
+                s[key].copy_(torch.maximum(s[key], peak.double()))
+            c = counts[e0:e1]
+            n_probe = self.probe_tokens or max(host[e0:e1])
+            probed = c.clamp(max=n_probe)
+            i = torch.arange(n_probe, device=x.device)[None]
+            keep = i < probed[:, None]
+            rows = ((ends[e0:e1] - c - r0)[:, None] + i * c[:, None] // probed.clamp_min(1)[:, None])[keep]
+            scale = (c.double() / probed.clamp_min(1))[:, None].expand_as(keep)[keep].float()
+            offs_p = torch.cumsum(probed, 0).to(torch.int32)
+            a_q = _grouped_intermediate(xs[rows], gu_q[e0:e1], offs_p, view.act)
+            y_q = _gmm(a_q, down_q[e0:e1], offs_p)
+            # the difference in the activation dtype (rounding 2^-9 relative: a ranking signal), squared in fp32
+            err = torch.linalg.vector_norm(y[rows] - y_q, dim=-1, dtype=torch.float32).pow(2)
+            err = err * weight[r0:r1][rows].float().pow(2) * scale
+            s["sensitivity"].index_add_(0, experts[rows], err.double())
+
     def add(self, batch: torch.Tensor) -> None:
         n_sum, n_max = len(_SUMMED), len(_MAXED)
         self.total[:n_sum] += batch[:n_sum]
@@ -219,6 +270,58 @@ class _LayerStats:
 
     def domain(self, name: str) -> torch.Tensor:
         return self.total[len(_SUMMED) + len(_MAXED) + self.domains.index(name)]
+
+
+def _expert_ranges(load: list[int], width: int, max_elems: int) -> list[tuple[int, int]]:
+    """Contiguous expert ranges ``[e0, e1)`` whose routed rows x ``width`` stay within ``max_elems`` (an expert
+    alone may exceed it)."""
+    out, e0, rows = [], 0, 0
+    for e, c in enumerate(load):
+        if e > e0 and (rows + c) * width > max_elems:
+            out.append((e0, e))
+            e0, rows = e, 0
+        rows += c
+    out.append((e0, len(load)))
+    return out
+
+
+def _grouped_intermediate(xs: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, act) -> torch.Tensor:
+    """``xs [N, D]`` sorted by expert (group ends ``offs``), ``gate_up [n, 2I, D]`` -> ``act(gate) * up [N, I]``."""
+    gate, up = _gmm(xs, gate_up, offs).chunk(2, dim=-1)
+    return act(gate) * up
+
+
+def _gmm(xs: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``xs [N, in]`` sorted by group (ends ``offs``) times each group's ``w [n, out, in]`` transposed -> ``[N, out]``."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return fn(xs, w.transpose(1, 2), offs=offs)
+
+
+_GROUPED_OK: dict[tuple, bool] = {}
+
+
+def grouped_mm_ok(view: ExpertsView, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs the experts' two projections on their device in ``dtype`` (CUDA's
+    kernel takes bf16 with 16-byte aligned rows; the CPU's any float dtype from torch 2.9): tried once per device,
+    dtype and shape on tiny groups, an empty one included; else the profile keeps its load buckets."""
+    D, I = view.gate_up.shape[2], view.intermediate
+    key = (view.gate_up.device.type, view.gate_up.device.index, dtype, D, I)
+    if key not in _GROUPED_OK:
+        size = torch.finfo(dtype).bits // 8
+        ok = ((hasattr(torch, "_grouped_mm") or hasattr(torch.nn.functional, "grouped_mm"))
+              and view.gate_up.dtype == dtype and view.down.dtype == dtype
+              # every expert's slice 16-byte aligned (older CPU kernels require it; safetensors memory maps)
+              and view.gate_up.data_ptr() % 16 == 0 and view.down.data_ptr() % 16 == 0 and (D * I * size) % 16 == 0)
+        if ok:
+            try:
+                dev, n = view.gate_up.device, min(view.n_experts, 3)
+                offs = torch.tensor([1, 1, 2][-n:], dtype=torch.int32, device=dev)
+                a = _grouped_intermediate(torch.zeros(2, D, dtype=dtype, device=dev), view.gate_up[:n], offs, view.act)
+                _gmm(a, view.down[:n], offs)
+            except (RuntimeError, NotImplementedError, TypeError, ValueError):
+                ok = False
+        _GROUPED_OK[key] = ok
+    return _GROUPED_OK[key]
 
 
 def _rtn_probe(w: torch.Tensor) -> torch.Tensor:

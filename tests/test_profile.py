@@ -222,13 +222,54 @@ def test_domains_of_the_bundled_set_disagree_somewhat(profiles):
     assert all(-1.0 <= v["spearman"] <= 1.0 and 0.0 <= v["top_overlap"] <= 1.0 for v in st.values())
 
 
-@pytest.mark.gpu
-def test_gpu_layer_statistics_equal_the_cpu():
-    """One layer's statistics from bf16 activations on the GPU (load buckets, aminmax maxima, the subset probe)
-    against the same bf16 computation on the CPU: counts and routing mass equal, maxima and sensitivity equal up
-    to the order of bf16 accumulation."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("probe_tokens", [None, 5])
+def test_grouped_kernel_gives_the_statistics_of_the_load_buckets(monkeypatch, dtype, probe_tokens):
+    """The grouped-GEMM pass over expert-sorted rows (no padding, weights sliced not copied, ranges cut by the
+    chunk budget: here 3 rows' worth, so experts are split over many ranges) against the padded load buckets:
+    the same rows, the same probe slots, so counts and maxima are equal and sensitivities equal up to summation
+    order; and it is the path taken by default where torch has grouped GEMMs."""
+    from quant import profile as prof
     from quant.models.experts import fused_view
-    from quant.profile import _MAXED, _SUMMED, _LayerStats, _spearman
+    from quant.profile import _MAXED, _SUMMED, _LayerStats, grouped_mm_ok
+
+    T, k, E, D, I = 300, 2, 7, 32, 16
+    g = torch.Generator().manual_seed(5)
+    mod = _random_experts(E, D, I, k, g).to(dtype)
+    view = fused_view(mod)
+    idx = torch.multinomial(torch.tensor([40.0, 9, 5, 0, 3, 1, 0.5]).expand(T, E), k, generator=g)
+    w = torch.softmax(torch.randn(T, k, generator=g), dim=-1).to(dtype)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    assert grouped_mm_ok(view, dtype)
+    out = {}
+    for kernel in ("grouped", "buckets"):
+        if kernel == "grouped":
+            monkeypatch.setattr(prof, "chunk_budget", lambda device: 3 * 2 * I)
+        else:
+            monkeypatch.undo()
+        acc = _LayerStats(E, [], torch.device("cpu"), probe_tokens=probe_tokens, kernel=kernel)
+        for sl in (slice(0, 120), slice(120, T)):
+            acc.add(acc.batch(view, x[sl], idx[sl], w[sl]))
+        out[kernel] = {key: acc.stat(key) for key in _SUMMED + _MAXED}
+    grouped, buckets = out["grouped"], out["buckets"]
+    assert buckets["counts"][3] == 0 and buckets["counts"][0] > 100
+    for key in ("counts", "weight_mass", "top1"):
+        assert torch.equal(grouped[key], buckets[key]), key
+    for key in ("down_in_absmax", "down_out_absmax"):
+        torch.testing.assert_close(grouped[key], buckets[key], rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=0)
+    torch.testing.assert_close(grouped["sensitivity"], buckets["sensitivity"],
+                               rtol=1e-5 if dtype == torch.float32 else 3e-2, atol=0)
+    assert grouped["sensitivity"][3] == 0 and (grouped["sensitivity"][[0, 1, 2, 4, 5]] > 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["auto", "buckets"])
+def test_gpu_layer_statistics_equal_the_cpu(kernel):
+    """One layer's statistics from bf16 activations on the GPU (grouped GEMMs where CUDA has them, else and also
+    the load buckets; aminmax maxima, the subset probe) against the same bf16 computation on the CPU: counts and
+    routing mass equal, maxima and sensitivity equal up to the order of bf16 accumulation."""
+    from quant.models.experts import fused_view
+    from quant.profile import _MAXED, _SUMMED, _LayerStats, _spearman, grouped_mm_ok
 
     T, k, E, D, I = 4000, 2, 8, 64, 32
     g = torch.Generator().manual_seed(4)
@@ -239,7 +280,9 @@ def test_gpu_layer_statistics_equal_the_cpu():
     out = {}
     for device in ("cpu", "cuda"):
         view = fused_view(mod.to(device))
-        acc = _LayerStats(E, [], torch.device(device), probe_tokens=32)
+        if device == "cuda" and kernel == "auto":
+            assert grouped_mm_ok(view, torch.bfloat16)  # the H200's path
+        acc = _LayerStats(E, [], torch.device(device), probe_tokens=32, kernel=kernel if device == "cuda" else "auto")
         for s in (slice(0, 1500), slice(1500, T)):
             acc.add(acc.batch(view, x[s].to(device), idx[s].to(device), w[s].to(device)))
         out[device] = {key: acc.stat(key).cpu() for key in _SUMMED + _MAXED}
