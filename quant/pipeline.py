@@ -57,6 +57,16 @@ class RunResult:
     passed: bool | None
 
 
+def share_fingerprint(world: World, source: ModelSource) -> str:
+    """The writer's model fingerprint, set on every rank's ``source``. A fingerprint reads every shard whole the
+    first time (digests are cached per machine, by stat): computed by each rank, the nodes of a multi-node job with
+    node-local caches would each read the whole model from shared storage, eight ranks at a time, for a value the
+    writer already has."""
+    fingerprint = world.on_writer(lambda: source.fingerprint)
+    source.__dict__["fingerprint"] = fingerprint  # the cached_property's slot
+    return fingerprint
+
+
 class Run:
     """One recipe applied to one run directory."""
 
@@ -113,6 +123,7 @@ class Run:
             pick_device(device)
         w = self.world
         m = w.on_writer(lambda: self.dir.claim(self.identity(), force=force is not None))  # writer resolves first
+        share_fingerprint(w, self.source)
         first_forced = 0 if force == "all" else (STAGES.index(force) if force else len(STAGES))
         ran, skipped = [], []
         todo = STAGES[: STAGES.index(until) + 1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,7 +157,26 @@ def _shared_read(world: World):
             [len(s) for s in shares], sorted(k for s in shares for k in s) == sorted(full))
 
 
-SCENARIOS = {"relay": _relay_order, "shared_read": _shared_read, "exchange": _exchange, "writer_error": _writer_error, "peer_dies": _peer_dies}
+def _fingerprint(world: World):
+    """Node-local digest caches (a fresh QUANT_CACHE per rank): the model's shards are read whole by the writer
+    alone, every rank ends with the writer's fingerprint."""
+    import tempfile
+
+    from quant import storage
+    from quant.models import ModelSource, resolve_model
+    from quant.pipeline import share_fingerprint
+
+    path = resolve_model("builtin:qwen3-moe-tiny").path  # built in the session's shared cache
+    os.environ["QUANT_CACHE"] = tempfile.mkdtemp(prefix=f"node{world.rank}-")
+    hashed = []
+    real = storage.sha256_uncached
+    storage.sha256_uncached = lambda f: hashed.append(Path(f).name) or real(f)
+    src = ModelSource(path)
+    got = share_fingerprint(world, src)
+    return got, src.fingerprint, hashed
+
+
+SCENARIOS = {"fingerprint": _fingerprint, "relay": _relay_order, "shared_read": _shared_read, "exchange": _exchange, "writer_error": _writer_error, "peer_dies": _peer_dies}
 
 
 def _spawn(scenario: str, size: int = 3) -> dict[int, object]:
@@ -178,7 +198,17 @@ def _spawn(scenario: str, size: int = 3) -> dict[int, object]:
 @pytest.fixture(scope="module")
 def gloo_results():
     """One spawn per scenario, 3 gloo ranks each (a few seconds each)."""
-    return {name: _spawn(name) for name in ("relay", "exchange", "writer_error", "peer_dies", "shared_read")}
+    return {name: _spawn(name) for name in ("relay", "exchange", "writer_error", "peer_dies", "shared_read",
+                                            "fingerprint")}
+
+
+def test_the_model_is_hashed_by_the_writer_alone_and_its_fingerprint_reaches_every_rank(gloo_results):
+    from quant.models import ModelSource, resolve_model
+
+    res = gloo_results["fingerprint"]
+    expect = ModelSource(resolve_model("builtin:qwen3-moe-tiny").path).fingerprint
+    assert all(res[r][:2] == (expect, expect) for r in range(3)), res
+    assert res[0][2] == ["model.safetensors"] and res[1][2] == res[2][2] == [], res
 
 
 def test_relay_delivers_in_global_batch_order_to_consumers_only(gloo_results):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -32,5 +34,9 @@ def test_installed_version_is_the_distribution_s():
 
     import quant
 
+    try:
+        installed = md.version("moe-quant")
+    except md.PackageNotFoundError:  # run from a checkout (the GPU node): the other test covers it
+        pytest.skip("moe-quant is not installed here")
     quant.version.cache_clear()
-    assert quant.version() == md.version("moe-quant")
+    assert quant.version() == installed

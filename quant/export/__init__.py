@@ -43,8 +43,8 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     """The model card (README.md) of every exported checkpoint, from the plan summary, eval and runtime checks;
     its SHA-256 is added to the checkpoint's manifest, so what is published is what was written."""
     import json
-    from quant import version
 
+    from quant import version
     from quant.export.card import RUNTIMES, render_card
     from quant.plan_summary import summarize
     from quant.profile import RoutingProfile
