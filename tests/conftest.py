@@ -16,6 +16,26 @@ import pytest
 # (another summation order) depending on buffer alignment, and the tests that require two code paths (per-expert
 # vs fused experts) to give bit-identical checkpoints depend on the allocation pattern. Read when MKL starts.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+
+def _spread_xdist_workers_over_gpus() -> None:
+    """Under pytest-xdist on a machine with several GPUs, worker ``gwN`` sees one GPU, ``N mod count`` of those
+    visible (before torch reads CUDA_VISIBLE_DEVICES): 16 workers time-slicing one GPU while the others idle made
+    the suite several times slower on the 2-GPU node. ``QUANT_TEST_GPU_SPREAD=0`` leaves every GPU visible."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or os.environ.get("QUANT_TEST_GPU_SPREAD") == "0":
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+    else:  # the driver's GPUs, without initialising CUDA
+        gpus = Path("/proc/driver/nvidia/gpus")
+        ids = [str(i) for i in range(len(list(gpus.iterdir())))] if gpus.is_dir() else []
+    if len(ids) > 1:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(worker[2:] or 0) % len(ids)]
+
+
+_spread_xdist_workers_over_gpus()
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
