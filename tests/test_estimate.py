@@ -63,6 +63,10 @@ RECORDS = [
      _cell("| GPTQ, 1 GPU |", 7), _cell("| GPTQ, 1 GPU |", 2), "fused"),
     ("DeepSeek-V3 layer AWQ in expert chunks", "deepseek-v3", 1, 32, "awq", 3.0,
      _cell("| AWQ, 1 GPU (beside the suite) |", 7), _cell("| AWQ, 1 GPU (beside the suite) |", 1), "fused"),
+    # the sixth session's new shape, forecast before it was run; its time is right in total only by compensation
+    # (BENCHMARKS.md says which rates miss), so the record checks the peak
+    ("Mixtral-8x7B layer GPTQ, a new shape", "mixtral-8x7b", 1, 256, "gptq", 3.0,
+     _text(r"\| quantize peak GPU \| [\d.]+ GB \| ([\d.]+) GB"), None, "fused"),
 ]
 
 
