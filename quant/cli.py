@@ -247,7 +247,9 @@ def _report_crash(e: _Crash, log_path: Path | None) -> int:
 
 
 def main() -> None:
-    sys.exit(cli_exit_code())
+    from quant.dist import exit_process
+
+    exit_process(cli_exit_code())
 
 
 if __name__ == "__main__":

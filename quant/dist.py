@@ -20,10 +20,11 @@ import datetime
 import logging
 import os
 import pickle
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
@@ -335,10 +336,17 @@ def init_world(device: str, timeout_s: float | None = None) -> World:
     return world
 
 
+_EXIT_WITHOUT_TEARDOWN = False
+
+
 def close_world(world: World, clean: bool = True) -> None:
     """Leave the process group. ``clean`` (the job ends normally on every rank): first wait until every rank is here,
     so that no rank tears its gloo pairs down while a peer still talks to them (which aborts the peer with
-    "terminate called without an active exception"); after an error the ranks leave without waiting."""
+    "terminate called without an active exception"), then destroy the group. After an error a peer may be gone or
+    still inside a collective, and tearing the group down (or letting the interpreter's exit do it) can abort this
+    process with SIGABRT instead of its exit status: the group is left as it is and the process must end through
+    :func:`exit_process`, which skips that teardown."""
+    global _EXIT_WITHOUT_TEARDOWN
     if world.distributed:
         import torch.distributed as dist
 
@@ -346,7 +354,21 @@ def close_world(world: World, clean: bool = True) -> None:
             return
         if clean:
             world.barrier(idle=True, what="leaving the process group")
-        dist.destroy_process_group()
+            dist.destroy_process_group()
+        else:
+            _EXIT_WITHOUT_TEARDOWN = True
+
+
+def exit_process(code: int) -> NoReturn:
+    """``sys.exit(code)``, or, after a distributed run ended in an error (:func:`close_world`), output flushed and
+    ``os._exit(code)``: the process group's C++ state is not torn down, so the status is ``code``, never -6."""
+    if _EXIT_WITHOUT_TEARDOWN:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 SINGLE = World()

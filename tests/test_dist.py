@@ -244,3 +244,37 @@ def test_a_dead_peer_is_one_dist_error_not_a_hang(gloo_results):
     for rank in (0, 2):
         assert res[rank][:2] == ("raised", DistError.__name__), res[rank]
         assert f"rank {rank} of 3: barrier failed" in res[rank][2] and "\n" not in res[rank][2]
+
+
+def _leave_after_error(rank: int, size: int, port: int) -> None:
+    """Rank 1 fails and leaves at once; rank 0 learns it inside a collective; both end as the CLI does after an
+    error (close_world unclean, then exit_process)."""
+    from quant.dist import close_world, exit_process
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(size), RANK=str(rank),
+                      LOCAL_RANK=str(rank), QUANT_DIST_TIMEOUT_S="30")
+    world = init_world("cpu")
+    world.barrier()
+    if rank == 0:
+        try:
+            world.barrier()  # the peer is gone or going: gloo reports the closed pair
+            world.all_gather_object(rank)
+        except Exception as e:  # noqa: BLE001 - any error ends the rank as the CLI does
+            print(f"rank 0 saw {type(e).__name__}", flush=True)
+    close_world(world, clean=False)
+    print(f"rank {rank} leaving", flush=True)
+    exit_process(1)
+
+
+def test_ranks_that_leave_after_an_error_exit_with_their_status_not_an_abort():
+    """After an error no rank tears its process group down (a peer may be mid-collective; gloo then aborted a rank
+    with SIGABRT, exit -6, in CI): each exits with its own status, output flushed. Five rounds of 2 ranks."""
+    ctx = mp.get_context("spawn")
+    for _ in range(5):
+        port = _free_port()
+        procs = [ctx.Process(target=_leave_after_error, args=(r, 2, port)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        assert [p.exitcode for p in procs] == [1, 1]
