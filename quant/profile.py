@@ -9,6 +9,7 @@ layout (transformers' fused experts or a remote-code per-expert ModuleList).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -25,7 +26,14 @@ from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of
 from quant.progress import step
 from quant.relay import Relay
-from quant.routing import chunk_budget, expert_intermediate, expert_output, load_buckets, with_zero_row
+from quant.routing import (
+    chunk_budget,
+    expert_intermediate,
+    expert_output,
+    load_buckets,
+    sort_by_expert,
+    with_zero_row,
+)
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
@@ -185,11 +193,11 @@ class _LayerStats:
         out = torch.zeros_like(self.total)
         s = {key: out[i] for i, key in enumerate(_SUMMED + _MAXED)}
         grouped = self.kernel == "grouped" or (self.kernel == "auto" and grouped_mm_ok(view, x.dtype))
-        width = max(view.gate_up.shape[1], view.gate_up.shape[2])
         if grouped:
-            counts, buckets = torch.bincount(idx.reshape(-1), minlength=E), []
+            token, weight, counts = sort_by_expert(idx, w, E)
         else:
-            counts, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device))
+            counts, buckets = load_buckets(idx, w, E, width=max(view.gate_up.shape[1], view.gate_up.shape[2]),
+                                           max_elems=chunk_budget(x.device))
         s["counts"] += counts.double()
         s["weight_mass"].index_add_(0, idx.reshape(-1), w.reshape(-1).double())
         s["top1"] += torch.bincount(idx.gather(1, w.argmax(dim=1, keepdim=True)).reshape(-1), minlength=E).double()
@@ -199,7 +207,7 @@ class _LayerStats:
                 len(self.domains), E).double()
         gu_q, down_q = self._probe_weights(view)
         if grouped:
-            self._grouped(view, x, idx, w, counts, s, gu_q, down_q)
+            self._grouped(view, x, token, weight, counts, s, gu_q, down_q)
             return out
         x_padded = with_zero_row(x)
         for b in buckets:
@@ -211,26 +219,24 @@ class _LayerStats:
                 s[key][b.experts] = torch.maximum(s[key][b.experts], torch.maximum(hi, -lo).double())
             pos, scale = _probe_slots(b.mask, self.probe_tokens or b.mask.shape[1])
             y_q = expert_output(expert_intermediate(_slots(xg, pos), b.take(gu_q), view.act), b.take(down_q))
-            # the difference in the activation dtype (rounding 2^-9 relative: a ranking signal), squared in fp32
-            err = torch.linalg.vector_norm(_slots(y, pos) - y_q, dim=-1, dtype=torch.float32).pow(2)
-            err = err * b.weight.gather(1, pos).float().pow(2) * scale
+            err = _probe_error(_slots(y, pos), y_q, b.weight.gather(1, pos), scale)
             s["sensitivity"].index_add_(0, b.experts, err.sum(dim=1).double())
         return out
 
-    def _grouped(self, view: ExpertsView, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
-                 s: dict[str, torch.Tensor], gu_q: torch.Tensor, down_q: torch.Tensor) -> None:
-        """Maxima and probe over the routed assignments sorted by expert, one grouped GEMM per projection over a
-        contiguous expert range (no padding, no copy of the experts' weights: a range of them is a view), the
-        ranges cut so that ``rows x width`` stays within the device's chunk budget. The same statistics as the
-        load buckets' padded batched GEMMs, from the same rows: the probe takes the same evenly strided slots."""
-        E, k = view.n_experts, idx.shape[1]
-        order = torch.argsort(idx.reshape(-1), stable=True)  # tokens ascending within an expert, as in the buckets
-        token, weight = order // k, w.reshape(-1)[order]
+    def _grouped(self, view: ExpertsView, x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor,
+                 counts: torch.Tensor, s: dict[str, torch.Tensor], gu_q: torch.Tensor, down_q: torch.Tensor) -> None:
+        """Maxima and probe over the routed assignments sorted by expert (``routing.sort_by_expert``, the order the
+        load buckets use), one grouped GEMM per projection over a contiguous expert range (no padding, no copy of
+        the experts' weights: a range of them is a view), the ranges cut so that ``rows x width`` stays within the
+        device's chunk budget. The same statistics as the load buckets' padded batched GEMMs, from the same rows:
+        the probe takes the same evenly strided slots."""
+        E = view.n_experts
         host = counts.tolist()
+        starts = list(itertools.accumulate(host, initial=0))  # host row offsets: expert e's rows start at starts[e]
         ends = torch.cumsum(counts, 0)
         width = max(view.gate_up.shape[1], view.gate_up.shape[2])
         for e0, e1 in _expert_ranges(host, width, chunk_budget(x.device)):
-            r0, r1 = sum(host[:e0]), sum(host[:e1])
+            r0, r1 = starts[e0], starts[e1]
             if r0 == r1:
                 continue
             offs = (ends[e0:e1] - r0).to(torch.int32)
@@ -254,9 +260,7 @@ class _LayerStats:
             offs_p = torch.cumsum(probed, 0).to(torch.int32)
             a_q = _grouped_intermediate(xs[rows], gu_q[e0:e1], offs_p, view.act)
             y_q = _gmm(a_q, down_q[e0:e1], offs_p)
-            # the difference in the activation dtype (rounding 2^-9 relative: a ranking signal), squared in fp32
-            err = torch.linalg.vector_norm(y[rows] - y_q, dim=-1, dtype=torch.float32).pow(2)
-            err = err * weight[r0:r1][rows].float().pow(2) * scale
+            err = _probe_error(y[rows], y_q, weight[r0:r1][rows], scale)
             s["sensitivity"].index_add_(0, experts[rows], err.double())
 
     def add(self, batch: torch.Tensor) -> None:
@@ -270,6 +274,14 @@ class _LayerStats:
 
     def domain(self, name: str) -> torch.Tensor:
         return self.total[len(_SUMMED) + len(_MAXED) + self.domains.index(name)]
+
+
+def _probe_error(y: torch.Tensor, y_q: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Each probed slot's routing-weighted squared output error times its slot weight (``y``, ``y_q`` ``[..., D]``;
+    ``weight``, ``scale`` ``[...]``). The difference is taken in the activation dtype (rounding 2^-9 relative: a
+    ranking signal) and squared in fp32."""
+    err = torch.linalg.vector_norm(y - y_q, dim=-1, dtype=torch.float32).pow(2)
+    return err * weight.float().pow(2) * scale
 
 
 def _expert_ranges(load: list[int], width: int, max_elems: int) -> list[tuple[int, int]]:

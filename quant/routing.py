@@ -85,6 +85,20 @@ def _partition(load: list[int], width: int, max_elems: int, max_waste: float) ->
     return buckets
 
 
+def sort_by_expert(top_idx: torch.Tensor, top_w: torch.Tensor, n_experts: int,
+                   first_expert: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routed assignments of experts ``first_expert .. first_expert + n_experts - 1`` sorted by expert, tokens
+    ascending within an expert: ``(token [N], weight [N], counts [n_experts])``."""
+    T, k = top_idx.shape
+    flat_e = top_idx.reshape(-1) - first_expert
+    keep = (flat_e >= 0) & (flat_e < n_experts)
+    expert = flat_e[keep]
+    token = torch.arange(T * k, device=top_idx.device)[keep] // k
+    weight = top_w.reshape(-1)[keep]
+    order = torch.argsort(expert, stable=True)
+    return token[order], weight[order], torch.bincount(expert, minlength=n_experts)
+
+
 def load_buckets(top_idx: torch.Tensor, top_w: torch.Tensor, n_experts: int, first_expert: int = 0,
                  width: int = 1, max_elems: int = 1 << 28, max_waste: float = 1.5) -> tuple[torch.Tensor, list[Bucket]]:
     """Routed assignments of experts ``first_expert ..`` grouped into buckets of experts padded to one length.
@@ -93,16 +107,9 @@ def load_buckets(top_idx: torch.Tensor, top_w: torch.Tensor, n_experts: int, fir
     take 3-10x the mean in real models); :func:`_partition` bounds the waste. Experts without tokens are left
     out. Tokens keep ascending order within an expert. Returns the counts ``[E]`` too.
     """
-    T, k = top_idx.shape
-    flat_e = top_idx.reshape(-1) - first_expert
-    keep = (flat_e >= 0) & (flat_e < n_experts)
-    expert = flat_e[keep]
-    token = torch.arange(T * k, device=top_idx.device)[keep] // k
-    weight = top_w.reshape(-1)[keep]
-    order = torch.argsort(expert, stable=True)
-    counts = torch.bincount(expert, minlength=n_experts)
+    T = top_idx.shape[0]
+    s_token, s_weight, counts = sort_by_expert(top_idx, top_w, n_experts, first_expert)
     starts = torch.cumsum(counts, 0) - counts
-    s_token, s_weight = token[order], weight[order]
     host = counts.tolist()
     buckets: list[Bucket] = []
     for members in _partition(host, width, max_elems, max_waste):  # empty when nothing was routed here
