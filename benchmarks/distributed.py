@@ -5,9 +5,15 @@ for each world size starts ``torchrun --standalone --nproc-per-node N`` on this 
 runs ``profile_routing`` and ``quantize_model`` through ``quant.dist`` (NCCL) on the same seeded calibration tokens,
 W4 g128 symmetric GPTQ on attention and experts (as engine.py); rank 0 writes timings and every rank's peak GPU
 memory. Afterwards the stored codes of every world size are compared byte for byte with the 1-GPU run's, and
-(``--error-samples``) both checkpoints get engine.py's layer-output error. Prints JSON lines, then a table.
+(``--error-samples``) both checkpoints get engine.py's layer-output error. ``--llmcompressor N`` then runs
+llm-compressor 0.14's distributed oneshot (``torchrun --nproc-per-node N``: data-parallel calibration, each rank
+its slice of the same tokens; weight-parallel GPTQ W4A16, the model loaded with compressed-tensors'
+``load_offloaded_model``, as its docs start it) on the same model folder, and prints quant's speed-up at N GPUs.
+``--memory-trace``: what each rank held at its peak, by the quant line that allocated it (CUDA allocator history).
+Prints JSON lines, then a table.
 
-  python benchmarks/distributed.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 --ranks 1,2
+  python benchmarks/distributed.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 --ranks 1,2 \\
+      --llmcompressor 2
   python benchmarks/distributed.py --shape deepseek-v3 --layers 1 --samples 32 --seqlen 2048 --ranks 1,2 \\
       --error-samples 0
 """
@@ -15,6 +21,7 @@ memory. Afterwards the stored codes of every world size are compared byte for by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -43,10 +50,45 @@ def _plan(src, prof):
     return plan_bits(prof, src.modules, spec, "gptq", src.n_layers)
 
 
+def llmc_worker(a: argparse.Namespace) -> None:
+    """One rank of llm-compressor's distributed oneshot on ``--model-dir`` with this rank's slice of the tokens."""
+    import torch.distributed as dist
+    from compressed_tensors.offload import init_dist, load_offloaded_model
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from transformers import AutoModelForCausalLM
+
+    init_dist()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    with load_offloaded_model():
+        model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype="auto", device_map="auto_offload")
+    ids = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0).tokens
+    per = a.samples // size
+    ids = ids[rank * per : (rank + 1) * per]
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"])
+    torch.cuda.reset_peak_memory_stats()
+    dist.barrier()
+    t0 = time.perf_counter()
+    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=a.seqlen, num_calibration_samples=per,
+            pipeline="sequential")
+    torch.cuda.synchronize()
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    peaks = [None] * size
+    dist.all_gather_object(peaks, round(torch.cuda.max_memory_allocated() / 1e9, 2))
+    if rank == 0:
+        n_layers = json.loads((Path(a.model_dir) / "config.json").read_text())["num_hidden_layers"]
+        Path(a.result).write_text(json.dumps({"ranks": size, "quantize_s": seconds, "s_per_layer": seconds / n_layers,
+                                              "peak_gpu_gb_per_rank": peaks}))
+
+
 def worker(a: argparse.Namespace) -> None:
     """One rank: profile and quantize under the world torchrun set up; rank 0 writes the results file."""
-    from quant.dist import close_world, init_world
+    from quant.dist import close_world, exit_process, init_world
     from quant.layerwise import Layerwise
+    from quant.memtrace import CudaTrace
     from quant.profile import profile_routing
     from quant.quantize import quantize_model
     from quant.recipe import QuantizeSpec
@@ -73,13 +115,16 @@ def worker(a: argparse.Namespace) -> None:
         torch.cuda.reset_peak_memory_stats()
     world.barrier()
     t0 = time.perf_counter()
-    reports = quantize_model(src, calib, plan, QuantizeSpec(algorithm="gptq", device=dev, batch_size=a.batch),
-                             Layerwise(src, "bfloat16", dev, a.batch, world=world), qdir)
+    with CudaTrace() if a.memory_trace else contextlib.nullcontext() as trace:
+        reports = quantize_model(src, calib, plan, QuantizeSpec(algorithm="gptq", device=dev, batch_size=a.batch),
+                                 Layerwise(src, "bfloat16", dev, a.batch, world=world), qdir)
     sync()
     world.barrier()
     out["quantize_s"] = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else float("nan")
     out["peak_gpu_gb_per_rank"] = world.all_gather_object(round(peak, 2))
+    if a.memory_trace:  # what was live at each rank's peak, by the quant line that allocated it
+        out["memory_trace"] = world.all_gather_object(trace.peak.table(top=15) if trace and trace.peak else "")
     n = len(reports)
     out.update(layers=n, s_per_layer=out["quantize_s"] / n,
                layer_seconds=[round(r.seconds, 2) for r in reports],
@@ -92,13 +137,15 @@ def worker(a: argparse.Namespace) -> None:
     if world.is_writer:
         Path(a.result).write_text(json.dumps(out))
     close_world(world)
+    exit_process(0)
 
 
 def launch(a: argparse.Namespace, n: int, model_dir: Path, work: Path) -> dict:
     result, qdir = work / f"result-{n}.json", work / f"q-{n}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
            "--worker", "--shape", a.shape, "--samples", str(a.samples), "--seqlen", str(a.seqlen), "--batch",
-           str(a.batch), "--model-dir", str(model_dir), "--qdir", str(qdir), "--result", str(result)]
+           str(a.batch), "--model-dir", str(model_dir), "--qdir", str(qdir), "--result", str(result)] + (
+               ["--memory-trace"] if a.memory_trace else [])
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n))} if torch.cuda.is_available() \
         else dict(os.environ)
     t0 = time.perf_counter()
@@ -107,6 +154,16 @@ def launch(a: argparse.Namespace, n: int, model_dir: Path, work: Path) -> dict:
     out["wall_s"] = time.perf_counter() - t0
     out["qdir"] = str(qdir)
     return out
+
+
+def launch_llmcompressor(a: argparse.Namespace, n: int, model_dir: Path, work: Path) -> dict:
+    result = work / f"llmc-{n}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
+           "--llmc-worker", "--shape", a.shape, "--samples", str(a.samples), "--seqlen", str(a.seqlen),
+           "--model-dir", str(model_dir), "--result", str(result)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n))}
+    p = subprocess.run(cmd, env=env)
+    return json.loads(result.read_text()) if p.returncode == 0 else {"error": f"exit {p.returncode}"}
 
 
 def same_codes(a: Path, b: Path) -> tuple[int, int]:
@@ -125,13 +182,18 @@ def main() -> None:
     ap.add_argument("--ranks", default="1,2")
     ap.add_argument("--error-samples", type=int, default=16)
     ap.add_argument("--workdir", default="")
+    ap.add_argument("--memory-trace", action="store_true", help="each rank's live blocks at its peak (CUDA)")
+    ap.add_argument("--llmcompressor", type=int, default=0, help="N: llm-compressor's distributed oneshot on N GPUs")
     ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--llmc-worker", action="store_true")
     ap.add_argument("--model-dir", default="")
     ap.add_argument("--qdir", default="")
     ap.add_argument("--result", default="")
     a = ap.parse_args()
     if a.worker:
         return worker(a)
+    if a.llmc_worker:
+        return llmc_worker(a)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="quant-dist-"))
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / f"model-{a.shape}-{a.layers}"
@@ -167,6 +229,17 @@ def main() -> None:
         print(f"{r['ranks']:>4} {r['s_per_layer']:8.2f} {r['stats_s_per_layer']:7.2f} {r['solve_s_per_layer']:7.2f} "
               f"{r['forward_s_per_layer']:7.2f} {r['profile_s']:9.2f} {str(r['peak_gpu_gb_per_rank']):>16} "
               f"{same:>10} {r.get('mean_rel_layer_error', float('nan')):8.4f}")
+    for r in rows:
+        for rank, table in enumerate(r.get("memory_trace", [])):
+            print(f"{r['ranks']} GPU(s), rank {rank}, live at the peak (GB):\n{table}")
+    if a.llmcompressor:
+        llmc = launch_llmcompressor(a, a.llmcompressor, model_dir, work)
+        say(llmcompressor=llmc)
+        mine = next((r for r in rows if r["ranks"] == a.llmcompressor), None)
+        if "error" not in llmc:
+            print(f"llm-compressor distributed oneshot, {a.llmcompressor} GPUs: {llmc['s_per_layer']:.2f} s/layer, peak "
+                  f"GB per rank {llmc['peak_gpu_gb_per_rank']}" + (
+                      f"; quant {llmc['s_per_layer'] / mine['s_per_layer']:.1f}x faster per layer" if mine else ""))
     for r in rows[1:]:
         print(f"{r['ranks']} GPUs vs 1: {rows[0]['s_per_layer'] / r['s_per_layer']:.2f}x per layer (quantize), "
               f"{rows[0]['profile_s'] / r['profile_s']:.2f}x profile")

@@ -340,12 +340,13 @@ _EXIT_WITHOUT_TEARDOWN = False
 
 
 def close_world(world: World, clean: bool = True) -> None:
-    """Leave the process group. ``clean`` (the job ends normally on every rank): first wait until every rank is here,
-    so that no rank tears its gloo pairs down while a peer still talks to them (which aborts the peer with
-    "terminate called without an active exception"), then destroy the group. After an error a peer may be gone or
-    still inside a collective, and tearing the group down (or letting the interpreter's exit do it) can abort this
-    process with SIGABRT instead of its exit status: the group is left as it is and the process must end through
-    :func:`exit_process`, which skips that teardown."""
+    """Leave the process group; the process must then end through :func:`exit_process`.
+
+    ``clean`` (the job ends normally on every rank): first wait until every rank is here, so that no rank leaves
+    while a peer still talks to it. The group's C++ state (gloo pairs and their threads, NCCL communicators) is
+    never torn down: destroying it, or letting the interpreter's exit destroy it, aborted ranks with "terminate
+    called without an active exception" (SIGABRT, exit -6) in CI, after an error (a peer gone or mid-collective)
+    and also once after a run that had finished on every rank. Ending the process releases it all."""
     global _EXIT_WITHOUT_TEARDOWN
     if world.distributed:
         import torch.distributed as dist
@@ -354,14 +355,12 @@ def close_world(world: World, clean: bool = True) -> None:
             return
         if clean:
             world.barrier(idle=True, what="leaving the process group")
-            dist.destroy_process_group()
-        else:
-            _EXIT_WITHOUT_TEARDOWN = True
+        _EXIT_WITHOUT_TEARDOWN = True
 
 
 def exit_process(code: int) -> NoReturn:
-    """``sys.exit(code)``, or, after a distributed run ended in an error (:func:`close_world`), output flushed and
-    ``os._exit(code)``: the process group's C++ state is not torn down, so the status is ``code``, never -6."""
+    """``sys.exit(code)``, or, after a distributed run (:func:`close_world`), output flushed and ``os._exit(code)``:
+    the process group's C++ state is not torn down, so the status is ``code``, never -6."""
     if _EXIT_WITHOUT_TEARDOWN:
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):

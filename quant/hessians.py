@@ -161,6 +161,7 @@ class ExpertStats:
         self.abs_down = torch.zeros(E, I, dtype=torch.float32, device=dev)
         self.weight_sum = torch.zeros(E, dtype=torch.float64, device=dev)
         self.counts = torch.zeros(E, dtype=torch.long, device=dev)
+        self._normalized = False
         self.channel = relay.channel(self._consume if count else None, consumers)
         self.handle = view.on_route(self.channel.put)
 
@@ -202,8 +203,16 @@ class ExpertStats:
         return self.abs_gu / denom, self.abs_down / denom
 
     def hessians(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        denom = self.weight_sum.clamp_min(1e-12).float().view(-1, 1, 1)
-        return self.sum_gu / denom, None if self.sum_down is None else self.sum_down / denom
+        """``Σ x xᵀ / Σ weight`` per expert, normalized in place: the sums become the Hessians (a second copy was
+        the largest single term at the GPTQ peak, 15.8 GB on a DeepSeek-V3 chunk). Call after the pass; later
+        calls return the same tensors."""
+        if not self._normalized:
+            denom = self.weight_sum.clamp_min(1e-12).float().view(-1, 1, 1)
+            self.sum_gu.div_(denom)
+            if self.sum_down is not None:
+                self.sum_down.div_(denom)
+            self._normalized = True
+        return self.sum_gu, self.sum_down
 
     def remove(self) -> None:
         self.handle.remove()

@@ -266,6 +266,42 @@ def _leave_after_error(rank: int, size: int, port: int) -> None:
     exit_process(1)
 
 
+def _leave_cleanly(rank: int, size: int, port: int, out: str) -> None:
+    """Both ranks finish, leave as the CLI does after a run (close_world clean, then exit_process(0)); an atexit
+    handler records whether interpreter teardown (which destroys the group's C++ state) ran."""
+    import atexit
+
+    from quant.dist import close_world, exit_process
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(size), RANK=str(rank),
+                      LOCAL_RANK=str(rank), QUANT_DIST_TIMEOUT_S="30")
+    world = init_world("cpu")
+    got = world.exchange_tensors({f"t{rank}": torch.full((64,), float(rank))})
+    atexit.register(lambda: Path(out, f"teardown{rank}").write_text("ran"))
+    close_world(world, clean=True)
+    Path(out, f"sum{rank}").write_text(str(float(sum(t.sum() for t in got.values()))))
+    exit_process(0)
+
+
+def test_ranks_that_finish_exit_0_without_tearing_the_group_down(tmp_path):
+    """A run that finished on every rank once ended with SIGABRT on the writer at interpreter exit ("terminate
+    called without an active exception", a Slurm job FAILED in CI after its report was written): after the last
+    barrier every rank ends through os._exit, so the group's C++ state is never destroyed. Three rounds."""
+    ctx = mp.get_context("spawn")
+    for i in range(3):
+        out = tmp_path / str(i)
+        out.mkdir()
+        port = _free_port()
+        procs = [ctx.Process(target=_leave_cleanly, args=(r, 2, port, str(out))) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        assert [p.exitcode for p in procs] == [0, 0]
+        assert [(out / f"sum{r}").read_text() for r in range(2)] == ["64.0", "64.0"]  # both got both tensors
+        assert not list(out.glob("teardown*")), "interpreter teardown ran after the process group was left"
+
+
 def test_ranks_that_leave_after_an_error_exit_with_their_status_not_an_abort():
     """After an error no rank tears its process group down (a peer may be mid-collective; gloo then aborted a rank
     with SIGABRT, exit -6, in CI): each exits with its own status, output flushed. Five rounds of 2 ranks."""

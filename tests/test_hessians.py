@@ -85,6 +85,28 @@ def test_expert_hessians_of_a_chunk_equal_the_full_pass(experts):
         torch.testing.assert_close(a[2:5], b)
 
 
+def test_hessians_are_the_sums_normalized_in_place_without_a_copy(experts):
+    """The chunk's normalized Hessians reuse the sums' storage (a copy was the largest term at the GPTQ peak on the
+    DeepSeek-V3 shape: benchmarks/memtrace.py), equal sum / weight exactly, and a second call changes nothing."""
+    from quant.memtrace import LiveBytes
+
+    idx, w = _skewed_routing(8)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(9))
+    stats = ExpertStats(experts, True, False)
+    with torch.no_grad():
+        experts.module(x, idx, w)
+    stats.remove()
+    denom = stats.weight_sum.clamp_min(1e-12).float().view(-1, 1, 1)
+    want = (stats.sum_gu / denom, stats.sum_down / denom)
+    ptrs = (stats.sum_gu.data_ptr(), stats.sum_down.data_ptr())
+    with LiveBytes(step=1) as m:
+        got = stats.hessians()
+    assert m.peak.bytes < (want[0].nbytes + want[1].nbytes) / 10, m.peak.table(unit=1)
+    assert (got[0].data_ptr(), got[1].data_ptr()) == ptrs
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(stats.hessians(), want, strict=True))
+
+
 def test_totals_without_hessians_equal_the_full_statistics(experts):
     """AWQ's first pass over every expert (counts, routing-weight sums, gate/up Σ|x|) holds no Hessian and takes
     the same sums as a pass that also accumulates them."""

@@ -86,6 +86,28 @@ def test_chunked_expert_statistics_fit_the_budget_and_change_nothing(setup, tmp_
     assert all(len(s.searched) == 2 and s.rest for s in rec.searches), "the plan must exercise every search path"
 
 
+def test_one_chunk_of_expert_hessians_is_alive_at_a_time(setup, tmp_path, monkeypatch):
+    """When a pass's statistics are made, no earlier chunk's Hessian sums are still referenced (a name bound to
+    chunk 1 kept it alive through chunk 2's pass: two chunks, 14.6 GB more, on the DeepSeek-V3 shape's GPU run)."""
+    import weakref
+
+    real = smooth.ExpertStats
+    made: list = []
+    alive_at_start: list[int] = []
+
+    def stats(*args, **kwargs):
+        alive_at_start.append(sum(1 for r in made if r() is not None and r().sum_gu is not None))
+        st = real(*args, **kwargs)
+        made.append(weakref.ref(st))
+        return st
+
+    monkeypatch.setattr(smooth, "ExpertStats", stats)
+    _awq(setup, tmp_path / "chunked", hessian_budget_gb=BUDGET_GB, solve_budget_gb=2e-3)
+    n_moe = len(setup[0].moe_layers())
+    assert len(alive_at_start) == 4 * n_moe  # three chunks and the totals pass per layer
+    assert alive_at_start == [0, 1, 0, 0] * n_moe  # chunk 0, totals beside it, chunk 1, chunk 2
+
+
 @pytest.mark.gpu
 def test_gpu_chunked_awq_matches_whole(setup, tmp_path):
     """On the GPU the chunk passes' bf16 grams can differ from a single pass by fp32 reassociation (the load

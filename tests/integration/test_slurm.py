@@ -81,9 +81,13 @@ class Cluster:
         # a job that requeued itself (the warning signal's path) is PENDING while its first start may still be
         # completing on the node; on a cluster the requeue's begin-time delay covers that, here the node must be
         # done with it before the job is started again (else its relaunch can fail: seen once in CI, FAILED)
+        # A second start in the same wall-clock second as the requeue is refused by slurmd ("Killing
+        # non-startable batch job: Job credential revoked", seen in CI): it compares the new credential's
+        # creation time with the revocation time in whole seconds. Real requeues wait 2 minutes; wait 2 s.
         deadline = time.time() + 120
         while "COMPLETING" in self.cmd("scontrol", "show", "node") and time.time() < deadline:
             time.sleep(0.5)
+        time.sleep(2.5)
         self.cmd("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
     def job_log(self, job_id: str) -> str:

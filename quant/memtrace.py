@@ -1,0 +1,194 @@
+"""Live tensor bytes on any device: the peak of what torch ops allocate inside a block, and what was alive at it.
+
+``torch.cuda.max_memory_allocated`` says how high a GPU run went, not why. :class:`LiveBytes` answers both, on
+CPUs too (so a scaled-down run of a giant shape can be traced in CI or on a laptop): a ``TorchDispatchMode`` that
+sees every op's outputs, counts each new storage once (outputs that share an input's storage are views or
+in-place results, not allocations), and releases it when the last tensor object on it is gone. At each new peak
+(``step`` bytes above the last one recorded) it keeps the live bytes per allocation site: the innermost frame of
+the code under study (``package``; default this package) that made the op, ``file.py:line function``.
+
+What it does not see: tensors made outside the block or without an op (safetensors loads, ``torch.frombuffer``),
+and buffers a kernel allocates for itself (cuBLAS/LAPACK workspaces, the caching allocator's rounding). Those are
+what a GPU run adds on top; the sites tell which code holds the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # meta, sparse, functional wrappers
+        return None
+    return st.data_ptr(), st.nbytes()
+
+
+@dataclass
+class Peak:
+    """The peak live bytes and, per allocation site, what was alive then (largest first)."""
+
+    bytes: int = 0
+    sites: list[tuple[str, int]] = field(default_factory=list)
+
+    def table(self, top: int = 12, unit: float = 1e9, scale: float = 1.0) -> str:
+        """Text table of the peak's largest sites, in ``unit`` bytes times ``scale`` (e.g. a shape's scale factor)."""
+        lines = [f"peak {self.bytes * scale / unit:.3f}"]
+        lines += [f"  {n * scale / unit:9.3f}  {site}" for site, n in self.sites[:top]]
+        rest = sum(n for _, n in self.sites[top:])
+        if rest:
+            lines.append(f"  {rest * scale / unit:9.3f}  ({len(self.sites) - top} more sites)")
+        return "\n".join(lines)
+
+
+class LiveBytes(TorchDispatchMode):
+    """``with LiveBytes() as m: ...`` -> ``m.peak`` (:class:`Peak`; its sites are a snapshot taken within ``step``
+    bytes of the peak), ``m.current``, and ``m.phase_peaks`` for blocks run inside ``with m.phase(label)``. Only
+    the thread that entered is traced; other threads' ops pass through."""
+
+    def __init__(self, package: str | None = None, step: int = 1 << 20):
+        super().__init__()
+        root = package or os.path.dirname(os.path.abspath(__file__))
+        self._root = root.rstrip(os.sep) + os.sep
+        self._step = step
+        self._live: dict[int, list] = {}  # data_ptr -> [nbytes, references, site]
+        self._thread = threading.get_ident()
+        self._phase: str | None = None
+        self.current = 0
+        self.peak = Peak()
+        self.phase_peaks: dict[str, int] = {}
+
+    def phase(self, label: str):
+        """Context manager: the peak live bytes while inside it go to ``phase_peaks[label]`` (the largest over
+        every entry)."""
+        tracer = self
+
+        class _Phase:
+            def __enter__(self):
+                self.outer, tracer._phase = tracer._phase, label
+                tracer.phase_peaks[label] = max(tracer.phase_peaks.get(label, 0), tracer.current)
+
+            def __exit__(self, *exc):
+                tracer._phase = self.outer
+
+        return _Phase()
+
+    def _site(self) -> str:
+        f = sys._getframe(2)
+        while f is not None:
+            path = f.f_code.co_filename
+            if path.startswith(self._root) and not path.endswith("memtrace.py"):
+                return f"{os.path.basename(path)}:{f.f_lineno} {f.f_code.co_name}"
+            f = f.f_back
+        return "(outside)"
+
+    def _release(self, ptr: int) -> None:
+        entry = self._live.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._live[ptr]
+            self.current -= entry[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if threading.get_ident() != self._thread:
+            return out
+        inputs = {s[0] for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+                  for s in [_storage(a)] if s is not None}
+        grew = False
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = _storage(t)
+            if s is None or s[1] == 0:
+                continue
+            ptr, nbytes = s
+            entry = self._live.get(ptr)
+            if entry is None:
+                if ptr in inputs:  # a view or in-place result of a tensor made outside the block
+                    continue
+                entry = self._live[ptr] = [nbytes, 0, self._site()]
+                self.current += nbytes
+                grew = True
+            entry[1] += 1
+            weakref.finalize(t, self._release, ptr)
+        if grew:
+            if self._phase is not None and self.current > self.phase_peaks.get(self._phase, 0):
+                self.phase_peaks[self._phase] = self.current
+            if self.current >= self.peak.bytes + self._step or (self.current > self.peak.bytes and not self.peak.sites):
+                by_site: Counter[str] = Counter()
+                for nbytes, _, site in self._live.values():
+                    by_site[site] += nbytes
+                self.peak = Peak(self.current, by_site.most_common())
+            elif self.current > self.peak.bytes:
+                self.peak.bytes = self.current
+        return out
+
+
+def peak_from_snapshot(snapshot: dict, device: int, package: str | None = None, step: int = 1 << 28) -> Peak:
+    """The same table for a CUDA run: replay ``torch.cuda.memory._snapshot()``'s trace of ``device`` (recorded with
+    ``torch.cuda.memory._record_memory_history(stacks="python")``), live bytes per site at the peak. What was
+    allocated before the trace began counts as one ``(before the trace)`` site; unlike :class:`LiveBytes` this sees
+    every block of the caching allocator (kernel workspaces, collectives' buffers made by torch) but not memory
+    outside it (NCCL's own). Sites are a snapshot within ``step`` bytes of the peak."""
+    root = (package or os.path.dirname(os.path.abspath(__file__))).rstrip(os.sep) + os.sep
+    events = snapshot["device_traces"][device]
+    allocated = sum(b["size"] for seg in snapshot["segments"] if seg["device"] == device
+                    for b in seg["blocks"] if b["state"] == "active_allocated")
+    net = sum(e["size"] if e["action"] == "alloc" else -e["size"] for e in events
+              if e["action"] in ("alloc", "free_completed"))
+    live: dict[int, tuple[int, str]] = {}
+    base = allocated - net
+    current, peak = base, Peak(base, [("(before the trace)", base)])
+    for e in events:
+        if e["action"] == "alloc":
+            site = next((f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in e.get("frames", ())
+                         if f["filename"].startswith(root)), "(outside)")
+            live[e["addr"]] = (e["size"], site)
+            current += e["size"]
+            if current >= peak.bytes + step:
+                by_site: Counter[str] = Counter({"(before the trace)": base})
+                for size, s in live.values():
+                    by_site[s] += size
+                peak = Peak(current, by_site.most_common())
+            elif current > peak.bytes:
+                peak.bytes = current
+        elif e["action"] == "free_completed":
+            current -= live.pop(e["addr"], (e["size"], ""))[0]
+    return peak
+
+
+class CudaTrace:
+    """``with CudaTrace() as t: ...`` -> ``t.peak``: :func:`peak_from_snapshot` of the current CUDA device over the
+    block (None where there is no GPU). The allocator keeps up to ``max_entries`` events with Python stacks (about
+    a kilobyte of host memory each)."""
+
+    def __init__(self, max_entries: int = 1_000_000, step: int = 1 << 28):
+        self.max_entries, self.step = max_entries, step
+        self.peak: Peak | None = None
+
+    def __enter__(self) -> CudaTrace:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=self.max_entries)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not torch.cuda.is_available():
+            return
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.peak = peak_from_snapshot(snapshot, torch.cuda.current_device(), step=self.step)
