@@ -21,6 +21,7 @@ i mod K through the normal safetensors path) to time a full-depth run without N 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quant.calibration import CalibrationSet  # noqa: E402
 from quant.layerwise import Layerwise  # noqa: E402
+from quant.memtrace import CudaTrace  # noqa: E402
 from quant.models import ModelSource  # noqa: E402
 from quant.plan import plan_bits  # noqa: E402
 from quant.profile import profile_routing  # noqa: E402
@@ -214,7 +216,7 @@ def calibration(n: int, seqlen: int, vocab: int, seed: int) -> CalibrationSet:
 
 
 def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, batch: int, quant_all: bool,
-              solve_budget_gb: float | None = None, export: bool = True) -> dict:
+              solve_budget_gb: float | None = None, export: bool = True, memory_trace: bool = False) -> dict:
     """Profile + quantize with quant's engine; export compressed-tensors; timings per layer and end to end."""
     from quant.export.compressed_tensors import write_compressed_tensors
 
@@ -239,9 +241,12 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     TIMERS.clear()
     sync()
     t0 = time.perf_counter()
-    reports = quantize_model(src, calib, plan, qspec, Layerwise(src, "bfloat16", dev, batch), qdir)
+    with CudaTrace() if memory_trace else contextlib.nullcontext() as trace:
+        reports = quantize_model(src, calib, plan, qspec, Layerwise(src, "bfloat16", dev, batch), qdir)
     sync()
     total = time.perf_counter() - t0
+    if trace is not None and trace.peak is not None:
+        print(f"{algo}: live at the quantize peak (GB, by the quant line that allocated it):\n{trace.peak.table(15)}")
     peak = peak_gb()
     n_tok = calib.tokens.numel()
     out = {"algo": algo, "profile_s": prof_s, "profile_tokens_per_s": n_tok / prof_s, "profile_load_s": prof_load_s,
@@ -334,6 +339,7 @@ def main() -> None:
     ap.add_argument("--keep-attention", action="store_true", help="quantize experts only")
     ap.add_argument("--solve-budget-gb", type=float, default=None, help="default: quantize.solve_budget_gb's")
     ap.add_argument("--no-export", action="store_true", help="time profile + quantize only")
+    ap.add_argument("--memory-trace", action="store_true", help="what quantize held at its peak (CUDA)")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -358,7 +364,7 @@ def main() -> None:
     rows = []
     for algo in [x for x in a.algos.split(",") if x]:
         r = run_quant(src, calib, algo, work, a.batch, quant_all=not a.keep_attention, solve_budget_gb=a.solve_budget_gb,
-                      export=not a.no_export)
+                      export=not a.no_export, memory_trace=a.memory_trace)
         say(**r)
         rows.append(r)
     for algo in [x for x in a.llmcompressor.split(",") if x]:
