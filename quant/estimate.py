@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quant.errors import PlanError
+from quant.footprint import store_module_bytes
 from quant.layer_damage import pass_cost
 from quant.models import ModelSource
 from quant.models.headers import Dims, dims
@@ -101,6 +102,7 @@ class LayerShape:
     linear_groups: tuple[tuple[int, int], ...]  # (in_features, summed out_features) of linears sharing an input
     linear_code_bytes: float
     active_params: float  # parameters a token passes through (attention, shared, top_k experts)
+    store_bytes: float = 0.0  # the layer's file in the quantized store (codes packed, footprint.store_module_bytes)
 
 
 def synthetic_profile(source: ModelSource) -> RoutingProfile:
@@ -140,7 +142,9 @@ def layer_shapes(source: ModelSource, plan: BitPlan, dtype_bytes: int, top_k: in
                               expert_numel, e_codes,
                               tuple((k[1], sum(v)) for k, v in groups.items()),
                               sum(_code_bytes(plan, m.name, m.numel) for m in mods.values() if m.kind != "expert"),
-                              dense + min(top_k, n_exp) * expert_numel))
+                              dense + min(top_k, n_exp) * expert_numel,
+                              sum(store_module_bytes(m.in_features, m.out_features, plan.modules[m.name])
+                                  for m in mods.values() if not plan.modules[m.name].keep)))
     return out
 
 
@@ -350,7 +354,7 @@ def _host(layers: list[LayerShape], run: Run, d: Dims) -> float:
 def _quantize_stage(layers: list[LayerShape], run: Run, d: Dims) -> StageForecast:
     mems = [quantize_memory(L, run, d) for L in layers]
     worst = max(mems, key=lambda m: m["total"])
-    store = sum(L.n_experts * L.expert_code_bytes + L.linear_code_bytes for L in layers)
+    store = sum(L.store_bytes for L in layers)
     seconds = sum(quantize_seconds(L, run, d) for L in layers)
     return StageForecast("quantize", worst["total"], _host(layers, run, d), store, seconds,
                          parts={k: v for k, v in worst.items() if k != "total"})

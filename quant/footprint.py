@@ -1,7 +1,7 @@
 """Disk a run will write before it writes it: the quantized store (``quantized/``) and each checkpoint format.
 
-Sizes follow the writers' layouts: the store keeps one int8 code per weight plus a scale (model dtype) and, for an
-asymmetric grid, an int8 zero point per group; a checkpoint packs ``bits`` per code (compressed-tensors'
+Sizes follow the writers' layouts: the store keeps each code in half a byte (up to 4 bits, an even number of
+input features) or a byte, plus a scale (model dtype) and, for an asymmetric grid, an int8 zero point per group; a checkpoint packs ``bits`` per code (compressed-tensors'
 ``weight_packed`` / GPTQ's ``qweight``, int32 words), keeps its scales (2 bytes) and packed zero points, and
 copies every kept tensor at its on-disk size. The estimate is an upper bound within a few percent (headers and
 configs are rounded up by a fixed margin).
@@ -45,12 +45,23 @@ def estimate(source: ModelSource, plan: BitPlan, formats: tuple[str, ...], scale
         m = source.modules[name]
         G = _groups(m.in_features, p.group_size)
         zero = 0 if p.symmetric else 1
-        store += m.numel + m.out_features * G * (scale_bytes + zero) + (2 + zero) * HEADER_BYTES
+        store += store_module_bytes(m.in_features, m.out_features, p, scale_bytes)
         packed += -(-m.numel * p.bits // 32) * 4 + m.out_features * G * (2 + zero) + (4 + zero) * HEADER_BYTES
         replaced += m.numel * disk_bytes
     side = sum(f.stat().st_size for f in source.path.iterdir() if f.is_file() and f.suffix != ".safetensors")
     checkpoint = max(model_bytes - replaced, 0) + packed + side + MARGIN_BYTES
     return Footprint(store + MARGIN_BYTES, {fmt: checkpoint for fmt in formats})
+
+
+def store_module_bytes(n_in: int, n_out: int, p, scale_bytes: int = 2) -> int:
+    """One module's bytes in the quantized store (``p``: its ModulePlan): codes (qstore.packs: two a byte), scales,
+    zero points, safetensors header entries."""
+    from quant.algos.grid import QuantSpec
+    from quant.qstore import packs
+
+    G, zero = _groups(n_in, p.group_size), 0 if p.symmetric else 1
+    codes = n_out * n_in // 2 if packs(QuantSpec(p.bits, p.group_size, p.symmetric), n_in) else n_out * n_in
+    return codes + n_out * G * (scale_bytes + zero) + (2 + zero) * HEADER_BYTES
 
 
 def _disk_element_bytes(source: ModelSource, key: str) -> int:

@@ -36,3 +36,54 @@ def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path):
     with pytest.raises(Exception, match="No such file|not found|missing-dir"):
         writer.wait()
     writer.wait()  # the error is reported once
+
+
+@pytest.mark.parametrize("bits,symmetric,n_in", [(4, True, 64), (4, False, 64), (3, False, 32), (2, True, 32),
+                                                 (8, True, 64), (4, True, 33)])
+def test_codes_of_up_to_4_bits_are_stored_two_a_byte_and_read_back_unchanged(tmp_path, bits, symmetric, n_in):
+    from safetensors import safe_open
+
+    from quant.qstore import read_layout
+
+    g = torch.Generator().manual_seed(bits)
+    group = n_in if n_in % 32 else 32
+    qw = quantize_weight(torch.randn(2, 8, n_in, generator=g) * 3, QuantSpec(bits, group, symmetric), torch.bfloat16)
+    assert int(qw.q.min()) == qw.spec.qmin and int(qw.q.max()) == qw.spec.qmax  # both ends of the range occur
+    results = {f"m{e}": type(qw)(qw.q[e], qw.scale[e], None if qw.zero is None else qw.zero[e], qw.spec)
+               for e in range(2)}
+    path = tmp_path / "layer.safetensors"
+    write_layer(path, results)
+    packed = bits <= 4 and n_in % 2 == 0
+    with safe_open(str(path), "pt") as f:
+        stored = f.get_slice("m0.q")
+        assert stored.get_dtype() == ("U8" if packed else "I8")
+        assert stored.get_shape() == [8, n_in // 2 if packed else n_in]
+    back = read_layer(path)
+    for n, r in results.items():
+        assert back[n].q.dtype == torch.int8 and torch.equal(back[n].q, r.q), n
+        assert torch.equal(back[n].scale, r.scale)
+    spec, (q_layout, _, _) = read_layout(path)["m0"]
+    assert q_layout == ((8, n_in), "I8") and spec == qw.spec
+
+
+def test_a_store_file_of_the_unpacked_layout_still_reads(tmp_path):
+    """Files written before codes were packed hold int8 codes for 4-bit modules: a resumed run reads them."""
+    from safetensors.torch import save_file
+
+    qw = _results()["layers.0.experts.0.up"]
+    path = tmp_path / "old.safetensors"
+    save_file({"m.q": qw.q, "m.scale": qw.scale, "m.zero": qw.zero}, str(path),
+              metadata={"quant": '{"modules": {"m": [4, 32, false]}, "report": {}}'})
+    back = read_layer(path)["m"]
+    assert torch.equal(back.q, qw.q) and torch.equal(back.zero, qw.zero)
+
+
+@pytest.mark.gpu
+def test_gpu_background_writer_packs_on_the_gpu_and_writes_the_same_bytes(tmp_path):
+    results = _results()
+    on_gpu = {n: type(q)(q.q.cuda(), q.scale.cuda(), q.zero.cuda(), q.spec) for n, q in results.items()}
+    write_layer(tmp_path / "cpu.safetensors", results)
+    writer = LayerWriter(background=True)
+    writer.submit(tmp_path / "gpu.safetensors", on_gpu, {})
+    writer.wait()
+    assert (tmp_path / "cpu.safetensors").read_bytes() == (tmp_path / "gpu.safetensors").read_bytes()
