@@ -9,7 +9,8 @@ memory. Afterwards the stored codes of every world size are compared byte for by
 llm-compressor 0.14's distributed oneshot (``torchrun --nproc-per-node N``: data-parallel calibration, each rank
 its slice of the same tokens; weight-parallel GPTQ W4A16, the model loaded with compressed-tensors'
 ``load_offloaded_model``, as its docs start it) on the same model folder, and prints quant's speed-up at N GPUs.
-``--memory-trace``: what each rank held at its peak, by the quant line that allocated it (CUDA allocator history).
+``--memory-trace``: what each rank held at its peak, by the quant line that allocated it (CUDA allocator history);
+``--torch-profile``: each rank's top operators by self time over quantize (torch.profiler).
 Prints JSON lines, then a table.
 
   python benchmarks/distributed.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 --ranks 1,2 \\
@@ -76,12 +77,25 @@ def llmc_worker(a: argparse.Namespace) -> None:
     torch.cuda.synchronize()
     dist.barrier()
     seconds = time.perf_counter() - t0
+    model.save_pretrained(a.qdir, save_compressed=True)  # every rank, as llm-compressor's DDP examples do
     peaks = [None] * size
     dist.all_gather_object(peaks, round(torch.cuda.max_memory_allocated() / 1e9, 2))
     if rank == 0:
         n_layers = json.loads((Path(a.model_dir) / "config.json").read_text())["num_hidden_layers"]
         Path(a.result).write_text(json.dumps({"ranks": size, "quantize_s": seconds, "s_per_layer": seconds / n_layers,
                                               "peak_gpu_gb_per_rank": peaks}))
+
+
+@contextlib.contextmanager
+def _torch_profile(on: bool):
+    if not on:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        yield prof
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -115,7 +129,7 @@ def worker(a: argparse.Namespace) -> None:
         torch.cuda.reset_peak_memory_stats()
     world.barrier()
     t0 = time.perf_counter()
-    with CudaTrace() if a.memory_trace else contextlib.nullcontext() as trace:
+    with CudaTrace() if a.memory_trace else contextlib.nullcontext() as trace, _torch_profile(a.torch_profile) as prof:
         reports = quantize_model(src, calib, plan, QuantizeSpec(algorithm="gptq", device=dev, batch_size=a.batch),
                                  Layerwise(src, "bfloat16", dev, a.batch, world=world), qdir)
     sync()
@@ -123,6 +137,9 @@ def worker(a: argparse.Namespace) -> None:
     out["quantize_s"] = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else float("nan")
     out["peak_gpu_gb_per_rank"] = world.all_gather_object(round(peak, 2))
+    if prof is not None:  # where each rank's time went (the profiler's overhead included)
+        sort = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
+        out["torch_profile"] = world.all_gather_object(prof.key_averages().table(sort_by=sort, row_limit=25))
     if a.memory_trace:  # what was live at each rank's peak, by the quant line that allocated it
         out["memory_trace"] = world.all_gather_object(trace.peak.table(top=15) if trace and trace.peak else "")
     n = len(reports)
@@ -145,7 +162,7 @@ def launch(a: argparse.Namespace, n: int, model_dir: Path, work: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
            "--worker", "--shape", a.shape, "--samples", str(a.samples), "--seqlen", str(a.seqlen), "--batch",
            str(a.batch), "--model-dir", str(model_dir), "--qdir", str(qdir), "--result", str(result)] + (
-               ["--memory-trace"] if a.memory_trace else [])
+               ["--memory-trace"] if a.memory_trace else []) + (["--torch-profile"] if a.torch_profile else [])
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n))} if torch.cuda.is_available() \
         else dict(os.environ)
     t0 = time.perf_counter()
@@ -160,10 +177,18 @@ def launch_llmcompressor(a: argparse.Namespace, n: int, model_dir: Path, work: P
     result = work / f"llmc-{n}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
            "--llmc-worker", "--shape", a.shape, "--samples", str(a.samples), "--seqlen", str(a.seqlen),
-           "--model-dir", str(model_dir), "--result", str(result)]
+           "--model-dir", str(model_dir), "--result", str(result), "--qdir", str(work / f"llmc-ckpt-{n}")]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n))}
     p = subprocess.run(cmd, env=env)
-    return json.loads(result.read_text()) if p.returncode == 0 else {"error": f"exit {p.returncode}"}
+    if p.returncode != 0:
+        return {"error": f"exit {p.returncode}"}
+    out = json.loads(result.read_text())
+    if a.error_samples:  # engine.py's layer-output error of the checkpoint it saved
+        calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
+        errs = layer_errors(ModelSource(model_dir), dequantized(work / f"llmc-ckpt-{n}", work),
+                            calib.tokens[: a.error_samples], a.batch)
+        out["mean_rel_layer_error"] = sum(errs) / len(errs)
+    return out
 
 
 def same_codes(a: Path, b: Path) -> tuple[int, int]:
@@ -183,6 +208,7 @@ def main() -> None:
     ap.add_argument("--error-samples", type=int, default=16)
     ap.add_argument("--workdir", default="")
     ap.add_argument("--memory-trace", action="store_true", help="each rank's live blocks at its peak (CUDA)")
+    ap.add_argument("--torch-profile", action="store_true", help="each rank's top ops by self time (torch.profiler)")
     ap.add_argument("--llmcompressor", type=int, default=0, help="N: llm-compressor's distributed oneshot on N GPUs")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--llmc-worker", action="store_true")
@@ -230,6 +256,8 @@ def main() -> None:
               f"{r['forward_s_per_layer']:7.2f} {r['profile_s']:9.2f} {str(r['peak_gpu_gb_per_rank']):>16} "
               f"{same:>10} {r.get('mean_rel_layer_error', float('nan')):8.4f}")
     for r in rows:
+        for rank, table in enumerate(r.get("torch_profile", [])):
+            print(f"{r['ranks']} GPU(s), rank {rank}, torch.profiler over quantize:\n{table}")
         for rank, table in enumerate(r.get("memory_trace", [])):
             print(f"{r['ranks']} GPU(s), rank {rank}, live at the peak (GB):\n{table}")
     if a.llmcompressor:
@@ -238,7 +266,7 @@ def main() -> None:
         mine = next((r for r in rows if r["ranks"] == a.llmcompressor), None)
         if "error" not in llmc:
             print(f"llm-compressor distributed oneshot, {a.llmcompressor} GPUs: {llmc['s_per_layer']:.2f} s/layer, peak "
-                  f"GB per rank {llmc['peak_gpu_gb_per_rank']}" + (
+                  f"GB per rank {llmc['peak_gpu_gb_per_rank']}, rel err {llmc.get('mean_rel_layer_error', float('nan')):.4f}" + (
                       f"; quant {llmc['s_per_layer'] / mine['s_per_layer']:.1f}x faster per layer" if mine else ""))
     for r in rows[1:]:
         print(f"{r['ranks']} GPUs vs 1: {rows[0]['s_per_layer'] / r['s_per_layer']:.2f}x per layer (quantize), "
