@@ -139,9 +139,10 @@ def worker(rank: int, a: argparse.Namespace, port: int, model_dir: str, out: str
                          hessian_budget_gb=a.hessian_budget_gb / k2, solve_budget_gb=a.solve_budget_gb / k2)
     tracer = LiveBytes(step=max(1, int(a.step_gb * 1e9 / k2)))
     _phases(tracer)
+    lw = Layerwise(src, "bfloat16", "cpu", batch, world=world)
+    lw.reader.shared = a.shared_read and world.distributed  # NCCL's read path: a share per rank, then broadcasts
     with tracer:
-        quantize_model(src, calib, plan, qspec, Layerwise(src, "bfloat16", "cpu", batch, world=world),
-                       Path(out) / f"q{a.ranks}")
+        quantize_model(src, calib, plan, qspec, lw, Path(out) / f"q{a.ranks}")
     mine = {"rank": rank, "peak": tracer.peak.table(top=a.top, scale=k2),
             "phases": {p: round(b * k2 / 1e9, 2) for p, b in tracer.phase_peaks.items()}}
     got = world.all_gather_object(mine)
@@ -165,6 +166,8 @@ def main() -> None:
     ap.add_argument("--solve-budget-gb", type=float, default=3.0, help="the full shape's; divided by k²")
     ap.add_argument("--step-gb", type=float, default=0.25, help="site snapshot resolution, full-shape GB")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--shared-read", action="store_true", help="ranks read a share of each layer and broadcast it "
+                    "(what they do under NCCL; gloo runs otherwise read the whole layer each)")
     ap.add_argument("--workdir", default="")
     a = ap.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="quant-memtrace-"))

@@ -3,7 +3,8 @@
 ``torch.cuda.max_memory_allocated`` says how high a GPU run went, not why. :class:`LiveBytes` answers both, on
 CPUs too (so a scaled-down run of a giant shape can be traced in CI or on a laptop): a ``TorchDispatchMode`` that
 sees every op's outputs, counts each new storage once (outputs that share an input's storage are views or
-in-place results, not allocations), and releases it when the last tensor object on it is gone. At each new peak
+in-place results, not allocations), and releases it when the storage itself is freed (a finalizer on torch's
+storage object, which lives as long as the storage: a tensor re-wrapped as an ``nn.Parameter`` still counts). At each new peak
 (``step`` bytes above the last one recorded) it keeps the live bytes per allocation site: the innermost frame of
 the code under study (``package``; default this package) that made the op, ``file.py:line function``.
 
@@ -26,12 +27,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+def _storage(t: torch.Tensor):
     try:
-        st = t.untyped_storage()
+        return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # meta, sparse, functional wrappers
         return None
-    return st.data_ptr(), st.nbytes()
 
 
 @dataclass
@@ -61,7 +61,7 @@ class LiveBytes(TorchDispatchMode):
         root = package or os.path.dirname(os.path.abspath(__file__))
         self._root = root.rstrip(os.sep) + os.sep
         self._step = step
-        self._live: dict[int, list] = {}  # data_ptr -> [nbytes, references, site]
+        self._live: dict[int, tuple[int, str]] = {}  # data_ptr -> (nbytes, site)
         self._thread = threading.get_ident()
         self._phase: str | None = None
         self.current = 0
@@ -93,43 +93,34 @@ class LiveBytes(TorchDispatchMode):
         return "(outside)"
 
     def _release(self, ptr: int) -> None:
-        entry = self._live.get(ptr)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self._live[ptr]
+        entry = self._live.pop(ptr, None)
+        if entry is not None:
             self.current -= entry[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if threading.get_ident() != self._thread:
             return out
-        inputs = {s[0] for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
-                  for s in [_storage(a)] if s is not None}
+        inputs = {st.data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)
+                  for st in [_storage(a)] if st is not None}
         grew = False
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
+            st = _storage(t) if isinstance(t, torch.Tensor) and not t.is_meta else None  # meta: no bytes
+            if st is None or st.nbytes() == 0:
                 continue
-            s = _storage(t)
-            if s is None or s[1] == 0:
+            ptr = st.data_ptr()
+            if ptr in self._live or ptr in inputs:  # known, or a view / in-place result of a tensor made outside
                 continue
-            ptr, nbytes = s
-            entry = self._live.get(ptr)
-            if entry is None:
-                if ptr in inputs:  # a view or in-place result of a tensor made outside the block
-                    continue
-                entry = self._live[ptr] = [nbytes, 0, self._site()]
-                self.current += nbytes
-                grew = True
-            entry[1] += 1
-            weakref.finalize(t, self._release, ptr)
+            self._live[ptr] = (st.nbytes(), self._site())
+            self.current += st.nbytes()
+            weakref.finalize(st, self._release, ptr)
+            grew = True
         if grew:
             if self._phase is not None and self.current > self.phase_peaks.get(self._phase, 0):
                 self.phase_peaks[self._phase] = self.current
             if self.current >= self.peak.bytes + self._step or (self.current > self.peak.bytes and not self.peak.sites):
                 by_site: Counter[str] = Counter()
-                for nbytes, _, site in self._live.values():
+                for nbytes, site in self._live.values():
                     by_site[site] += nbytes
                 self.peak = Peak(self.current, by_site.most_common())
             elif self.current > self.peak.bytes:

@@ -109,3 +109,27 @@ def test_peak_from_a_real_cuda_snapshot_matches_the_allocator():
     assert peak.bytes == torch.cuda.max_memory_allocated(dev)
     assert dict(peak.sites)["(before the trace)"] == torch.cuda.max_memory_allocated(dev) - 12 * MB
     del b, c, keep
+
+
+def test_a_storage_counts_until_it_is_freed_also_when_rewrapped_outside_an_op():
+    """``load_state_dict(assign=True)`` and ``.data =`` rewrap an op's output in another tensor object: the storage is
+    alive as long as any object holds it (tracking tensor objects instead missed the layer's 23 GB of weights)."""
+    with LiveBytes(step=1) as m:
+        t = _alloc(4)
+        p = torch.nn.Parameter(t, requires_grad=False)
+        del t
+        assert m.current == 4 * MB
+        q = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        q.data = _alloc(2)
+        assert m.current == 6 * MB
+        del p, q
+        assert m.current == 0
+
+
+def test_meta_tensors_hold_no_bytes():
+    with LiveBytes(step=1) as m:
+        a = torch.empty(MB, device="meta")
+        b = torch.nn.Linear(512, 512, device="meta").to("meta")
+        c = _alloc(1)
+    assert m.peak.bytes == MB == m.current
+    assert a.is_meta and b.weight.is_meta and c.numel() == MB
