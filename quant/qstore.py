@@ -183,7 +183,9 @@ class LayerWriter:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if stream is not None:
                 stream.wait_event(ready)
-            host = {k: v.cpu() for k, v in stored_tensors(results).items()}  # packed where the codes are
+            host = {}  # packed where the codes are, one module at a time (the packed layer is not held on the GPU)
+            for name, qw in results.items():
+                host |= {k: v.cpu() for k, v in stored_tensors({name: qw}).items()}
             host_params = {k: v.cpu() for k, v in params.items()}
         write_layer(path, results, host_params, report, tensors=host)
 

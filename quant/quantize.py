@@ -93,6 +93,12 @@ def _timed(report: LayerReport, field_name: str, device: torch.device):
     setattr(report, field_name, getattr(report, field_name) + time.perf_counter() - t0)
 
 
+def _unused(view: ExpertsView | None):
+    """The routed experts skip their computation in a statistics pass (its layer output is discarded; the expert
+    statistics compute what they need from the routed tokens themselves)."""
+    return view.outputs_unused() if view is not None else contextlib.nullcontext()
+
+
 def expert_hessian_bytes(hidden: int, intermediate: int) -> int:
     """fp32 Hessians of one expert: gate/up share ``[D, D]``, down ``[I, I]``."""
     return 4 * (hidden**2 + intermediate**2)
@@ -135,7 +141,8 @@ class _LayerJob:
 
         Solving a chunk changes only those experts, which neither feed the next chunk's gate/up input (the
         post-attention norm output) nor its down input (its own gate/up), so later passes stay exact. Every rank
-        makes as many passes as the rank with the most chunks (they run in lockstep).
+        makes as many passes as the rank with the most chunks (they run in lockstep). A pass's layer output is
+        discarded, so the routed experts skip their computation in it (``ExpertsView.outputs_unused``).
         """
         relay = Relay(self.world)
         lin_stats = linear_stats(self.linears, relay)  # every rank: the solve groups are shared out afterwards
@@ -150,7 +157,7 @@ class _LayerJob:
                 first, count = chunk_of[self.world.rank]
                 exp_stats = ExpertStats(self.view, self.spec.gate_weighted, self.spec.all_experts, first, count,
                                         relay=relay, consumers=consumers)
-            with _timed(self.report, "stats_seconds", lw.device):
+            with _timed(self.report, "stats_seconds", lw.device), _unused(self.view):
                 lw.run(self.layer, hidden, after_step=relay.flush)
             if i == 0:
                 for st in lin_stats.values():

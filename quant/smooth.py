@@ -150,7 +150,8 @@ def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay)
         if i == 0:  # every expert's counts and Σ |x|: this chunk's stats when it is the only one
             totals = stats if len(chunks) == 1 else ExpertStats(v, False, job.spec.all_experts, relay=relay,
                                                                  hessians=False)
-        lw.run(job.layer, hidden, after_step=relay.flush)
+        with v.outputs_unused():
+            lw.run(job.layer, hidden, after_step=relay.flush)
         stats.remove()
         if i == 0:
             totals.remove()

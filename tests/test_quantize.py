@@ -148,3 +148,80 @@ def test_resumed_layers_report_what_was_measured(setup, tmp_path):
         assert b.rtn_fallbacks == a.rtn_fallbacks and b.repairs == a.repairs and b.solve_seconds == a.solve_seconds
     assert any(r.worst_rel_error > 0 and r.worst_module for r in again)
     assert any(r.rtn_fallbacks for r in again)
+
+
+def _expert_forward_calls(monkeypatch) -> list[int]:
+    """Count real forwards of any routed-experts module (fused experts class, or a per-expert MLP), per call."""
+    from quant.models import experts as ex
+
+    calls = [0]
+    real_view = ex.ExpertsView.outputs_unused
+
+    def counting(module):
+        cls = type(module)
+        if getattr(cls, "_quant_counted", False):
+            return
+        real = cls.forward
+
+        def forward(self, *a, **kw):
+            calls[0] += 1
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(cls, "forward", forward)
+        monkeypatch.setattr(cls, "_quant_counted", True, raising=False)
+
+    def outputs_unused(self):
+        for m in (list(self.module) if isinstance(self.module, torch.nn.ModuleList) else [self.module]):
+            counting(m)
+        return real_view(self)
+
+    monkeypatch.setattr(ex.ExpertsView, "outputs_unused", outputs_unused)
+    return calls
+
+
+@pytest.mark.parametrize("model,algorithm", [("qwen3-moe-tiny", "gptq"), ("deepseek-v3-tiny", "gptq"),
+                                             ("mixtral-tiny", "gptq"), ("olmoe-tiny", "gptq"),
+                                             ("deepseek-v3-tiny", "awq"), ("per-expert", "gptq")])
+def test_statistics_passes_skip_the_routed_experts_and_change_nothing(model, algorithm, tmp_path, monkeypatch,
+                                                                      request):
+    """In a statistics pass the layer's output is discarded, so the routed experts return zeros instead of computing
+    (their statistics come from the routed tokens). Same codes, scales and folded parameters as with the experts
+    computing; the experts' real forward then runs only when the activations are propagated, one call per batch."""
+    from transformers import AutoTokenizer
+
+    from quant.models import experts as ex
+    from quant.qstore import read_params
+
+    spec = str(request.getfixturevalue("per_expert_model")) if model == "per-expert" else f"builtin:{model}"
+    src = resolve_model(spec, trust_remote_code=model == "per-expert", family="qwen3_moe" if model == "per-expert"
+                        else None)
+    tok = AutoTokenizer.from_pretrained(src.path, trust_remote_code=model == "per-expert")
+    calib = build_calibration("calibration/bundled.yaml", tok, 8, 32, 0)
+    plan = plan_bits(profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4)), src.modules,
+                     PlanSpec(group_size=32, symmetric=algorithm != "awq"), algorithm, src.n_layers)
+    budget = {"hessian_budget_gb": 2e-5} if algorithm == "gptq" else {}  # several passes per layer
+
+    def run(name):
+        out = tmp_path / name
+        quantize_model(src, calib, plan, QuantizeSpec(algorithm=algorithm, **budget),
+                       Layerwise(src, "bfloat16", "cpu", 4), out)
+        return {**{f"{i}:{n}": (q.q, q.scale, q.zero) for i in range(src.n_layers)
+                   for n, q in read_layer(layer_file(out, i)).items()},
+                **{f"{i}:param:{n}": t for i, n_t in enumerate(read_params(layer_file(out, i))
+                                                              for i in range(src.n_layers)) for n, t in n_t.items()}}
+
+    calls = _expert_forward_calls(monkeypatch)
+    skipped = run("skipped")
+    n_skipped = calls[0]
+    monkeypatch.setattr(ex.ExpertsView, "outputs_unused", lambda self: __import__("contextlib").nullcontext())
+    calls[0] = 0
+    computed = run("computed")
+    assert skipped.keys() == computed.keys()
+    for k, a in skipped.items():
+        b = computed[k]
+        same = torch.equal(a, b) if isinstance(a, torch.Tensor) else all(
+            (x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        assert same, k
+    assert 0 < n_skipped <= calls[0] / 2  # every layer makes at least one statistics pass besides propagation
+    if model != "per-expert":  # one fused experts call per MoE layer and batch (8 samples in batches of 4)
+        assert n_skipped == len(src.moe_layers()) * 2
