@@ -76,9 +76,11 @@ def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[st
     os.replace(tmp, path)
 
 
-def read_layer(path: Path, device: str | torch.device = "cpu", names=None) -> dict[str, QuantizedWeight]:
+def read_layer(path: Path, device: str | torch.device = "cpu", names=None,
+               packed: bool = False) -> dict[str, QuantizedWeight]:
     """Inverse of ``write_layer``: 2-D QuantizedWeights (``q [out, in]``, ``scale [out, G]``); only ``names``
-    (a collection of module names) when given."""
+    (a collection of module names) when given. ``packed``: codes stored two a byte stay so (``uint8 [out, in / 2]``,
+    :func:`pack_codes`' layout) for a reader that takes them as they are (the compressed-tensors writer)."""
     out = {}
     with safe_open(str(path), "pt", device=str(device)) as f:
         meta = _header(f)["modules"]
@@ -88,7 +90,7 @@ def read_layer(path: Path, device: str | torch.device = "cpu", names=None) -> di
             zero = f.get_tensor(f"{name}.zero") if not sym else None
             spec = QuantSpec(bits, group, sym)
             q = f.get_tensor(f"{name}.q")
-            out[name] = QuantizedWeight(unpack_codes(q, spec) if q.dtype == torch.uint8 else q,
+            out[name] = QuantizedWeight(unpack_codes(q, spec) if q.dtype == torch.uint8 and not packed else q,
                                         f.get_tensor(f"{name}.scale"), zero, spec)
     return out
 
