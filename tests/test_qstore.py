@@ -91,18 +91,23 @@ def test_gpu_background_writer_packs_on_the_gpu_and_writes_the_same_bytes(tmp_pa
 
 @pytest.mark.parametrize("bits,symmetric,n_in", [(4, True, 64), (4, False, 64), (4, True, 36), (3, False, 32),
                                                  (2, True, 32), (8, True, 64), (4, True, 33)])
-def test_the_compressed_tensors_writer_takes_the_stores_packed_codes_as_they_are(tmp_path, bits, symmetric, n_in):
-    """compressed-tensors' tensors of a module are the same whether its codes come unpacked (int8) or as the store
-    keeps them (read with ``packed=True``); at 4 bits the store's bytes are pack_to_int32's words."""
+def test_the_checkpoint_writers_take_the_stores_packed_codes_as_they_are(tmp_path, bits, symmetric, n_in):
+    """compressed-tensors' and GPTQ's tensors of a module are the same whether its codes come unpacked (int8) or as
+    the store keeps them (read with ``packed=True``); at 4 bits the store's bytes are pack_to_int32's words and
+    GPTQ's qweight transposed."""
     from quant.export.compressed_tensors import compress_module
+    from quant.export.gptq import gptq_tensors
 
     g = torch.Generator().manual_seed(bits + n_in)
     group = n_in if n_in % 32 else 32
-    qw = quantize_weight(torch.randn(1, 8, n_in, generator=g) * 3, QuantSpec(bits, group, symmetric), torch.bfloat16)
+    qw = quantize_weight(torch.randn(1, 16, n_in, generator=g) * 3, QuantSpec(bits, group, symmetric), torch.bfloat16)
     one = type(qw)(qw.q[0], qw.scale[0], None if qw.zero is None else qw.zero[0], qw.spec)
     write_layer(tmp_path / "l.safetensors", {"m": one})
     as_stored = read_layer(tmp_path / "l.safetensors", packed=True)["m"]
     assert as_stored.q.dtype == (torch.uint8 if bits <= 4 and n_in % 2 == 0 else torch.int8)
-    a, b = compress_module(one), compress_module(as_stored)
-    assert a.keys() == b.keys()
-    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a), {k: (a[k], b[k]) for k in a}
+    for writer in (compress_module, lambda qw: gptq_tensors(qw, not symmetric)):
+        if writer is not compress_module and (bits == 3 or n_in * bits % 32):  # GPTQ: 2/4/8 bits, whole words
+            continue
+        a, b = writer(one), writer(as_stored)
+        assert a.keys() == b.keys()
+        assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a), {k: (a[k], b[k]) for k in a}
