@@ -1,10 +1,10 @@
 """Disk a run will write before it writes it: the quantized store (``quantized/``) and each checkpoint format.
 
 Sizes follow the writers' layouts: the store keeps each code in half a byte (up to 4 bits, an even number of
-input features) or a byte, plus a scale (model dtype) and, for an asymmetric grid, an int8 zero point per group; a checkpoint packs ``bits`` per code (compressed-tensors'
-``weight_packed`` / GPTQ's ``qweight``, int32 words), keeps its scales (2 bytes) and packed zero points, and
-copies every kept tensor at its on-disk size. The estimate is an upper bound within a few percent (headers and
-configs are rounded up by a fixed margin).
+input features) or a byte, plus a scale (model dtype) and, for an asymmetric grid, an int8 zero point per group;
+a checkpoint packs ``bits`` per code (compressed-tensors' ``weight_packed`` / GPTQ's ``qweight``, int32 words),
+keeps its scales (2 bytes) and packed zero points, and copies every kept tensor at its on-disk size. The estimate
+is an upper bound within a few percent (headers and configs are rounded up by a fixed margin).
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from quant.algos.grid import QuantSpec
 from quant.errors import RunDirError
 from quant.models import ModelSource
 from quant.plan import BitPlan
+from quant.qstore import packs
 
 MARGIN_BYTES = 1 << 20  # configs, manifests, reports
 HEADER_BYTES = 256  # per stored tensor: its name, dtype, shape and offsets in a safetensors header
@@ -56,9 +58,6 @@ def estimate(source: ModelSource, plan: BitPlan, formats: tuple[str, ...], scale
 def store_module_bytes(n_in: int, n_out: int, p, scale_bytes: int = 2) -> int:
     """One module's bytes in the quantized store (``p``: its ModulePlan): codes (qstore.packs: two a byte), scales,
     zero points, safetensors header entries."""
-    from quant.algos.grid import QuantSpec
-    from quant.qstore import packs
-
     G, zero = _groups(n_in, p.group_size), 0 if p.symmetric else 1
     codes = n_out * n_in // 2 if packs(QuantSpec(p.bits, p.group_size, p.symmetric), n_in) else n_out * n_in
     return codes + n_out * G * (scale_bytes + zero) + (2 + zero) * HEADER_BYTES

@@ -15,11 +15,13 @@ what a GPU run adds on top; the sites tell which code holds the rest.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +53,19 @@ class Peak:
         return "\n".join(lines)
 
 
+def _root(package: str | None) -> str:
+    """The folder whose source lines name allocation sites: ``package``, by default this package."""
+    return (package or os.path.dirname(os.path.abspath(__file__))).rstrip(os.sep) + os.sep
+
+
+def _peak(total: int, live) -> Peak:
+    """A :class:`Peak` of ``total`` bytes from the live ``(nbytes, site)`` pairs, summed per site."""
+    by_site: Counter[str] = Counter()
+    for nbytes, site in live:
+        by_site[site] += nbytes
+    return Peak(total, by_site.most_common())
+
+
 class LiveBytes(TorchDispatchMode):
     """``with LiveBytes() as m: ...`` -> ``m.peak`` (:class:`Peak`; its sites are a snapshot taken within ``step``
     bytes of the peak), ``m.current``, and ``m.phase_peaks`` for blocks run inside ``with m.phase(label)``. Only
@@ -58,8 +73,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self, package: str | None = None, step: int = 1 << 20):
         super().__init__()
-        root = package or os.path.dirname(os.path.abspath(__file__))
-        self._root = root.rstrip(os.sep) + os.sep
+        self._root = _root(package)
         self._step = step
         self._live: dict[int, tuple[int, str]] = {}  # data_ptr -> (nbytes, site)
         self._thread = threading.get_ident()
@@ -68,20 +82,15 @@ class LiveBytes(TorchDispatchMode):
         self.peak = Peak()
         self.phase_peaks: dict[str, int] = {}
 
-    def phase(self, label: str):
-        """Context manager: the peak live bytes while inside it go to ``phase_peaks[label]`` (the largest over
-        every entry)."""
-        tracer = self
-
-        class _Phase:
-            def __enter__(self):
-                self.outer, tracer._phase = tracer._phase, label
-                tracer.phase_peaks[label] = max(tracer.phase_peaks.get(label, 0), tracer.current)
-
-            def __exit__(self, *exc):
-                tracer._phase = self.outer
-
-        return _Phase()
+    @contextlib.contextmanager
+    def phase(self, label: str) -> Iterator[None]:
+        """The peak live bytes while inside the block go to ``phase_peaks[label]`` (the largest over every entry)."""
+        outer, self._phase = self._phase, label
+        self.phase_peaks[label] = max(self.phase_peaks.get(label, 0), self.current)
+        try:
+            yield
+        finally:
+            self._phase = outer
 
     def _site(self) -> str:
         f = sys._getframe(2)
@@ -119,10 +128,7 @@ class LiveBytes(TorchDispatchMode):
             if self._phase is not None and self.current > self.phase_peaks.get(self._phase, 0):
                 self.phase_peaks[self._phase] = self.current
             if self.current >= self.peak.bytes + self._step or (self.current > self.peak.bytes and not self.peak.sites):
-                by_site: Counter[str] = Counter()
-                for nbytes, site in self._live.values():
-                    by_site[site] += nbytes
-                self.peak = Peak(self.current, by_site.most_common())
+                self.peak = _peak(self.current, self._live.values())
             elif self.current > self.peak.bytes:
                 self.peak.bytes = self.current
         return out
@@ -134,7 +140,7 @@ def peak_from_snapshot(snapshot: dict, device: int, package: str | None = None, 
     allocated before the trace began counts as one ``(before the trace)`` site; unlike :class:`LiveBytes` this sees
     every block of the caching allocator (kernel workspaces, collectives' buffers made by torch) but not memory
     outside it (NCCL's own). Sites are a snapshot within ``step`` bytes of the peak."""
-    root = (package or os.path.dirname(os.path.abspath(__file__))).rstrip(os.sep) + os.sep
+    root = _root(package)
     events = snapshot["device_traces"][device]
     allocated = sum(b["size"] for seg in snapshot["segments"] if seg["device"] == device
                     for b in seg["blocks"] if b["state"] == "active_allocated")
@@ -150,10 +156,7 @@ def peak_from_snapshot(snapshot: dict, device: int, package: str | None = None, 
             live[e["addr"]] = (e["size"], site)
             current += e["size"]
             if current >= peak.bytes + step:
-                by_site: Counter[str] = Counter({"(before the trace)": base})
-                for size, s in live.values():
-                    by_site[s] += size
-                peak = Peak(current, by_site.most_common())
+                peak = _peak(current, [(base, "(before the trace)"), *live.values()])
             elif current > peak.bytes:
                 peak.bytes = current
         elif e["action"] == "free_completed":

@@ -48,6 +48,21 @@ def unpack_codes(p: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return u.view(torch.int8) + spec.qmin
 
 
+def packed_words(qw: QuantizedWeight) -> torch.Tensor | None:
+    """Codes as :func:`read_layer` ``(packed=True)`` may return them, at 4 bits and ``in`` a multiple of 8: the
+    store's bytes read as int32 words ``[out, in / 8]``, eight ``code - qmin`` nibbles a word, the first in the lowest
+    bits (compressed-tensors' ``weight_packed``, GPTQ's ``qweight`` transposed). None for any other codes."""
+    q = qw.q
+    if q.dtype == torch.uint8 and qw.spec.bits == 4 and q.shape[1] % 4 == 0:
+        return q.contiguous().view(torch.int32)
+    return None
+
+
+def with_codes(qw: QuantizedWeight) -> QuantizedWeight:
+    """``qw`` with int8 codes ``[out, in]``, unpacking codes the store kept two a byte."""
+    return QuantizedWeight(unpack_codes(qw.q, qw.spec), qw.scale, qw.zero, qw.spec) if qw.q.dtype == torch.uint8 else qw
+
+
 def stored_tensors(weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
     """The store's tensors of 2-D modules (``q [out, in]``), on their devices (codes packed where :func:`packs`)."""
     tensors = {}

@@ -22,6 +22,7 @@ from quant.export.targets import name_regexes
 from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
 from quant.plan import BitPlan
+from quant.qstore import packed_words, with_codes
 
 log = logging.getLogger(__name__)
 
@@ -53,29 +54,22 @@ def quantization_config(source: ModelSource, plan: BitPlan) -> dict:
 
 
 def compress_module(qw) -> dict[str, torch.Tensor]:
-    """One stored module (2-D codes) -> its checkpoint tensors, packed by compressed-tensors. Codes may come as the
-    quantized store keeps them two a byte (``uint8 [out, in / 2]``, ``qstore.pack_codes``): at 4 bits that is
-    compressed-tensors' own ``weight_packed`` layout (eight ``code + 8`` nibbles an int32, the first in the lowest
-    bits; a test checks it against ``pack_to_int32``), taken as it is; other widths are unpacked first."""
+    """One stored module (2-D codes, or as ``read_layer(packed=True)`` returns them) -> its checkpoint tensors,
+    packed by compressed-tensors. W4 codes the store keeps two a byte already are its ``weight_packed`` words
+    (``qstore.packed_words``; a test checks them against ``pack_to_int32``) and are taken as they are."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    from quant.qstore import unpack_codes
-
-    q = qw.q
-    if q.dtype == torch.uint8 and not (qw.spec.bits == 4 and q.shape[1] % 4 == 0):
-        q = unpack_codes(q, qw.spec)
-    n_in = q.shape[1] * (2 if q.dtype == torch.uint8 else 1)
+    words = packed_words(qw)
+    if words is None:
+        qw = with_codes(qw)
     out = {
-        "weight_packed": q.contiguous().view(torch.int32) if q.dtype == torch.uint8 else pack_to_int32(q, qw.spec.bits),
+        "weight_packed": pack_to_int32(qw.q, qw.spec.bits) if words is None else words,
         "weight_scale": qw.scale,
-        "weight_shape": torch.tensor([q.shape[0], n_in]),
+        "weight_shape": torch.tensor([qw.q.shape[0], qw.q.shape[1] if words is None else 8 * words.shape[1]]),
     }
     if qw.zero is not None:
         out["weight_zero_point"] = pack_to_int32(qw.zero, qw.spec.bits, packed_dim=0)
     return out
-
-
-compress_module.reads_packed = True  # shards.write_shard hands it the store's packed codes
 
 
 def write_compressed_tensors(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,

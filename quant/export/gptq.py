@@ -33,7 +33,7 @@ from quant.errors import PlanError
 from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
 from quant.plan import BitPlan
-from quant.qstore import unpack_codes
+from quant.qstore import packed_words, with_codes
 
 GPTQ_BITS = (2, 4, 8)
 # Appended to a rule that matches only vLLM's fused MoE prefix (``model.layers.3.mlp.experts``, never GPTQModel's
@@ -63,19 +63,17 @@ def unpack_rows(p: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def gptq_tensors(qw, v2: bool) -> dict[str, torch.Tensor]:
-    """One stored module (codes ``[N, K]``, or as the quantized store keeps them two a byte: ``uint8 [N, K / 2]``)
-    -> qweight, qzeros, scales, g_idx. At 4 bits the store's bytes, read as int32 words ``[N, K / 8]`` (eight
-    ``q + 8`` nibbles, lowest first), are qweight transposed; other widths are unpacked first."""
+    """One stored module (codes ``[N, K]``, or as ``read_layer(packed=True)`` returns them) -> qweight, qzeros,
+    scales, g_idx. W4 codes the store keeps two a byte are qweight's words transposed (``qstore.packed_words``)."""
     bits, g = qw.spec.bits, qw.spec.group_size
     offset = 1 << (bits - 1)
-    packed = qw.q.dtype == torch.uint8
-    if packed and not (bits == 4 and qw.q.shape[1] % 4 == 0):
-        qw, packed = type(qw)(unpack_codes(qw.q, qw.spec), qw.scale, qw.zero, qw.spec), False
-    N, K = qw.q.shape[0], qw.q.shape[1] * (2 if packed else 1)
-    if packed:
-        qweight = qw.q.contiguous().view(torch.int32).T.contiguous()
-    else:
+    words = packed_words(qw)
+    if words is None:
+        qw = with_codes(qw)
         qweight = pack_rows((qw.q.to(torch.int64) + offset).T.contiguous(), bits)  # codes [K, N] packed along K
+    else:
+        qweight = words.T.contiguous()
+    N, K = qw.q.shape[0], qw.q.shape[1] if words is None else 8 * words.shape[1]
     zero = torch.full((N, K // g), offset, dtype=torch.int64) if qw.zero is None else qw.zero.to(torch.int64) + offset
     stored_zero = zero if v2 else zero - 1
     scales = qw.scale.to(torch.float16)
@@ -206,10 +204,6 @@ def write_gptq(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_sh
     v2 = qcfg["checkpoint_format"] == "gptq_v2"
     config = json.loads((source.path / "config.json").read_text())
     config["quantization_config"] = qcfg
-    def module_tensors(qw):
-        return gptq_tensors(qw, v2)
-
-    module_tensors.reads_packed = True  # shards.write_shard hands it the store's packed codes
-    return write_checkpoint(source, plan, qdir, out, max_shard_bytes, module_tensors,
+    return write_checkpoint(source, plan, qdir, out, max_shard_bytes, lambda qw: gptq_tensors(qw, v2),
                             {"config.json": config, "quantize_config.json": qcfg},
                             {"format": "gptq", **(extra_manifest or {})}, world)

@@ -153,7 +153,7 @@ def _layer_tensors(planned: list[Planned], layer: int | None, source: ModelSourc
                    module_tensors: Callable) -> dict[str, torch.Tensor]:
     path = layer_file(qdir, layer)
     modules = {t.module for t in planned if t.module is not None}
-    stored = read_layer(path, names=modules, packed=getattr(module_tensors, "reads_packed", False)) if modules else {}
+    stored = read_layer(path, names=modules, packed=True) if modules else {}  # module_tensors takes packed codes
     kept = [t.key for t in planned if t.module is None]
     params = {}
     if kept and path.is_file():

@@ -123,7 +123,8 @@ def write_checkpoint(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, 
                      module_tensors: Callable, config_files: dict[str, dict], manifest: dict,
                      world: World = SINGLE) -> Path:
     """Write every tensor of ``source`` to a new checkpoint at ``out`` (atomically), each rank of ``world`` its share
-    of the shard files: quantized modules as ``module_tensors(stored) -> {suffix: tensor}``, kept tensors from the
+    of the shard files: quantized modules as ``module_tensors(stored) -> {suffix: tensor}`` (``stored`` as
+    ``qstore.read_layer(packed=True)`` returns it: W4 codes may come two a byte), kept tensors from the
     quantize stage when it changed them (AWQ folds) else from the source. ``config_files``: JSON files to write
     (config.json, ...). The files are the same, byte for byte, at any world size."""
     shards = plan_shards(plan_tensors(source, plan, qdir, module_tensors), max_shard_bytes)
