@@ -17,6 +17,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from functools import partialmethod
 
 from quant.progress import Step
 
@@ -118,6 +119,18 @@ class LiveHandler(logging.Handler):
         super().close()
 
 
+def _tqdm_off_if_imported() -> None:
+    """tqdm reads ``TQDM_*`` variables once, when it is imported: if something imported it before the CLI set
+    ``TQDM_DISABLE`` (seen on the GPU image), its bars (compressed-tensors' "Validating" / "Converting") would still
+    reach the log. Then default ``disable=True`` on the class itself; an explicit ``disable=False`` still wins."""
+    std = sys.modules.get("tqdm.std")
+    if std is None or os.environ.get("TQDM_DISABLE") != "1":
+        return
+    init = std.tqdm.__dict__["__init__"]
+    if not (isinstance(init, partialmethod) and init.keywords.get("disable") is True):
+        std.tqdm.__init__ = partialmethod(init, disable=True)
+
+
 def _quiet_third_parties() -> None:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
@@ -125,6 +138,7 @@ def _quiet_third_parties() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
+    _tqdm_off_if_imported()
     try:
         # compressed-tensors logs through loguru, straight to stderr (if it was imported before this ran)
         from loguru import logger

@@ -35,7 +35,19 @@ def _spread_xdist_workers_over_gpus() -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(worker[2:] or 0) % len(ids)]
 
 
+def _split_cpu_threads_over_xdist_workers() -> None:
+    """Under pytest-xdist each worker (and the CLI / torchrun children it starts) gets ``cores // workers`` CPU
+    threads: 16 workers with 16 threads each on the 16-core GPU machine spent the suite's time oversubscribed (a
+    calibrate stage that takes 1 s alone took 30 s). Set before torch reads it; an explicit setting wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        threads = str(max(1, (os.cpu_count() or 1) // workers))
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, threads)
+
+
 _spread_xdist_workers_over_gpus()
+_split_cpu_threads_over_xdist_workers()
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

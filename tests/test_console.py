@@ -61,12 +61,15 @@ def test_live_display_on_a_tty():
 
 QUIET_SCRIPT = r"""
 import logging, sys, warnings
+import tqdm  # imported before the CLI's setup, as something does on the GPU image: its env was read already
 from quant.console import configure
 configure(sys.argv[1] == "verbose")
 logging.getLogger("transformers.modeling_utils").warning("3P-LOGGING")
 warnings.warn("past_key_values 3P-FUTURE", FutureWarning)
 import compressed_tensors  # its loguru logger, called from a compressed_tensors module as the library does
 exec("logger.info('3P-LOGURU')", {"__name__": "compressed_tensors.entrypoints.x", "logger": compressed_tensors.logger})
+for _ in tqdm.tqdm(range(3), desc="3P-TQDM"):
+    pass
 logging.getLogger("quant.x").info("OUR-LINE")
 """
 
@@ -82,7 +85,7 @@ def test_third_party_chatter_is_kept_out_unless_verbose():
 
     quiet, loud = stderr("quiet"), stderr("verbose")
     assert "OUR-LINE" in quiet and "OUR-LINE" in loud
-    for needle in ("3P-LOGGING", "3P-FUTURE", "3P-LOGURU"):
+    for needle in ("3P-LOGGING", "3P-FUTURE", "3P-LOGURU", "3P-TQDM"):
         assert needle not in quiet, quiet
         assert needle in loud, (needle, loud)
 

@@ -167,12 +167,14 @@ def test_stderr_tail_is_bounded() -> None:
 
 
 def test_run_programs_keeps_order_and_runs_in_parallel() -> None:
-    sources = ["import time\ntime.sleep(1)\nassert True", "assert False"] * 2
-    start = time.monotonic()
-    results = run_programs(sources, max_workers=2)
-    elapsed = time.monotonic() - start
+    """Order is kept, and the two sleeping programs overlap in time (each reports its own start and end on stderr,
+    so a loaded machine that starts processes slowly cannot make this pass or fail by the clock alone)."""
+    sleeper = "import sys, time\nt0 = time.time()\ntime.sleep(1)\nsys.stderr.write(f'SPAN {t0!r} {time.time()!r}')"
+    results = run_programs([sleeper, "assert False"] * 2, max_workers=2)
     assert [r.status for r in results] == ["passed", "failed", "passed", "failed"]
-    assert elapsed < 1.9  # run one after another, the two 1 s sleeps alone would take 2 s
+    spans = [tuple(map(float, r.stderr_tail.split("SPAN ")[1].split())) for r in results[::2]]
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert b0 < a1, spans  # the second started before the first ended: they ran at the same time
     assert run_programs([]) == []
 
 
