@@ -138,8 +138,11 @@ def worker(a: argparse.Namespace) -> None:
     peak = torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else float("nan")
     out["peak_gpu_gb_per_rank"] = world.all_gather_object(round(peak, 2))
     if prof is not None:  # where each rank's time went (the profiler's overhead included)
-        sort = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
-        out["torch_profile"] = world.all_gather_object(prof.key_averages().table(sort_by=sort, row_limit=25))
+        # by device time (what the GPU did), then by host time (launch- and sync-bound loops show up here)
+        avg = prof.key_averages()
+        tables = [avg.table(sort_by=sort, row_limit=25, max_name_column_width=60)
+                  for sort in (["self_cuda_time_total"] if dev == "cuda" else []) + ["self_cpu_time_total"]]
+        out["torch_profile"] = world.all_gather_object("\n".join(tables))
     if a.memory_trace:  # what was live at each rank's peak, by the quant line that allocated it
         out["memory_trace"] = world.all_gather_object(trace.peak.table(top=15) if trace and trace.peak else "")
     n = len(reports)

@@ -88,7 +88,7 @@ def main() -> None:
         sync()
         s = time.perf_counter() - t0
         print(f"profile run {rep}: {src.n_layers} layers x {a.samples}x{a.seqlen} tokens: {s:.2f} s = "
-              f"{s / src.n_layers:.2f} s/layer, {calib.tokens.numel() / s:.0f} tokens/s", flush=True)
+              f"{s / src.n_layers:.2f} s/layer, {calib.tokens.numel() * src.n_layers / s:.0f} tokens/s per layer", flush=True)
     short = calibration(min(64, a.samples), a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         profile_routing(src, short, Layerwise(src, "bfloat16", a.device, a.batch))
