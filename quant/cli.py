@@ -44,10 +44,12 @@ def _recipe(recipe: Path, overrides: list[str] | None, model: str | None):
     return load_recipe(recipe, overrides=tuple(overrides or ()), model=model)
 
 
-def _on_stop_signals(world) -> None:
-    """SIGUSR1 (a scheduler's warning) and SIGTERM ask the run to stop after the layer in hand (exit 75). Repeats
-    change nothing (under Slurm and torchrun a rank receives SIGTERM twice: from slurmstepd and forwarded by the
-    agent); SIGINT (Ctrl-C) and SIGKILL stop at once."""
+@contextmanager
+def _stop_signals(world):
+    """While a run is in hand, SIGUSR1 (a scheduler's warning) and SIGTERM ask it to stop after the layer in hand
+    (exit 75). Repeats change nothing (under Slurm and torchrun a rank receives SIGTERM twice: from slurmstepd and
+    forwarded by the agent); SIGINT (Ctrl-C) and SIGKILL stop at once. The previous handlers come back when the run
+    ends, so a process that called the CLI in-process (a test runner, a notebook) still dies on SIGTERM."""
     import signal
 
     def handler(signum, _frame) -> None:
@@ -55,8 +57,12 @@ def _on_stop_signals(world) -> None:
         log.warning("%s received: stopping after the layer in hand (rerun to resume)", name)
         world.stop.set(name)
 
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _stage(until: str, recipe: Path, output: Path | None, overrides, model, force) -> None:
@@ -67,12 +73,11 @@ def _stage(until: str, recipe: Path, output: Path | None, overrides, model, forc
     r = _recipe(recipe, overrides, model)
     run_dir = output or Path("runs") / r.name
     world = init_world(pick_device(r.quantize.device).type)
-    _on_stop_signals(world)
     if not world.is_writer:
         logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
     clean = False
     try:
-        with _crash_log_in(run_dir):
+        with _crash_log_in(run_dir), _stop_signals(world):
             result = run(r, run_dir, until=until, force=force, world=world)
         clean = True
     finally:

@@ -167,3 +167,24 @@ def test_disk_full_is_one_line_and_resumable(tmp_path):
     p = run_cli("report", HEADLINE, "-o", str(tmp_path / "copy"), *FAST)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "ran report; up to date: calibrate, profile, plan, quantize, export, eval" in p.stdout
+
+
+def test_stop_handlers_are_the_runs_alone(tmp_path, capsys):
+    """The CLI's SIGTERM / SIGUSR1 handlers (stop after the layer in hand) live only while its run does: a process
+    that called it in-process (a pytest worker, a notebook) still ends on SIGTERM afterwards."""
+    from quant.cli import cli_exit_code
+
+    def before_calibration_handler(*_):  # a handler of the caller's, distinct from the defaults
+        pass
+
+    old_term = signal.signal(signal.SIGTERM, before_calibration_handler)
+    old_usr1 = signal.getsignal(signal.SIGUSR1)
+    try:
+        code = cli_exit_code(["calibrate", str(REPO / "recipes" / "mixed_int8_int4.yaml"), "-o", str(tmp_path / "r"),
+                              "--set", "calibration.n_samples=2", "--set", "calibration.seq_len=16"])
+        assert code == 0, capsys.readouterr().err[-2000:]
+        assert (tmp_path / "r" / "calibration.safetensors").is_file()
+        assert signal.getsignal(signal.SIGTERM) is before_calibration_handler
+        assert signal.getsignal(signal.SIGUSR1) is old_usr1
+    finally:
+        signal.signal(signal.SIGTERM, old_term)

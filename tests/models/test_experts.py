@@ -119,8 +119,22 @@ def test_quantize_writes_the_native_codes(sources, calib, profiles, algorithm, t
         stored[name] = {n: q for i in range(src.n_layers) for n, q in read_layer(layer_file(out, i)).items()}
     a, b = stored["pe"], stored["nat"]
     assert a.keys() == b.keys() == plan.quantized().keys()
+    # Exact where both layouts run quant's own code on the same inputs: every layer's RTN codes, and the first
+    # layer's GPTQ codes (its statistics come from the embeddings). A later layer's inputs come from each layout's
+    # own forward through the quantized layers (transformers' fused experts vs the remote code's per-expert
+    # Linear loop): fp32 sums in two kernels, equal only where the BLAS sums both call shapes in the same order
+    # (CI's CPU does, with MKL_CBWR=STRICT; the H200 host's CPU flipped one code in layer 3). There a flipped code
+    # is one step off, rare, and every scale agrees to rounding.
+    first = min(int(n.split(".")[1]) for n in a)
+    flips = codes = 0
     for n in a:
-        assert torch.equal(a[n].q, b[n].q) and torch.equal(a[n].scale, b[n].scale), n
+        if algorithm == "rtn" or int(n.split(".")[1]) == first:
+            assert torch.equal(a[n].q, b[n].q) and torch.equal(a[n].scale, b[n].scale), n
+            continue
+        step = (a[n].q.int() - b[n].q.int()).abs()
+        assert step.max() <= 1 and torch.allclose(a[n].scale, b[n].scale, rtol=1e-4, atol=0), n
+        flips, codes = flips + int((step > 0).sum()), codes + step.numel()
+    assert flips <= 1e-3 * codes, (flips, codes)
 
 
 def test_awq_on_one_layer_matches_native(sources, calib, profiles):
