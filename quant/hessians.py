@@ -16,7 +16,7 @@ from torch import nn
 from quant.dist import SINGLE
 from quant.models.layers import ExpertsView
 from quant.relay import Relay
-from quant.routing import Bucket, chunk_budget, expert_intermediate, load_buckets, with_zero_row
+from quant.routing import Bucket, chunk_budget, count_ids, expert_intermediate, load_buckets, with_zero_row
 
 
 def _native(x: torch.Tensor) -> bool:
@@ -167,7 +167,7 @@ class ExpertStats:
 
     def _consume(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
         E = self.view.n_experts
-        self.counts += torch.bincount(idx.reshape(-1), minlength=E)[self.first : self.first + self.count]
+        self.counts += count_ids(idx, E)[self.first : self.first + self.count]
         if self.all_experts:
             idx = torch.arange(E, device=idx.device).expand(x.shape[0], E)
             w = torch.ones(idx.shape, dtype=x.dtype, device=x.device)

@@ -28,6 +28,7 @@ from quant.progress import step
 from quant.relay import Relay
 from quant.routing import (
     chunk_budget,
+    count_ids,
     expert_intermediate,
     expert_output,
     load_buckets,
@@ -194,20 +195,19 @@ class _LayerStats:
         s = {key: out[i] for i, key in enumerate(_SUMMED + _MAXED)}
         grouped = self.kernel == "grouped" or (self.kernel == "auto" and grouped_mm_ok(view, x.dtype))
         if grouped:
-            token, weight, counts = sort_by_expert(idx, w, E)
+            token, weight, counts, host = sort_by_expert(idx, w, E)
         else:
             counts, buckets = load_buckets(idx, w, E, width=max(view.gate_up.shape[1], view.gate_up.shape[2]),
                                            max_elems=chunk_budget(x.device))
         s["counts"] += counts.double()
         s["weight_mass"].index_add_(0, idx.reshape(-1), w.reshape(-1).double())
-        s["top1"] += torch.bincount(idx.gather(1, w.argmax(dim=1, keepdim=True)).reshape(-1), minlength=E).double()
-        if self.token_domain is not None:  # one bincount over (domain, expert) pairs, no host sync
-            pair = (self.token_domain[:, None] * E + idx).reshape(-1)
-            out[len(_SUMMED) + len(_MAXED):] += torch.bincount(pair, minlength=len(self.domains) * E).view(
-                len(self.domains), E).double()
+        s["top1"] += count_ids(idx.gather(1, w.argmax(dim=1, keepdim=True)), E).double()
+        if self.token_domain is not None:  # one count over (domain, expert) pairs, no host read
+            pair = self.token_domain[:, None] * E + idx
+            out[len(_SUMMED) + len(_MAXED):] += count_ids(pair, len(self.domains) * E).view(len(self.domains), E).double()
         gu_q, down_q = self._probe_weights(view)
         if grouped:
-            self._grouped(view, x, token, weight, counts, s, gu_q, down_q)
+            self._grouped(view, x, token, weight, counts, host, s, gu_q, down_q)
             return out
         x_padded = with_zero_row(x)
         for b in buckets:
@@ -224,14 +224,14 @@ class _LayerStats:
         return out
 
     def _grouped(self, view: ExpertsView, x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor,
-                 counts: torch.Tensor, s: dict[str, torch.Tensor], gu_q: torch.Tensor, down_q: torch.Tensor) -> None:
+                 counts: torch.Tensor, host: list[int], s: dict[str, torch.Tensor], gu_q: torch.Tensor,
+                 down_q: torch.Tensor) -> None:
         """Maxima and probe over the routed assignments sorted by expert (``routing.sort_by_expert``, the order the
         load buckets use), one grouped GEMM per projection over a contiguous expert range (no padding, no copy of
         the experts' weights: a range of them is a view), the ranges cut so that ``rows x width`` stays within the
         device's chunk budget. The same statistics as the load buckets' padded batched GEMMs, from the same rows:
         the probe takes the same evenly strided slots."""
         E = view.n_experts
-        host = counts.tolist()
         starts = list(itertools.accumulate(host, initial=0))  # host row offsets: expert e's rows start at starts[e]
         ends = torch.cumsum(counts, 0)
         width = max(view.gate_up.shape[1], view.gate_up.shape[2])
@@ -253,11 +253,14 @@ class _LayerStats:
             c = counts[e0:e1]
             n_probe = self.probe_tokens or max(host[e0:e1])
             probed = c.clamp(max=n_probe)
-            i = torch.arange(n_probe, device=x.device)[None]
-            keep = i < probed[:, None]
-            rows = ((ends[e0:e1] - c - r0)[:, None] + i * c[:, None] // probed.clamp_min(1)[:, None])[keep]
-            scale = (c.double() / probed.clamp_min(1))[:, None].expand_as(keep)[keep].float()
-            offs_p = torch.cumsum(probed, 0).to(torch.int32)
+            n_rows = sum(min(h, n_probe) for h in host[e0:e1])  # sizes from the host counts: no read back
+            offs_p = torch.cumsum(probed, 0)
+            which = torch.repeat_interleave(torch.arange(e1 - e0, device=x.device), probed, output_size=n_rows)
+            i = torch.arange(n_rows, device=x.device) - (offs_p - probed)[which]  # slot within its expert
+            per = probed.clamp_min(1)[which]
+            rows = (ends[e0:e1] - c - r0)[which] + i * c[which] // per
+            scale = (c[which].double() / per).float()
+            offs_p = offs_p.to(torch.int32)
             a_q = _grouped_intermediate(xs[rows], gu_q[e0:e1], offs_p, view.act)
             y_q = _gmm(a_q, down_q[e0:e1], offs_p)
             err = _probe_error(y[rows], y_q, weight[r0:r1][rows], scale)

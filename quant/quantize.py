@@ -18,8 +18,10 @@ AWQ runs replicated (every rank computes the whole layer) for now.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -187,22 +189,26 @@ class _LayerJob:
 
     def record(self, qw: QuantizedWeight, rows: list[list[tuple[str, slice]]], w: torch.Tensor | None = None):
         """Store each module's codes from a batched result; track the worst relative weight error vs ``w``.
-        Non-finite source weights or quantized values are a NumericalError naming the module."""
+        Non-finite source weights or quantized values are a NumericalError naming the module. Every module's
+        checks come back to the host in one read (a read per module stalled the GPU hundreds of times a layer)."""
         deq = qw.dequantize()
-        finite = torch.isfinite(deq).all(dim=2) & (torch.isfinite(w).all(dim=2) if w is not None else True)  # [B, out]
+        bad = ~torch.isfinite(deq).all(dim=2)  # [B, out]
         if w is not None:
-            diff = (deq.float() - w.float()).pow(2).sum(dim=2)  # [B, out]
-            ref = w.float().pow(2).sum(dim=2)
-        for b, parts in enumerate(rows):
-            for name, r in parts:
-                if not bool(finite[b, r].all()):
-                    raise _non_finite(name, w[b, r] if w is not None else None)
-                if w is not None:
-                    err = (diff[b, r].sum() / ref[b, r].sum().clamp_min(1e-24)).sqrt().item()
-                    if err >= self.report.worst_rel_error:
-                        self.report.worst_rel_error, self.report.worst_module = err, name
-                z = None if qw.zero is None else qw.zero[b, r]
-                self.results[name] = QuantizedWeight(qw.q[b, r], qw.scale[b, r], z, qw.spec)
+            bad |= ~torch.isfinite(w).all(dim=2)
+        parts = [(b, name, r) for b, part in enumerate(rows) for name, r in part]
+        per_row = [bad.double()]  # [B, out] each: summed over each module's row slice below
+        if w is not None:
+            per_row += [(deq.float() - w.float()).pow(2).sum(dim=2).double(), w.float().pow(2).sum(dim=2).double()]
+        sums = _slice_sums(torch.stack(per_row), [(b, r) for b, _, r in parts]).tolist()  # [P][K]: the one read
+        for (b, name, r), vals in zip(parts, sums, strict=True):
+            if vals[0] > 0:
+                raise _non_finite(name, w[b, r] if w is not None else None)
+            if w is not None:
+                err = math.sqrt(vals[1] / max(vals[2], 1e-24))
+                if err >= self.report.worst_rel_error:
+                    self.report.worst_rel_error, self.report.worst_module = err, name
+            z = None if qw.zero is None else qw.zero[b, r]
+            self.results[name] = QuantizedWeight(qw.q[b, r], qw.scale[b, r], z, qw.spec)
         return deq
 
     def run_linears(self, lin_stats: dict, skip: set[str] = frozenset()) -> None:
@@ -222,7 +228,7 @@ class _LayerJob:
         for spec, H, names in my_linear_groups(self, groups):
             mods = [self.linears[n] for n in names]
             w = torch.cat([m.weight.data for m in mods], dim=0)[None]
-            bounds = torch.cumsum(torch.tensor([0] + [m.out_features for m in mods]), 0).tolist()
+            bounds = list(itertools.accumulate((m.out_features for m in mods), initial=0))
             rows = [[(n, slice(bounds[i], bounds[i + 1])) for i, n in enumerate(names)]]
             deq = self.solve(w, None if H is None else H[None], spec, rows)[0]
             for i, m in enumerate(mods):
@@ -232,9 +238,10 @@ class _LayerJob:
         """(projection, spec, RTN fallback) -> experts; gate and up of one spec form one 'gate_up' problem."""
         planned = self.experts_planned()
         groups: dict[tuple, list[int]] = {}
+        host = None if counts is None else counts.tolist()  # one read, not one per expert
         for e in range(first, first + count):
             p = {proj: planned.get(f"layers.{self.idx}.experts.{e}.{proj}") for proj in ("gate", "up", "down")}
-            few = counts is not None and int(counts[e - first]) < max(self.spec.min_tokens, 1)
+            few = host is not None and host[e - first] < max(self.spec.min_tokens, 1)
             fused = p["gate"] is not None and p["up"] is not None and _spec_of(p["gate"]) == _spec_of(p["up"])
             for proj, plan in (("gate_up", p["gate"]),) if fused else (("gate", p["gate"]), ("up", p["up"])):
                 if plan is not None:
@@ -281,6 +288,17 @@ class _LayerJob:
         r.mean_bits = sum(self.results[n].spec.bits * k for n, k in numel.items()) / max(total, 1)
         r.seconds = seconds
         return r
+
+
+def _slice_sums(values: torch.Tensor, parts: list[tuple[int, slice]]) -> torch.Tensor:
+    """``values [K, B, out]``, parts ``(b, row slice)`` -> ``[P, K]``: each part's sum over its rows, from one
+    cumulative sum (no host read)."""
+    assert all(isinstance(r, slice) and r.step in (None, 1) for _, r in parts), parts
+    K, B, n = values.shape
+    c = torch.nn.functional.pad(values.cumsum(dim=2), (1, 0))  # [K, B, out + 1]
+    idx = torch.tensor([[b, *r.indices(n)[:2]] for b, r in parts], device=values.device).view(-1, 3)
+    b, lo, hi = idx.unbind(1)
+    return (c[:, b, hi] - c[:, b, lo]).T
 
 
 def _non_finite(name: str, w: torch.Tensor | None) -> NumericalError:

@@ -85,18 +85,26 @@ def _partition(load: list[int], width: int, max_elems: int, max_waste: float) ->
     return buckets
 
 
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of ``0 .. n-1`` occurs in ``ids`` (values in range), as ``torch.bincount(ids, minlength=n)``
+    but without its host read of ``ids.max()`` on a GPU."""
+    flat = ids.reshape(-1)
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def sort_by_expert(top_idx: torch.Tensor, top_w: torch.Tensor, n_experts: int,
-                   first_expert: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   first_expert: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """The routed assignments of experts ``first_expert .. first_expert + n_experts - 1`` sorted by expert, tokens
-    ascending within an expert: ``(token [N], weight [N], counts [n_experts])``."""
+    ascending within an expert: ``(token [N], weight [N], counts [n_experts], counts on the host)``. One host
+    read (the counts, which every caller needs to cut its blocks); other experts' assignments sort past the end."""
     T, k = top_idx.shape
     flat_e = top_idx.reshape(-1) - first_expert
-    keep = (flat_e >= 0) & (flat_e < n_experts)
-    expert = flat_e[keep]
-    token = torch.arange(T * k, device=top_idx.device)[keep] // k
-    weight = top_w.reshape(-1)[keep]
-    order = torch.argsort(expert, stable=True)
-    return token[order], weight[order], torch.bincount(expert, minlength=n_experts)
+    key = torch.where((flat_e >= 0) & (flat_e < n_experts), flat_e, n_experts)  # others: one bin past the end
+    counts = count_ids(key, n_experts + 1)[:n_experts]
+    order = torch.argsort(key, stable=True)  # stable: ascending assignment index, so ascending token, per expert
+    host = counts.tolist()
+    order = order[: sum(host)]
+    return order // k, top_w.reshape(-1)[order], counts, host
 
 
 def load_buckets(top_idx: torch.Tensor, top_w: torch.Tensor, n_experts: int, first_expert: int = 0,
@@ -108,9 +116,8 @@ def load_buckets(top_idx: torch.Tensor, top_w: torch.Tensor, n_experts: int, fir
     out. Tokens keep ascending order within an expert. Returns the counts ``[E]`` too.
     """
     T = top_idx.shape[0]
-    s_token, s_weight, counts = sort_by_expert(top_idx, top_w, n_experts, first_expert)
+    s_token, s_weight, counts, host = sort_by_expert(top_idx, top_w, n_experts, first_expert)
     starts = torch.cumsum(counts, 0) - counts
-    host = counts.tolist()
     buckets: list[Bucket] = []
     for members in _partition(host, width, max_elems, max_waste):  # empty when nothing was routed here
         ids = torch.tensor(members, device=top_idx.device)

@@ -18,7 +18,7 @@ LAYERS = [
     {"sandbox", "routing", "models", "rundir", "dist", "progress"},
     {"algos"},
     {"recipe", "throughputs"},
-    {"strict_yaml", "storage", "memtrace"},
+    {"strict_yaml", "storage", "memtrace", "hostsync"},
     {"errors"},
 ]
 

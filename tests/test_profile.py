@@ -292,3 +292,21 @@ def test_gpu_layer_statistics_equal_the_cpu(kernel):
     for key, tol in (("down_in_absmax", 1e-2), ("down_out_absmax", 1e-2), ("sensitivity", 2e-2)):
         torch.testing.assert_close(gpu[key], cpu[key], rtol=tol, atol=0)
     assert _spearman(gpu["sensitivity"], cpu["sensitivity"]) >= 0.95
+
+
+def test_profile_reads_the_host_once_per_batch_and_layer():
+    """The profile's per-batch statistics (counts, top-1, domains, maxima, the probe's token subset) stay on the
+    device; the one host read per batch is the expert counts that size the grouped GEMMs. The causal mask and
+    rotary embeddings are made once per batch shape, not per batch (transformers' mask builder reads back)."""
+    from transformers import AutoTokenizer
+
+    from quant.hostsync import HostSyncs
+
+    src = resolve_model("builtin:qwen3-moe-tiny")
+    calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 16, 64, 0)
+    with HostSyncs() as s:
+        prof = profile_routing(src, calib, Layerwise(src, "float32", "cpu", 4))
+    per_batch = {site: n for site, n in s.sites.items()
+                 if site.split(" ")[1] in ("batch", "_grouped", "sort_by_expert", "load_buckets", "__call__", "_inputs")}
+    batches = 16 // 4
+    assert sum(per_batch.values()) <= batches * len(prof.layers) + 1, per_batch

@@ -225,3 +225,47 @@ def test_statistics_passes_skip_the_routed_experts_and_change_nothing(model, alg
     assert 0 < n_skipped <= calls[0] / 2  # every layer makes at least one statistics pass besides propagation
     if model != "per-expert":  # one fused experts call per MoE layer and batch (8 samples in batches of 4)
         assert n_skipped == len(src.moe_layers()) * 2
+
+
+def test_host_reads_do_not_grow_with_the_modules(setup, tmp_path, monkeypatch):
+    """On a GPU each host read (``.item()``, ``bool``, ``.tolist()``) drains the queue of launched kernels: a layer's
+    quantize reads back once per solved batch of modules (its codes' checks and errors), never once per module or
+    expert (it was twice per module: ~800 stalls a Qwen3-30B-A3B layer)."""
+    from collections import Counter
+
+    from quant import quantize as qz
+    from quant.hostsync import HostSyncs
+
+    calls = Counter()
+    record = qz._LayerJob.record
+
+    def counted(self, *a, **kw):
+        calls["record"] += 1
+        return record(self, *a, **kw)
+
+    monkeypatch.setattr(qz._LayerJob, "record", counted)
+    with HostSyncs() as s:
+        _, _, reports = _quantize(setup, tmp_path, "reads")
+    by_function = Counter()
+    for site, n in s.sites.items():
+        by_function[site.split(" ")[1]] += n
+    n_modules = sum(r.n_modules for r in reports)
+    assert by_function["record"] == calls["record"] and calls["record"] * 4 < n_modules, (calls, n_modules, s.sites)
+    assert by_function["expert_groups"] <= len(reports), s.sites
+
+
+def test_slice_sums_equal_direct_sums_per_module():
+    """record's one-read checks: each (batch element, row slice)'s sum from one cumulative sum equals summing the
+    slice directly (float64); a NaN row spoils only sums over its own batch element's later rows."""
+    from quant.quantize import _slice_sums
+
+    g = torch.Generator().manual_seed(0)
+    v = torch.rand(3, 4, 10, generator=g, dtype=torch.float64)
+    v[:, 2, 7] = float("nan")
+    parts = [(0, slice(0, 4)), (0, slice(4, 10)), (1, slice(3, 5)), (2, slice(0, 7)), (3, slice(0, 10)), (2, slice(7, 8))]
+    got = _slice_sums(v, parts)
+    assert got.shape == (len(parts), 3)
+    for p, (b, r) in enumerate(parts):
+        want = v[:, b, r].sum(dim=1)
+        assert torch.allclose(got[p], want, rtol=1e-12, atol=0, equal_nan=True), (b, r)
+    assert torch.isnan(got[5]).all() and not torch.isnan(got[:5]).any()

@@ -140,18 +140,25 @@ class LayerRunner:
         rotary_cls = type(model.model.rotary_emb)
         self.rotary = rotary_cls(config=model.config).to(device)
         self.device, self.dtype = device, dtype
+        self._cached: tuple = (None, None)  # (batch shape, dtype, device) -> (positions, rotary, mask)
 
     def __call__(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        cos_sin = self.rotary(hidden, pos)
-        mask = create_causal_mask(
-            config=self.model.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-            position_ids=pos,
-        )
+        pos, cos_sin, mask = self._inputs(hidden)
         out = layer(hidden, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin, use_cache=False)
         return out[0] if isinstance(out, tuple) else out
+
+    def _inputs(self, hidden: torch.Tensor) -> tuple:
+        """Positions, rotary embeddings and causal mask for a ``[B, S, D]`` batch: the same for every batch of one
+        shape and dtype, so made once (transformers' mask builder reads a value back from the GPU each call)."""
+        from transformers.masking_utils import create_causal_mask
+
+        key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device)
+        if self._cached[0] != key:
+            pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            mask = create_causal_mask(config=self.model.config, inputs_embeds=hidden, attention_mask=None,
+                                      past_key_values=None, position_ids=pos)
+            self._cached = (key, (pos, self.rotary(hidden, pos), mask))
+        return self._cached[1]
 
 
 def experts_of(source: ModelSource, layer: nn.Module, idx: int) -> ExpertsView | None:

@@ -1,0 +1,56 @@
+"""quant.hostsync: the calls that make a host wait for a GPU, counted on a CPU run by source line."""
+
+import torch
+
+from quant.hostsync import HostSyncs
+
+HERE = __file__.rsplit("/", 1)[0]
+
+
+def _reads(t: torch.Tensor) -> None:
+    t.sum().item()  # line +1
+    bool(t.any())
+    t.tolist()
+    t.nonzero()
+    t[t > 0]  # a boolean mask: nonzero inside the kernel
+    torch.bincount(t.long().abs())
+    t.cpu()
+
+
+def _no_reads(t: torch.Tensor, counts: torch.Tensor) -> None:
+    t[torch.tensor([0, 1])]  # an integer index
+    torch.repeat_interleave(torch.arange(3), counts, output_size=int(6))
+    t * 2 + 1
+    t.to(torch.float64)
+
+
+def test_each_kind_of_host_read_is_counted_at_its_line():
+    t = torch.randn(16)
+    with HostSyncs(package=HERE) as s:
+        _reads(t)
+    first = _reads.__code__.co_firstlineno + 1
+    what = {k.split(" ")[0].split(":")[1]: k.split("(")[-1].rstrip(")") for k in s.sites}
+    assert what == {str(first): "_local_scalar_dense", str(first + 1): "_local_scalar_dense", str(first + 2): "tolist",
+                    str(first + 3): "nonzero", str(first + 4): "index", str(first + 5): "bincount",
+                    str(first + 6): "cpu"}, s.sites
+    assert s.total == 7 and all(k.split(" ")[1] == "_reads" for k in s.sites)
+
+
+def test_sized_and_integer_index_ops_are_not_reads_and_methods_come_back():
+    t, counts = torch.randn(16), torch.tensor([1, 2, 3])
+    with HostSyncs(package=HERE) as s:
+        _no_reads(t, counts)
+        torch.repeat_interleave(torch.arange(3), counts)  # no output size: the host must read the total
+    assert list(s.sites.values()) == [1] and "repeat_interleave" in next(iter(s.sites)), s.sites
+    assert "counted" not in repr(torch.Tensor.tolist) and torch.tensor([1]).tolist() == [1]
+    assert s.total == 1
+
+
+def test_other_threads_are_not_counted():
+    import threading
+
+    with HostSyncs(package=HERE) as s:
+        th = threading.Thread(target=lambda: torch.tensor([1.0]).item())
+        th.start()
+        th.join()
+    assert s.total == 0
