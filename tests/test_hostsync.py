@@ -19,7 +19,7 @@ def _reads(t: torch.Tensor) -> None:
 
 def _no_reads(t: torch.Tensor, counts: torch.Tensor) -> None:
     t[torch.tensor([0, 1])]  # an integer index
-    torch.repeat_interleave(torch.arange(3), counts, output_size=int(6))
+    torch.repeat_interleave(torch.arange(3), counts, output_size=6)
     t * 2 + 1
     t.to(torch.float64)
 
