@@ -180,6 +180,10 @@ class _LayerStats:
         self.token_domain: torch.Tensor | None = None  # [T] domain index of the batch's tokens
         self._probe: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def release(self) -> None:
+        """Drop what only the layer's batches need (the probe's weights, the batch's domains); keep the totals."""
+        self._probe, self.token_domain = None, None
+
     def _probe_weights(self, view: ExpertsView) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's experts round-to-nearest at the probe precision (made once per layer, a few experts at a
         time so the fp32 working set stays small on layers with 256 large experts)."""
@@ -403,6 +407,8 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise,
             hidden = lw.forward(layer, hidden, before_batch=before, out=hidden, after_step=relay.flush)
             if handle is not None:
                 handle.remove()
+            if acc is not None:  # the probe's RTN copy of the layer's experts (22.5 GB on DeepSeek-V3) goes now
+                acc.release()
         done = step("profile", idx + 1, source.n_layers)
         if acc is not None:
             c = acc.stat("counts")
