@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quant.algos import gptq_triton  # noqa: E402
 from quant.algos.cholesky import upper_inverse_factor  # noqa: E402
-from quant.algos.gptq import _inverse_cholesky, _reversed_hessian, gptq  # noqa: E402
+from quant.algos.gptq import _dampen, _reversed_hessian, gptq  # noqa: E402
 from quant.algos.grid import QuantSpec, fit_grid  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128), "deepseek-v3": (7168, 2048, 256)}  # D, I, experts
@@ -105,7 +105,9 @@ def tune_columns(w: torch.Tensor, H: torch.Tensor, spec: QuantSpec) -> dict:
     perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
     grids = fit_grid(W, spec, torch.bfloat16)
     W = W.gather(-1, perm[:, None, :].expand(B, n_out, n_in))
-    U, _ = _inverse_cholesky(_reversed_hessian(H, perm, torch.zeros(B, n_in, dtype=torch.bool, device=H.device)), 0.01)
+    Hr = _reversed_hessian(H, perm, torch.zeros(B, n_in, dtype=torch.bool, device=H.device))
+    _dampen(Hr, 0.01)
+    U, _ = upper_inverse_factor(Hr)
     out = {}
     default = (gptq_triton.ROWS_PER_PROGRAM, gptq_triton.NUM_WARPS)
     for rows, warps in ((32, 1), (32, 2), (64, 4), (128, 4)):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quant.algos.gptq import diverged_message
 from quant.algos.grid import QuantizedWeight, QuantSpec
 from quant.algos.rtn import rtn
 from quant.calibration import CalibrationSet
@@ -49,16 +50,21 @@ from quant.smooth import run_awq
 log = logging.getLogger(__name__)
 
 
-def _solve_rtn(w, H, spec, scale_dtype, q: QuantizeSpec) -> tuple[QuantizedWeight, list[tuple[int, str]]]:
-    return rtn(w, spec, scale_dtype), []
+# A solver: (w, H, spec, scale dtype, QuantizeSpec) -> (weight, repairs [(batch index, why)], diverged [B] or None:
+# a flag tensor the caller reads with its own checks)
+Solved = tuple[QuantizedWeight, list[tuple[int, str]], torch.Tensor | None]
 
 
-def _solve_gptq(w, H, spec, scale_dtype, q: QuantizeSpec) -> tuple[QuantizedWeight, list[tuple[int, str]]]:
+def _solve_rtn(w, H, spec, scale_dtype, q: QuantizeSpec) -> Solved:
+    return rtn(w, spec, scale_dtype), [], None
+
+
+def _solve_gptq(w, H, spec, scale_dtype, q: QuantizeSpec) -> Solved:
     from quant.algos.gptq import gptq
 
     res = gptq(w, H, spec, scale_dtype, dampening=q.dampening, block_size=q.block_size, act_order=q.act_order,
-               with_loss=False)
-    return res.weight, list(res.repairs)
+               with_loss=False, check_diverged=False)
+    return res.weight, list(res.repairs), res.diverged
 
 
 ALGORITHMS = {"rtn": _solve_rtn, "gptq": _solve_gptq, "awq": _solve_rtn}  # awq: smooth.run_awq, then RTN
@@ -183,14 +189,16 @@ class _LayerJob:
         GPTQ treats rows independently given H, so modules sharing an input are solved as one problem.
         Records every module's codes; returns the dequantized batch."""
         solver = ALGORITHMS[algorithm or self.plan.algorithm]
-        qw, repairs = solver(w, H, spec, w.dtype, self.spec)
+        qw, repairs, diverged = solver(w, H, spec, w.dtype, self.spec)
         self.report.repairs += [f"{', '.join(n for n, _ in rows[b])}: {why}" for b, why in repairs]
-        return self.record(qw, rows, w)
+        return self.record(qw, rows, w, diverged)
 
-    def record(self, qw: QuantizedWeight, rows: list[list[tuple[str, slice]]], w: torch.Tensor | None = None):
+    def record(self, qw: QuantizedWeight, rows: list[list[tuple[str, slice]]], w: torch.Tensor | None = None,
+               diverged: torch.Tensor | None = None):
         """Store each module's codes from a batched result; track the worst relative weight error vs ``w``.
-        Non-finite source weights or quantized values are a NumericalError naming the module. Every module's
-        checks come back to the host in one read (a read per module stalled the GPU hundreds of times a layer)."""
+        Non-finite source weights or quantized values, or a solve that diverged (``diverged [B]``, the solver's
+        unread flags), are a NumericalError naming the module. Every module's checks come back to the host in one
+        read (a read per module stalled the GPU hundreds of times a layer)."""
         deq = qw.dequantize()
         bad = ~torch.isfinite(deq).all(dim=2)  # [B, out]
         if w is not None:
@@ -199,8 +207,12 @@ class _LayerJob:
         per_row = [bad.double()]  # [B, out] each: summed over each module's row slice below
         if w is not None:
             per_row += [(deq.float() - w.float()).pow(2).sum(dim=2).double(), w.float().pow(2).sum(dim=2).double()]
+        if diverged is not None:
+            per_row.append(diverged[:, None].expand_as(bad).double())
         sums = _slice_sums(torch.stack(per_row), [(b, r) for b, _, r in parts]).tolist()  # [P][K]: the one read
         for (b, name, r), vals in zip(parts, sums, strict=True):
+            if diverged is not None and vals[-1] > 0:
+                raise NumericalError(f"{name}: {diverged_message()}")
             if vals[0] > 0:
                 raise _non_finite(name, w[b, r] if w is not None else None)
             if w is not None:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from quant.calibration import build_calibration
+from quant.errors import NumericalError
 from quant.layerwise import Layerwise
 from quant.models import resolve_model
 from quant.plan import plan_bits
@@ -243,15 +244,43 @@ def test_host_reads_do_not_grow_with_the_modules(setup, tmp_path, monkeypatch):
         calls["record"] += 1
         return record(self, *a, **kw)
 
+    import quant.algos.gptq as gq
+
+    solve = gq.gptq
+
+    def counted_solve(*a, **kw):
+        calls["gptq"] += 1
+        return solve(*a, **kw)
+
     monkeypatch.setattr(qz._LayerJob, "record", counted)
+    monkeypatch.setattr(gq, "gptq", counted_solve)
     with HostSyncs() as s:
         _, _, reports = _quantize(setup, tmp_path, "reads")
-    by_function = Counter()
+    by_function, by_file = Counter(), Counter()
     for site, n in s.sites.items():
         by_function[site.split(" ")[1]] += n
+        by_file[site.split(":")[0]] += n
     n_modules = sum(r.n_modules for r in reports)
     assert by_function["record"] == calls["record"] and calls["record"] * 4 < n_modules, (calls, n_modules, s.sites)
     assert by_function["expert_groups"] <= len(reports), s.sites
+    # GPTQ: one read a solve (its divergence flags come back with record's read); it was seven
+    assert calls["gptq"] > 0 and by_file["gptq.py"] == calls["gptq"], (calls, s.sites)
+
+
+def test_a_diverged_solve_names_the_module(setup, tmp_path, monkeypatch):
+    """A GPTQ solve whose updates overflow is caught in record's one read and named by module."""
+    import quant.algos.gptq as gq
+
+    real = gq.upper_inverse_factor
+
+    def blown(Hr):
+        U, ok = real(Hr)
+        U[-1] += U[-1].triu(1) * 1e38  # the batch's last element diverges
+        return U, ok
+
+    monkeypatch.setattr(gq, "upper_inverse_factor", blown)
+    with pytest.raises(NumericalError, match=r"^layers\.0\.\S+: GPTQ diverged \(NaN/Inf in the updated weights\): "):
+        _quantize(setup, tmp_path, "diverged")
 
 
 def test_slice_sums_equal_direct_sums_per_module():

@@ -53,11 +53,14 @@ class GPTQResult:
     """``weight``: codes ``[B, O, I]`` in original column order with grids ``[B, O, G]``.
     ``loss [B]``: ``tr((W - Ŵ) H (W - Ŵ)ᵀ)`` with the caller's (undamped) H and ``Ŵ = weight.dequantize()``
     (NaN when not asked for).
-    ``repairs``: ``(batch index, reason)`` for every element whose Hessian had to be repaired."""
+    ``repairs``: ``(batch index, reason)`` for every element whose Hessian had to be repaired.
+    ``diverged [B]`` (bool, on the device): elements whose column loop produced NaN/Inf, left for the caller to
+    read with its own checks when ``gptq(..., check_diverged=False)``; None when gptq checked them itself."""
 
     weight: QuantizedWeight
     loss: torch.Tensor
     repairs: tuple[tuple[int, str], ...] = ()
+    diverged: torch.Tensor | None = None
 
 
 def gptq(
@@ -72,6 +75,7 @@ def gptq(
     static_groups: bool = False,
     kernel: str = "auto",
     with_loss: bool = True,
+    check_diverged: bool = True,
 ) -> GPTQResult:
     """Quantize ``w [B, O, I]`` (any float dtype; computed in fp32) given Hessians ``H [B, I, I]``.
 
@@ -83,29 +87,46 @@ def gptq(
     perplexity 36.8 against 33.5 for the default; ``act_order`` (static groups) gave 30.2 (base 24.3,
     benchmarks/smollm2_gptq.py). ``kernel``: "auto" (Triton on a GPU when it is installed, else torch),
     "torch" or "triton" (on a CPU: Triton's interpreter, for tests). ``with_loss=False`` skips the loss
-    (``2·O·I²`` flops per element, as much as the rest of the solve) and returns NaN instead."""
+    (``2·O·I²`` flops per element, as much as the rest of the solve) and returns NaN instead.
+    ``check_diverged=False`` leaves the divergence check to the caller (``GPTQResult.diverged``).
+
+    Host reads: one before the column loop (input checks, dead inputs and the first factorization's success, read
+    together) and one after it (divergence) unless the caller takes that one over; more only when a Hessian needs
+    more dampening. On a GPU each read drains the queue of launched kernels."""
     B, n_out, n_in = w.shape
     assert H.shape == (B, n_in, n_in), f"H must be [B, I, I] = {(B, n_in, n_in)}, got {tuple(H.shape)}"
     assert n_in % spec.group_size == 0, f"group size {spec.group_size} does not divide in_features {n_in}"
     assert block_size > 0 and dampening >= 0, (block_size, dampening)
     assert kernel in ("auto", "torch", "triton"), kernel
-    _check_finite(w, H)
+    finite = torch.isfinite(w).flatten(1).all(1) & torch.isfinite(H).flatten(1).all(1)
     W = w.detach().to(torch.float32, copy=True)
-    dead_repairs, repaired = _repair_dead_inputs(W, H)
+    dead, unseen = _dead_inputs(W, H)
     perm = None
     if act_order:
         perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1).float(), dim=-1, descending=True, stable=True)
+    Hr = _reversed_hessian(H, perm, dead | unseen[:, None])
+    applied, mean_diag = _dampen(Hr, dampening)
+    U, ok = upper_inverse_factor(Hr)
+    flags = torch.stack([finite.long(), dead.sum(dim=-1), unseen.long(), ok.long()]).tolist()  # the one read
+    _raise_non_finite(flags[0])
+    repairs = _dead_repairs(flags[1], flags[2])
+    if not all(flags[3]):
+        U, damp_repairs = _more_dampening(Hr, U, ok, applied, mean_diag, dampening)
+        repairs += damp_repairs
+    del Hr
     grids = fit_grid(W, spec, scale_dtype) if act_order or static_groups else None
     if act_order:
         W = W.gather(-1, perm[:, None, :].expand(B, n_out, n_in))
-    U, damp_repairs = _inverse_cholesky(_reversed_hessian(H, perm, repaired), dampening)
     if _use_triton(kernel, W):
         from quant.algos.gptq_triton import quantize_columns
 
-        q, scale, zero = quantize_columns(W, U, spec, scale_dtype, block_size, grids, perm)
+        q, scale, zero, diverged = quantize_columns(W, U, spec, scale_dtype, block_size, grids, perm)
     else:
         static = None if grids is None else _column_grids(*grids, _order(perm, B, n_in, W.device), spec.group_size)
-        q, scale, zero = _quantize_columns(W, U, spec, scale_dtype, block_size, static)
+        q, scale, zero, diverged = _quantize_columns(W, U, spec, scale_dtype, block_size, static)
+    if check_diverged:
+        raise_diverged(diverged)
+        diverged = None
     del U, W
     if act_order:
         q = torch.empty_like(q).scatter_(-1, perm[:, None, :].expand(B, n_out, n_in), q)
@@ -113,7 +134,7 @@ def gptq(
         scale, zero = grids
     weight = QuantizedWeight(q, scale, zero, spec)
     loss = hessian_error(w, weight.dequantize(), H) if with_loss else torch.full((B,), float("nan"), device=w.device)
-    return GPTQResult(weight, loss, tuple(sorted(dead_repairs + damp_repairs)))
+    return GPTQResult(weight, loss, tuple(sorted(repairs)), diverged)
 
 
 def _use_triton(kernel: str, W: torch.Tensor) -> bool:
@@ -139,40 +160,42 @@ def hessian_error(w: torch.Tensor, w_hat: torch.Tensor, H: torch.Tensor) -> torc
     return (torch.bmm(d, H.float()) * d).sum(dim=(1, 2))
 
 
-def _check_finite(w: torch.Tensor, H: torch.Tensor) -> None:
-    finite = torch.isfinite(w).flatten(1).all(1) & torch.isfinite(H).flatten(1).all(1)
-    if not bool(finite.all()):
-        bad = (~finite).nonzero().flatten().tolist()
+def _raise_non_finite(finite: list[int]) -> None:
+    if not all(finite):
         raise NumericalError(
-            f"GPTQ input has NaN/Inf at batch index {bad} (weight or Hessian): check the checkpoint's weights "
-            "and accumulate calibration Hessians in fp32"
+            f"GPTQ input has NaN/Inf at batch index {[b for b, f in enumerate(finite) if not f]} (weight or "
+            "Hessian): check the checkpoint's weights and accumulate calibration Hessians in fp32"
         )
 
 
-def _check_converged(W: torch.Tensor) -> None:
-    finite = torch.isfinite(W).flatten(1).all(1)
-    if not bool(finite.all()):
-        bad = (~finite).nonzero().flatten().tolist()
-        raise NumericalError(
-            f"GPTQ diverged (NaN/Inf in the updated weights) at batch index {bad}: raise the dampening "
-            "or use more calibration tokens"
-        )
+def diverged_message(where: str = "") -> str:
+    return (f"GPTQ diverged (NaN/Inf in the updated weights){where}: raise the dampening or use more calibration "
+            "tokens")
 
 
-def _repair_dead_inputs(W: torch.Tensor, H: torch.Tensor) -> tuple[list[tuple[int, str]], torch.Tensor]:
-    """Dead inputs (``H_ii == 0``) get a zero weight column in ``W [B, O, I]`` (in place) and ``H_ii = 1``; an
-    all-zero Hessian becomes ``I`` (round-to-nearest) instead of zeroing the whole matrix. Returns the repairs
-    and the mask ``[B, I]`` of diagonal entries to set to 1 (``H`` itself is not changed)."""
+def raise_diverged(diverged: torch.Tensor) -> None:
+    """Raise for the elements of ``diverged [B]`` that are set (one host read)."""
+    bad = [b for b, d in enumerate(diverged.tolist()) if d]
+    if bad:
+        raise NumericalError(diverged_message(f" at batch index {bad}"))
+
+
+def _dead_inputs(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dead inputs (``H_ii == 0``) get a zero weight column in ``W [B, O, I]`` (in place), to be factorized with
+    ``H_ii = 1``; an all-zero Hessian (``unseen``) is to become ``I`` (round-to-nearest) instead of zeroing the
+    whole matrix. Returns ``dead [B, I]`` (unseen elements' columns excluded) and ``unseen [B]``, on the device;
+    ``H`` itself is not changed."""
     dead = torch.diagonal(H, dim1=-2, dim2=-1) == 0
     unseen = dead.all(dim=-1)
     dead &= ~unseen[:, None]
     W.masked_fill_(dead[:, None, :], 0.0)
-    n_dead = dead.sum(dim=-1).tolist()
-    repairs = [(b, "Hessian is all zero (no calibration tokens): quantized round-to-nearest")
-               for b in unseen.nonzero().flatten().tolist()]
-    repairs += [(b, f"{n} dead input channels (H_ii == 0): weight columns zeroed")
-                for b, n in enumerate(n_dead) if n]
-    return repairs, dead | unseen[:, None]
+    return dead, unseen
+
+
+def _dead_repairs(n_dead: list[int], unseen: list[int]) -> list[tuple[int, str]]:
+    return ([(b, "Hessian is all zero (no calibration tokens): quantized round-to-nearest")
+             for b, u in enumerate(unseen) if u]
+            + [(b, f"{n} dead input channels (H_ii == 0): weight columns zeroed") for b, n in enumerate(n_dead) if n])
 
 
 def _reversed_hessian(H: torch.Tensor, perm: torch.Tensor | None, repaired: torch.Tensor) -> torch.Tensor:
@@ -199,17 +222,22 @@ def _column_grids(scale: torch.Tensor, zero: torch.Tensor | None, perm: torch.Te
     return scale.gather(-1, idx), None if zero is None else zero.gather(-1, idx)
 
 
-def _inverse_cholesky(Hr: torch.Tensor, dampening: float) -> tuple[torch.Tensor, list[tuple[int, str]]]:
-    """Upper Cholesky factor ``U [B, I, I]`` of ``(H + λ·mean(diag H)·1)⁻¹`` per element from ``Hr``, the repaired
-    Hessian with rows and columns reversed (:func:`_reversed_hessian`; dampened here in place), with ``λ``
-    starting at ``dampening`` and multiplied by ten for the elements where a factorization fails."""
-    B = Hr.shape[0]
+def _dampen(Hr: torch.Tensor, dampening: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add ``dampening · mean(diag H)`` to ``Hr``'s diagonal in place. -> (the added amounts ``[B]`` in ``Hr``'s
+    dtype, ``mean(diag H) [B]`` in fp64)."""
     diag = torch.diagonal(Hr, dim1=-2, dim2=-1)
     mean_diag = diag.mean(dim=-1).double()
-    frac = torch.full((B,), float(dampening), dtype=torch.float64, device=Hr.device)
-    applied = (frac * mean_diag).to(Hr.dtype)
+    applied = (float(dampening) * mean_diag).to(Hr.dtype)
     diag.add_(applied[:, None])
-    U, ok = upper_inverse_factor(Hr)
+    return applied, mean_diag
+
+
+def _more_dampening(Hr, U, ok, applied, mean_diag, dampening: float) -> tuple[torch.Tensor, list[tuple[int, str]]]:
+    """The elements whose factorization failed (``ok [B]`` false) are factorized again from ``Hr`` (the reversed
+    Hessian with ``applied`` dampening) with ten times the dampening fraction each time until they succeed.
+    -> ``U`` with those elements replaced, and a repair for each."""
+    B = Hr.shape[0]
+    frac = torch.full((B,), float(dampening), dtype=torch.float64, device=Hr.device)
     todo = (~ok).nonzero().flatten()
     while todo.numel():
         frac[todo] = (frac[todo] * _DAMPENING_GROWTH).clamp_min(1e-3)
@@ -242,7 +270,8 @@ def _blocks(n_in: int, group_size: int, block_size: int) -> list[tuple[int, int]
 def _quantize_columns(W, U, spec: QuantSpec, scale_dtype: torch.dtype, block_size: int, static):
     """GPTQ's column loop on ``W [B, O, I]`` (processing order) with ``U [B, I, I]``. ``static``: per-column
     grids ``(scale, zero) [B, O, I]`` fixed in advance, or None to fit each group's grid when the group starts.
-    -> codes ``[B, O, I]`` and, when fitted here, ``scale, zero [B, O, G]``. Works on a transposed copy
+    -> codes ``[B, O, I]``, when fitted here ``scale, zero [B, O, G]``, and ``diverged [B]`` (NaN/Inf in the
+    updated weights; not read here). Works on a transposed copy
     ``[B, I, O]`` so that a column, its grid and the rank-1 updates are contiguous. On CUDA each block's column
     loop is captured once as a CUDA graph and replayed (the loop is launch-bound: ~15 small kernels a column)."""
     B, n_out, n_in = W.shape
@@ -279,8 +308,7 @@ def _quantize_columns(W, U, spec: QuantSpec, scale_dtype: torch.dtype, block_siz
             if zero is not None:
                 zero[:, :, (i1 + j) // gs] = z
         Wt[:, i2:] -= torch.bmm(U[:, i1:i2, i2:].transpose(1, 2), err)
-    _check_converged(Wt)
-    return qt.transpose(1, 2).contiguous(), scale, zero
+    return qt.transpose(1, 2).contiguous(), scale, zero, ~torch.isfinite(Wt).flatten(1).all(1)
 
 
 def _column_block(spec: QuantSpec, scale_dtype, starts: tuple[int, ...], W1, U1, s_static=None, z_static=None):

@@ -143,8 +143,8 @@ def quantize_columns(W: torch.Tensor, U: torch.Tensor, spec: QuantSpec, scale_dt
     of ``gptq._quantize_columns``. ``grids``: static ``(scale, zero) [B, O, G]`` of the original column order,
     column ``j`` using group ``perm[:, j] // group_size`` (``perm`` None: ``j // group_size``), or None to fit each
     group when it starts. -> codes ``[B, O, I]`` (processing order), ``scale, zero [B, O, G]`` (None unless fitted
-    here)."""
-    from quant.algos.gptq import _blocks, _check_converged
+    here), ``diverged [B]`` (NaN/Inf in the updated weights; not read here)."""
+    from quant.algos.gptq import _blocks
 
     B, n_out, n_in = W.shape
     gs = spec.group_size
@@ -170,8 +170,8 @@ def quantize_columns(W: torch.Tensor, U: torch.Tensor, spec: QuantSpec, scale_dt
         column_block(Wt, U, qt, err, scale, zero, None if fitted and not wide else gidx, i1, i2, spec, scale_dtype)
         if i2 < n_in:
             Wt[:, i2:].baddbmm_(U[:, i1:i2, i2:].transpose(1, 2), err[:, : i2 - i1], alpha=-1)
-    _check_converged(Wt)
+    diverged = ~torch.isfinite(Wt).flatten(1).all(1)
     if not fitted:
-        return qt.transpose(1, 2).contiguous(), None, None
+        return qt.transpose(1, 2).contiguous(), None, None, diverged
     zero_out = None if spec.symmetric else zero.transpose(1, 2).to(torch.int8)
-    return qt.transpose(1, 2).contiguous(), scale.transpose(1, 2).to(scale_dtype), zero_out
+    return qt.transpose(1, 2).contiguous(), scale.transpose(1, 2).to(scale_dtype), zero_out, diverged

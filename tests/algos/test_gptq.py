@@ -181,6 +181,48 @@ def test_dead_inputs_and_unseen_expert() -> None:
     assert torch.equal(result.weight.q[2], rtn.q[0])  # unseen -> round-to-nearest, not zeros
 
 
+def _blown_up_factor(monkeypatch, element: int) -> None:
+    """``U``'s off-diagonal entries of one batch element times 1e38: its column loop's updates overflow (what an
+    unusable Hessian does to GPTQ), the other elements are untouched."""
+    import quant.algos.gptq as gptq_module
+
+    real = gptq_module.upper_inverse_factor
+
+    def blown(Hr):
+        U, ok = real(Hr)
+        U[element] += U[element].triu(1) * 1e38
+        return U, ok
+
+    monkeypatch.setattr(gptq_module, "upper_inverse_factor", blown)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_divergence_raises_or_is_left_to_the_caller(kernel, monkeypatch) -> None:
+    """Both column loops flag the element whose updates overflowed; gptq raises naming it, or with
+    ``check_diverged=False`` returns the unread flags (quantize reads them with its other checks)."""
+    _blown_up_factor(monkeypatch, 1)
+    w, H = random_weights(3), correlated_hessians(3, N_IN)
+    with pytest.raises(NumericalError, match=r"diverged .* at batch index \[1\]"):
+        gptq(w, H, QuantSpec(4, 64), torch.bfloat16, kernel=kernel)
+    res = gptq(w, H, QuantSpec(4, 64), torch.bfloat16, kernel=kernel, check_diverged=False)
+    assert res.diverged.tolist() == [False, True, False]
+
+
+def test_host_reads_per_solve(monkeypatch) -> None:
+    """One read before the column loop (input checks, dead inputs, the factorization's success together) and one
+    after it (divergence), or none after it when the caller reads the flags: on a GPU each read drains the
+    queue of launched kernels (it was seven a solve). A Hessian that needs more dampening may read more."""
+    from quant.hostsync import HostSyncs
+
+    w, H = random_weights(3), correlated_hessians(3, N_IN)
+    H[0, 5, :] = H[0, :, 5] = 0.0  # a dead input: still one read
+    for check, want in ((True, 2), (False, 1)):
+        with HostSyncs() as s:
+            res = gptq(w, H, QuantSpec(4, 64), torch.bfloat16, check_diverged=check, with_loss=False)
+        assert s.total == want, s.sites
+        assert [b for b, _ in res.repairs] == [0]
+
+
 @pytest.mark.parametrize("where", ["weight", "hessian"])
 def test_nan_raises_naming_the_batch_index(where: str) -> None:
     w, H = random_weights(4), correlated_hessians(4, N_IN)
