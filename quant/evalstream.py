@@ -24,6 +24,7 @@ from torch import nn
 
 from quant.dist import SINGLE, World
 from quant.errors import CheckpointError
+from quant.hostsync import on_device
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.source import read_safetensors
@@ -94,7 +95,7 @@ class ProxySums:
         finite = torch.isfinite(lp_b).all() & torch.isfinite(lp_q).all()
         agree = torch.where(finite, agree, torch.full_like(agree, math.nan))  # argmax over NaN "agrees" everywhere
         row = torch.stack([-lp_b.gather(-1, idx).sum(), -lp_q.gather(-1, idx).sum(), kl.sum(), agree,
-                           torch.tensor(float(target.numel()), device=lp_b.device)])
+                           on_device(float(target.numel()), lp_b.device, torch.float32)])
         self.t += row.to(self.t)
 
     def score(self, hidden_base: torch.Tensor, head_base: nn.Module, hidden_quant: torch.Tensor,

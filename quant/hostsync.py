@@ -94,3 +94,14 @@ class HostSyncs(TorchDispatchMode):
         if _needs_host(func, args, kwargs):
             self._count(func.__name__.split(".")[0])
         return func(*args, **kwargs)
+
+
+def on_device(values, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values (a list of ints, a number, a CPU tensor) as a tensor on ``device`` without making the host wait:
+    a copy to a GPU from pageable memory first synchronizes the stream (what ``torch.tensor(values, device=cuda)``
+    does), one from page-locked memory is queued like a kernel. Use it for every index list a GPU path builds.
+    ``dtype`` applies to Python values; a tensor keeps its own."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

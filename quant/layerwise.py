@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -78,8 +80,6 @@ def device_memory_bytes(device: torch.device) -> int:
             fields = dict(line.split(":", 1) for line in f)
         return int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
-        import os
-
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -89,6 +89,29 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def pinned_copy(tensors: dict[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
+    """``tensors`` (CPU) copied into one page-locked buffer, when their bytes fit ``budget``; else as they are.
+
+    A copy to the GPU from pageable memory makes the host wait for every kernel queued before it (CUDA syncs the
+    stream first), and a layer is hundreds of tensors: each upload drained the GPU's queue. From page-locked memory
+    the uploads are asynchronous and run at the link's speed. The buffer comes from torch's caching host
+    allocator, which keeps a freed buffer until the copies that read it have finished."""
+    align = 64
+    sizes = {k: -(-t.numel() * t.element_size() // align) * align for k, t in tensors.items()}
+    total = sum(sizes.values())
+    if not tensors or total > budget or not torch.cuda.is_available():
+        return tensors
+    buf = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    out, offset = {}, 0
+    for key, t in tensors.items():
+        n = t.numel() * t.element_size()
+        dst = buf[offset : offset + n].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        out[key] = dst
+        offset += sizes[key]
+    return out
 
 
 class _LayerReader:
@@ -119,7 +142,15 @@ class _LayerReader:
 
     def _read(self, idx: int, device) -> dict[str, torch.Tensor]:
         shares = self.shares(idx)
-        return self.source.read_tensors(shares[self.world.rank if self.shared else 0], device)
+        tensors = self.source.read_tensors(shares[self.world.rank if self.shared else 0], device)
+        return pinned_copy(tensors, self.pin_budget) if self.prefetch and str(device) == "cpu" else tensors
+
+    @cached_property
+    def pin_budget(self) -> int:
+        """Largest read-ahead (bytes) kept in page-locked memory: an eighth of the host's memory per process on
+        the node. Two layers' worth is held at a time (one uploading, the next being read)."""
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return device_memory_bytes(torch.device("cpu")) // (8 * local)
 
     def take(self, idx: int) -> dict[str, torch.Tensor] | None:
         """Layer ``idx``'s tensors (None: ``load_layer`` reads them itself), and start reading ``idx + 1``."""
@@ -142,7 +173,8 @@ class _LayerReader:
         out = {}
         for src, meta in enumerate(metas):
             for key, (shape, dtype) in meta.items():
-                t = mine[key].to(self.device) if src == w.rank else torch.empty(shape, dtype=dtype, device=self.device)
+                t = (mine[key].to(self.device, non_blocking=True) if src == w.rank
+                     else torch.empty(shape, dtype=dtype, device=self.device))
                 w.broadcast_tensor(t, src)
                 out[key] = t
         return out

@@ -21,6 +21,7 @@ import torch
 from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
 from quant.calibration import CalibrationSet
 from quant.errors import ModelError
+from quant.hostsync import on_device
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of
@@ -334,7 +335,7 @@ def grouped_mm_ok(view: ExpertsView, dtype: torch.dtype) -> bool:
         if ok:
             try:
                 dev, n = view.gate_up.device, min(view.n_experts, 3)
-                offs = torch.tensor([1, 1, 2][-n:], dtype=torch.int32, device=dev)
+                offs = on_device([1, 1, 2][-n:], dev, torch.int32)
                 a = _grouped_intermediate(torch.zeros(2, D, dtype=dtype, device=dev), view.gate_up[:n], offs, view.act)
                 _gmm(a, view.down[:n], offs)
             except (RuntimeError, NotImplementedError, TypeError, ValueError):
@@ -402,7 +403,7 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise,
 
             def before(rows: slice, acc=acc) -> None:
                 if acc is not None:
-                    acc.token_domain = dom_idx[rows].repeat_interleave(S).to(lw.device)
+                    acc.token_domain = on_device(dom_idx[rows].repeat_interleave(S), lw.device)
 
             hidden = lw.forward(layer, hidden, before_batch=before, out=hidden, after_step=relay.flush)
             if handle is not None:

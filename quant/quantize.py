@@ -36,6 +36,7 @@ from quant.calibration import CalibrationSet
 from quant.dist import SINGLE, World, even_ranges
 from quant.errors import NumericalError, QuantError
 from quant.hessians import ExpertStats, agree_leaders, linear_stats
+from quant.hostsync import on_device
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
@@ -279,14 +280,14 @@ class _LayerJob:
         for (proj, spec, fallback), experts in self.expert_groups(first, count, counts).items():
             weights, H = views[proj]
             for sub in sub_batches(experts, weights.shape[1], weights.shape[2], self.spec.solve_budget_gb):
-                local = None if H is None or fallback else H[torch.tensor([e - first for e in sub], device=H.device)]
+                local = None if H is None or fallback else H[on_device([e - first for e in sub], H.device)]
                 self._solve_experts(proj, weights, local, spec, sub, fallback, I)
 
     def _solve_experts(self, proj, weights, H, spec, experts, fallback, I) -> None:
         """``H`` is already indexed to ``experts`` (None for RTN or the token-floor fallback)."""
         splits = [("gate", slice(0, I)), ("up", slice(I, 2 * I))] if proj == "gate_up" else [(proj, slice(None))]
         rows = [[(f"layers.{self.idx}.experts.{e}.{p}", r) for p, r in splits] for e in experts]
-        sel = torch.tensor(experts, device=weights.device)
+        sel = on_device(experts, weights.device)
         if fallback:
             self.report.rtn_fallbacks += [name for parts in rows for name, _ in parts]
         weights[sel] = self.solve(weights[sel], H, spec, rows, algorithm="rtn" if fallback else None)
@@ -308,7 +309,7 @@ def _slice_sums(values: torch.Tensor, parts: list[tuple[int, slice]]) -> torch.T
     assert all(isinstance(r, slice) and r.step in (None, 1) for _, r in parts), parts
     K, B, n = values.shape
     c = torch.nn.functional.pad(values.cumsum(dim=2), (1, 0))  # [K, B, out + 1]
-    idx = torch.tensor([[b, *r.indices(n)[:2]] for b, r in parts], device=values.device).view(-1, 3)
+    idx = on_device([[b, *r.indices(n)[:2]] for b, r in parts], values.device).view(-1, 3)
     b, lo, hi = idx.unbind(1)
     return (c[:, b, hi] - c[:, b, lo]).T
 

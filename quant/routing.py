@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.hostsync import on_device
+
 
 @dataclass
 class Bucket:
@@ -120,7 +122,7 @@ def load_buckets(top_idx: torch.Tensor, top_w: torch.Tensor, n_experts: int, fir
     starts = torch.cumsum(counts, 0) - counts
     buckets: list[Bucket] = []
     for members in _partition(host, width, max_elems, max_waste):  # empty when nothing was routed here
-        ids = torch.tensor(members, device=top_idx.device)
+        ids = on_device(members, top_idx.device)
         ar = torch.arange(max(host[e] for e in members), device=top_idx.device)
         mask = ar[None, :] < counts[ids, None]
         pos = (starts[ids, None] + ar[None, :]).clamp_max(len(s_token) - 1)

@@ -27,6 +27,7 @@ import torch
 from quant.algos.awq import AWQExtra, awq_search, pick_scales, quantize_scaled, smoothing_grid, trial_errors
 from quant.algos.grid import QuantSpec
 from quant.hessians import ExpertStats, LinearStats, agree_leaders, linear_stats
+from quant.hostsync import on_device
 from quant.models.layers import smoothing_sites
 from quant.relay import Relay
 from quant.sharing import sub_batches
@@ -65,7 +66,7 @@ def _in_chunk(experts: list[int], stats: ExpertStats) -> list[int]:
 
 
 def _local(experts: list[int], stats: ExpertStats) -> torch.Tensor:
-    return torch.tensor([e - stats.first for e in experts], device=stats.weight_sum.device)
+    return on_device([e - stats.first for e in experts], stats.weight_sum.device)
 
 
 def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
@@ -75,7 +76,7 @@ def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
         if proj != "down":
             continue
         for sub in _sub_batches(job, _in_chunk(experts, stats), v.down):
-            sel, local = torch.tensor(sub, device=v.down.device), _local(sub, stats)
+            sel, local = on_device(sub, v.down.device), _local(sub, stats)
             denom = stats.weight_sum[local].clamp_min(1e-12).float()
             H = stats.sum_down[local] / denom[:, None, None]
             res = _search(v.down.data[sel], H, stats.abs_down[local] / denom[:, None], spec, job)
@@ -110,7 +111,7 @@ class _GateUpSearch:
         for table, (spec, experts) in zip(self.tables, self.searched, strict=True):
             for sub in _sub_batches(self.job, _in_chunk(experts, stats), v.gate_up):
                 x = rows_from_hessian(stats.sum_gu[_local(sub, stats)])
-                part = AWQExtra(v.gate_up.data[torch.tensor(sub, device=x.device)], x,
+                part = AWQExtra(v.gate_up.data[on_device(sub, x.device)], x,
                                 torch.ones(x.shape[:2], dtype=torch.bool, device=x.device), spec)
                 table.append(trial_errors(part, self.s_grid, v.gate_up.dtype, shared=True))
 
@@ -122,7 +123,7 @@ class _GateUpSearch:
         s = pick_scales([torch.cat(t, dim=1) for t in self.tables], self.s_grid, shared=True)[0]  # [1, D]
         for spec, experts in self.searched + self.rest:
             for sub in _sub_batches(self.job, experts, v.gate_up):
-                w = v.gate_up.data[torch.tensor(sub, device=s.device)]
+                w = v.gate_up.data[on_device(sub, s.device)]
                 _write_gate_up(self.job, sub, quantize_scaled(w, s, spec, v.gate_up.dtype),
                                v.intermediate)
         return s[0]
@@ -167,7 +168,7 @@ def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay)
 
 def _write_gate_up(job, experts: list[int], qw, I: int) -> None:
     v = job.view
-    sel = torch.tensor(experts, device=v.gate_up.device)
+    sel = on_device(experts, v.gate_up.device)
     v.gate_up.data[sel] = qw.dequantize().to(v.gate_up.dtype)
     job.record(qw, [[(f"layers.{job.idx}.experts.{e}.gate", slice(0, I)), (f"layers.{job.idx}.experts.{e}.up",
                                                                          slice(I, 2 * I))] for e in experts])

@@ -1,5 +1,6 @@
 """quant.hostsync: the calls that make a host wait for a GPU, counted on a CPU run by source line."""
 
+import pytest
 import torch
 
 from quant.hostsync import HostSyncs
@@ -54,3 +55,45 @@ def test_other_threads_are_not_counted():
         th.start()
         th.join()
     assert s.total == 0
+
+
+def test_on_device_values_and_tensors():
+    from quant.hostsync import on_device
+
+    t = on_device([3, 1, 2], "cpu")
+    assert t.dtype == torch.long and t.tolist() == [3, 1, 2]
+    assert on_device(2.5, torch.device("cpu"), torch.float32).item() == 2.5
+    src = torch.arange(4, dtype=torch.int32)
+    assert torch.equal(on_device(src, "cpu"), src) and on_device(src, "cpu").dtype == torch.int32
+
+
+def test_no_index_list_goes_to_a_device_from_pageable_memory():
+    """``torch.tensor(values, device=...)`` on a GPU synchronizes the stream before its copy (pageable memory): a
+    layer built hundreds of such index lists. Every one in quant goes through ``hostsync.on_device`` instead."""
+    import ast
+    from pathlib import Path
+
+    import quant
+
+    found = []
+    for path in Path(quant.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "tensor"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                    and any(k.arg == "device" for k in node.keywords)):
+                found.append(f"{path.name}:{node.lineno}")
+    assert not found, found
+
+
+@pytest.mark.gpu
+def test_on_device_copies_from_page_locked_memory_without_a_sync():
+    from quant.hostsync import on_device
+
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    busy = torch.randn(4096, 4096, device=dev)
+    for _ in range(20):  # queue ~0.1 s of work: a stream sync would wait for it
+        busy = busy @ busy / 64
+    t = on_device(list(range(1000)), dev)
+    assert not torch.cuda.current_stream().query()  # the host did not wait for the queued work
+    assert t.device.type == "cuda" and t.tolist() == list(range(1000))
