@@ -257,7 +257,10 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
            "stats_s_per_layer": sum(r.stats_seconds for r in reports) / len(reports),
            "solve_s_per_layer": sum(r.solve_seconds for r in reports) / len(reports),
            "forward_s_per_layer": sum(r.forward_seconds for r in reports) / len(reports),
-           "peak_gpu_gb": peak, "repairs": sum(len(r.repairs) for r in reports)}
+           "peak_gpu_gb": peak, "repairs": sum(len(r.repairs) for r in reports),
+           # per layer: the first includes one-time costs of the process (Triton's JIT on a cold cache, CUDA graphs)
+           "layer_seconds": [round(r.seconds, 3) for r in reports],
+           "layer_solve_seconds": [round(r.solve_seconds, 3) for r in reports]}
     if not export:
         return out
     t0 = time.perf_counter()
