@@ -184,7 +184,7 @@ class ExpertStats:
         scaled by √w in fp32 and reduced in full fp32."""
         xg = b.gather(x_padded)
         row_w = b.weight.float() if self.gate_weighted else b.mask.float()
-        self.weight_sum.index_add_(0, b.experts, row_w.sum(dim=1).double())
+        b.add_to(self.weight_sum, row_w.sum(dim=1).double())
         a = expert_intermediate(xg, b.take(self.view.gate_up, self.first), self.view.act) if self.need_down else None
         if not _native(xg) or self.gate_weighted:
             sqrt_w = row_w.sqrt().unsqueeze(-1)
@@ -192,10 +192,10 @@ class ExpertStats:
             a = None if a is None else a.float() * sqrt_w
         if self.sum_gu is not None:
             _add_gram(self.sum_gu, b, xg)
-        self.abs_gu.index_add_(0, b.experts, xg.abs().sum(dim=1, dtype=torch.float32))
+        b.add_to(self.abs_gu, xg.abs().sum(dim=1, dtype=torch.float32))
         if a is not None:
             _add_gram(self.sum_down, b, a)
-            self.abs_down.index_add_(0, b.experts, a.abs().sum(dim=1, dtype=torch.float32))
+            b.add_to(self.abs_down, a.abs().sum(dim=1, dtype=torch.float32))
 
     def mean_abs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """mean |x| per input channel, per expert: gate/up input ``[E, D]``, down input ``[E, I]``."""

@@ -225,7 +225,7 @@ class _LayerStats:
             pos, scale = _probe_slots(b.mask, self.probe_tokens or b.mask.shape[1])
             y_q = expert_output(expert_intermediate(_slots(xg, pos), b.take(gu_q), view.act), b.take(down_q))
             err = _probe_error(_slots(y, pos), y_q, b.weight.gather(1, pos), scale)
-            s["sensitivity"].index_add_(0, b.experts, err.sum(dim=1).double())
+            b.add_to(s["sensitivity"], err.sum(dim=1).double())
         return out
 
     def _grouped(self, view: ExpertsView, x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor,

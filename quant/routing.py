@@ -44,6 +44,16 @@ class Bucket:
         rows in the padding."""
         return x_padded[self.token]
 
+    def add_to(self, acc: torch.Tensor, values: torch.Tensor) -> None:
+        """``acc[e] += values[j]`` for the bucket's experts ``e = experts[j]``: a slice add over a contiguous id
+        range (an elementwise kernel; CUDA's large-row ``index_add_`` kernel took 211 ms in 707 calls over two
+        Qwen3-30B-A3B layers on an H200), else ``index_add_``.
+        Each expert appears once in a bucket, so both add every element once: the same sums."""
+        if self.span is not None:
+            acc[self.span] += values
+        else:
+            acc.index_add_(0, self.experts, values)
+
     def take(self, per_expert: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """The bucket's rows of a per-expert tensor ``[E', ...]`` whose row ``e + offset`` belongs to local expert
         ``e``: a view over a contiguous id range, else a gathered copy."""

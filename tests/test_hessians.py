@@ -248,3 +248,29 @@ def test_gpu_linear_stats_of_bf16_inputs_equal_fp64():
     stats["a"].remove()
     X = torch.cat([x.reshape(-1, D) for x in xs]).double()
     torch.testing.assert_close(stats["a"].hessian().double(), X.T @ X / X.shape[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_bucket_add_to_equals_index_add_for_whole_and_restricted_buckets(skew):
+    """``Bucket.add_to`` (a slice add over a contiguous id range) adds exactly what ``index_add_`` adds, also for
+    a bucket restricted to an expert chunk (renumbered ids and span) and for load-sorted (non-contiguous) ones."""
+    from quant.routing import load_buckets
+
+    g = torch.Generator().manual_seed(3)
+    E, T, k = 16, 200, 2
+    hot = torch.linspace(0, 6, E)[torch.randperm(E, generator=g)]  # skewed loads in scattered ids
+    logits = torch.randn(T, E, generator=g) + (hot if skew else 0)
+    idx = logits.topk(k, dim=1).indices
+    w = torch.rand(T, k, generator=g)
+    _, buckets = load_buckets(idx, w, E, width=8, max_elems=8 * 400)
+    assert any(b.span is not None for b in buckets) and (not skew or any(b.span is None for b in buckets))
+    for first, count in ((0, E), (5, 7)):
+        want, got = torch.zeros(count, 3, dtype=torch.float64), torch.zeros(count, 3, dtype=torch.float64)
+        for b in buckets:
+            r = b.restrict(first, count)
+            if r is None:
+                continue
+            vals = torch.randn(len(r.members), 3, generator=g, dtype=torch.float64)
+            want.index_add_(0, r.experts, vals)
+            r.add_to(got, vals)
+        assert torch.equal(got, want)
