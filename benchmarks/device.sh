@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU measurements BENCHMARKS.md records, as one script for a lent GPU machine (no network there).
+#
+#   bash benchmarks/device.sh TASK [TASK ...]      # from the repository root, on the GPU machine
+#
+# Each task logs to $OUT/TASK.log (OUT defaults to ./device-out) and prints its JSON lines / tables; tasks run in
+# the order given, so a time limit cuts the last ones, not the first. Carry the wheels the image lacks in .whl/
+# (README, "Tests on a GPU"); they are installed into /tmp/site first. Tasks:
+#   suite      the whole test suite, 16 workers, failures appended to $OUT/faillog.txt as they happen (~400 s)
+#   gpu        the GPU tier alone (-m gpu)
+#   qwen3      Qwen3-30B-A3B shape, 2 layers, 256 x 2048: GPTQ and AWQ with llm-compressor GPTQ in the same run
+#   qwen3-q    the same without llm-compressor (quant alone, ~1 min)
+#   profile    the profile stage: Qwen3 2 layers x 512 samples, DeepSeek-V3 2 layers x 256 samples
+#   dsv3       DeepSeek-V3 layer, 32 x 2048: GPTQ and AWQ, each with the allocator's history at its peak
+#   e2e48      48 virtual Qwen3-30B-A3B layers, 512 x 2048, profile + quantize + export end to end
+#   x2         (2 GPUs) 1 vs 2 ranks on both shapes, llm-compressor's distributed oneshot on 2 GPUs
+set -uo pipefail
+cd "$(dirname "$0")/.."
+for task in "$@"; do
+  case $task in suite|gpu|qwen3|qwen3-q|profile|dsv3|e2e48|x2) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+done
+[ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+W=${WORK:-/tmp/quant-device}
+
+run() {  # run TASK COMMAND...: log, time, and free the scratch disk after
+  local task=$1; shift
+  local t0; t0=$(date +%s)
+  echo "== $task: $*" | tee -a "$OUT/$task.log"
+  "$@" 2>&1 | grep -v -E "Warning|warn\(" | tee -a "$OUT/$task.log" | grep -E '^\{|^ *[0-9]|GPU|engine|passed|failed' | tail -40
+  echo "== $task: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$task.log"
+}
+
+for task in "$@"; do
+  case $task in
+    suite) run suite env QUANT_TEST_FAILLOG="$OUT/faillog.txt" python3 -m pytest -p no:cacheprovider -n 16 -q -rfE \
+             --tb=short --durations=30 --junitxml="$OUT/junit.xml" ;;
+    gpu) run gpu python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --tb=short ;;
+    qwen3) run qwen3 python3 benchmarks/engine.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 \
+             --algos gptq,awq --llmcompressor gptq --error-samples 16 --workdir "$W" ;;
+    qwen3-q) run qwen3-q python3 benchmarks/engine.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 \
+               --algos gptq,awq --error-samples 16 --workdir "$W" ;;
+    profile)
+      run profile python3 benchmarks/profile_stage.py --shape qwen3-30b-a3b --layers 2 --samples 512 --workdir "$W"
+      rm -rf "$W"
+      run profile python3 benchmarks/profile_stage.py --shape deepseek-v3 --layers 2 --samples 256 --workdir "$W" ;;
+    dsv3)
+      run dsv3 python3 benchmarks/engine.py --shape deepseek-v3 --layers 1 --samples 32 --seqlen 2048 --algos gptq,awq \
+        --error-samples 0 --no-export --memory-trace --workdir "$W" ;;
+    e2e48) run e2e48 python3 benchmarks/engine.py --shape qwen3-30b-a3b --layers 2 --virtual-layers 48 --samples 512 \
+             --seqlen 2048 --algos gptq --error-samples 0 --workdir "$W" ;;
+    x2)
+      run x2 python3 benchmarks/distributed.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 \
+        --ranks 1,2 --error-samples 16 --llmcompressor 2 --workdir "$W"
+      rm -rf "$W"
+      run x2 python3 benchmarks/distributed.py --shape deepseek-v3 --layers 1 --samples 32 --seqlen 2048 \
+        --ranks 1,2 --error-samples 0 --memory-trace --workdir "$W" ;;
+    *) echo "unknown task: $task" >&2; exit 2 ;;
+  esac
+  rm -rf "$W"  # the machine's disk is 64 GB: one model at a time
+done
