@@ -142,6 +142,11 @@ def worker(a: argparse.Namespace) -> None:
         avg = prof.key_averages()
         tables = [avg.table(sort_by=sort, row_limit=25, max_name_column_width=60)
                   for sort in (["self_cuda_time_total"] if dev == "cuda" else []) + ["self_cpu_time_total"]]
+        # per phase (quantize's timed blocks): wall on the host vs kernel time on the device inside the range
+        phases = [e for e in avg if e.key.startswith("quant.")]
+        tables.append("phase                      calls   host ms   device ms\n" + "\n".join(
+            f"{e.key:26} {e.count:5d} {e.cpu_time_total / 1e3:9.1f} {getattr(e, 'device_time_total', 0) / 1e3:11.1f}"
+            for e in sorted(phases, key=lambda e: e.key)))
         out["torch_profile"] = world.all_gather_object("\n".join(tables))
     if a.memory_trace:  # what was live at each rank's peak, by the quant line that allocated it
         out["memory_trace"] = world.all_gather_object(trace.peak.table(top=15) if trace and trace.peak else "")

@@ -93,11 +93,13 @@ class LayerReport:
 
 @contextlib.contextmanager
 def _timed(report: LayerReport, field_name: str, device: torch.device):
-    """Add the block's wall time (after a device sync) to ``report.<field_name>``."""
+    """Add the block's wall time (after a device sync) to ``report.<field_name>``; under torch.profiler the block
+    is a range named ``quant.<field_name>`` (its host and device totals per phase)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    yield
+    with torch.profiler.record_function(f"quant.{field_name}"):
+        yield
     sync()
     setattr(report, field_name, getattr(report, field_name) + time.perf_counter() - t0)
 
