@@ -162,6 +162,7 @@ class Run:
     gpus: int
     awq_grid: int = 20
     solve_kernel: str = "fused"  # GPTQ's column loop (throughputs.SOLVE_KERNELS): "cuda-graph" for older records
+    statistics: str = "auto"  # quantize.statistics; a forecast is for GPUs, where auto means reduce
 
     @property
     def tokens(self) -> int:
@@ -196,6 +197,16 @@ def forward_transient(layer: LayerShape, run: Run, d: Dims, stats_blocks: int) -
         attention = tokens * d.heads * (2 * d.qk_head_dim + 2 * d.v_head_dim) * run.dtype_bytes
     block = min(STATS_BLOCK, tokens * d.top_k * max(d.hidden, 2 * layer.expert_in[1]))  # padded rows, capped
     return routed + attention + tokens * d.hidden * run.dtype_bytes * 4 + stats_blocks * block * run.dtype_bytes
+
+
+def _reduced(layer: LayerShape, run: Run) -> bool:
+    """Whether the ranks sum their own batches' statistics (quantize._LayerJob.reduces_statistics): every rank
+    then holds every expert's Hessians of the layer, which must fit one pass."""
+    from quant.quantize import expert_hessian_bytes
+
+    if run.gpus == 1 or run.algorithm != "gptq" or run.statistics == "ordered":
+        return False
+    return int(run.hessian_budget_gb * GB) // expert_hessian_bytes(*layer.expert_in) >= layer.n_experts
 
 
 def _expert_chunks(layer: LayerShape, run: Run) -> list[int]:
@@ -257,6 +268,8 @@ def quantize_memory(layer: LayerShape, run: Run, d: Dims) -> dict[str, float]:
     for count in chunks:  # a chunk's Hessians beside the codes of every expert solved so far
         done += count
         chunk_peak = max(chunk_peak, count * per_h + done * layer.expert_code_bytes)
+    if _reduced(layer, run):  # every expert's summed Hessians on every rank, beside this rank's codes
+        chunk_peak = layer.n_experts * per_h + sum(chunks) * layer.expert_code_bytes
     lin_h = sum(4 * in_f**2 for in_f, _ in layer.linear_groups) if run.hessians else 0.0
     experts, linears = _solve_sets(layer, run, max(chunks, default=0))
     factor = AWQ_FACTOR if run.algorithm == "awq" else SOLVE_FACTOR
@@ -296,7 +309,7 @@ def _run_of(recipe: Recipe, gpus: int, hessian_budget_gb: float | None = None,
     q, c = recipe.quantize, recipe.calibration
     return Run(c.n_samples, c.seq_len, q.batch_size, DTYPE_BYTES[recipe.model.dtype], q.algorithm,
                hessian_budget_gb or q.hessian_budget_gb, solve_budget_gb or q.solve_budget_gb, gpus, q.awq_grid,
-               solve_kernel)
+               solve_kernel, q.statistics)
 
 
 def profile_memory(layer: LayerShape, run: Run, d: Dims) -> dict[str, float]:

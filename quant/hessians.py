@@ -103,6 +103,15 @@ class LinearStats:
         self.channel.close()
         self._last[0] = self._last[1] = None
 
+    def reduce(self, world) -> None:
+        """Sum this accumulator over ranks (each rank summed its own batches: a ``local`` relay). Followers hold
+        no sums of their own."""
+        if self.leader is not None or self.sum is None or not world.distributed:
+            return
+        world.all_reduce_sum(self.sum)
+        world.all_reduce_sum(self.abs_sum)
+        self.n = int(world.all_reduce_sum(torch.tensor([self.n], dtype=torch.long, device=self.sum.device)).item())
+
     def hessian(self) -> torch.Tensor:
         if self.leader is not None:
             return self.leader.hessian()
@@ -196,6 +205,24 @@ class ExpertStats:
         if a is not None:
             _add_gram(self.sum_down, b, a)
             b.add_to(self.abs_down, a.abs().sum(dim=1, dtype=torch.float32))
+
+    def reduce(self, world) -> None:
+        """Sum every accumulator over ranks in place (each rank summed its own batches: a ``local`` relay)."""
+        if not world.distributed:
+            return
+        for t in (self.sum_gu, self.sum_down, self.abs_gu, self.abs_down, self.weight_sum, self.counts):
+            if t is not None:
+                world.all_reduce_sum(t)
+
+    def restrict(self, first: int, count: int) -> None:
+        """Keep experts ``first .. first + count - 1`` (within this range): views of their rows."""
+        assert self.first <= first and first + count <= self.first + self.count and not self._normalized
+        rows = slice(first - self.first, first - self.first + count)
+        for name in ("sum_gu", "sum_down", "abs_gu", "abs_down", "weight_sum", "counts"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t[rows])
+        self.first, self.count = first, count
 
     def mean_abs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """mean |x| per input channel, per expert: gate/up input ``[E, D]``, down input ``[E, I]``."""

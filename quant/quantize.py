@@ -155,9 +155,12 @@ class _LayerJob:
         makes as many passes as the rank with the most chunks (they run in lockstep). A pass's layer output is
         discarded, so the routed experts skip their computation in it (``ExpertsView.outputs_unused``).
         """
+        has_experts = self.view is not None and bool(self.experts_planned())
+        if self.reduces_statistics(has_experts):
+            self._run_reduced(lw, hidden, has_experts)
+            return
         relay = Relay(self.world)
         lin_stats = linear_stats(self.linears, relay)  # every rank: the solve groups are shared out afterwards
-        has_experts = self.view is not None and bool(self.experts_planned())
         chunks = [self.expert_chunks(r) if has_experts else [] for r in self.ranges]
         for i in range(max(1, *map(len, chunks))):
             relay = relay if i == 0 else Relay(self.world)
@@ -181,6 +184,44 @@ class _LayerJob:
                         self.run_experts(exp_stats)
                 del exp_stats
         with _timed(self.report, "solve_seconds", lw.device):
+            self.run_linears(lin_stats)
+
+    def reduces_statistics(self, has_experts: bool) -> bool:
+        """``quantize.statistics``: ``reduce`` (each rank sums its own batches, one all-reduce per layer; no
+        activations move between ranks) when every expert's Hessians fit one pass (``hessian_budget_gb``), else the
+        ``ordered`` relay (each rank receives its experts' routed tokens in global batch order: the one-process
+        sums bit for bit). ``auto``: reduce on GPUs (NCCL), where the solves' sub-batches already make codes differ
+        at rounding level between world sizes, ordered on CPUs (gloo)."""
+        mode = self.spec.statistics
+        if not self.world.distributed or mode == "ordered":
+            return False
+        if mode == "auto" and self.world.backend != "nccl":
+            return False
+        return not has_experts or len(self.expert_chunks(range(self.view.n_experts))) == 1
+
+    def _run_reduced(self, lw: Layerwise, hidden: torch.Tensor, has_experts: bool) -> None:
+        """One calibration pass over this rank's own batches for every statistic, summed over ranks once."""
+        log.info("layer %d: statistics of each rank's own batches, summed over %d ranks", self.idx, self.world.size)
+        relay = Relay(self.world, local=True)
+        lin_stats = linear_stats(self.linears, relay)
+        exp_stats = (ExpertStats(self.view, self.spec.gate_weighted, self.spec.all_experts, relay=relay)
+                     if has_experts else None)
+        with _timed(self.report, "stats_seconds", lw.device), _unused(self.view):
+            lw.run(self.layer, hidden)
+            for st in lin_stats.values():
+                st.remove()
+            agree_leaders(lin_stats, self.world)
+            for st in lin_stats.values():
+                st.reduce(self.world)
+            if exp_stats is not None:
+                exp_stats.remove()
+                exp_stats.reduce(self.world)
+                mine = self.ranges[self.world.rank]
+                exp_stats.restrict(mine.start, len(mine))
+        with _timed(self.report, "solve_seconds", lw.device):
+            if exp_stats is not None and exp_stats.count:
+                self.run_experts(exp_stats)
+            del exp_stats
             self.run_linears(lin_stats)
 
     def spec_of(self, name: str) -> QuantSpec:

@@ -235,6 +235,7 @@ class QuantizeSpec(_Strict):
     batch_size: int = Field(8, ge=1)
     hessian_budget_gb: float = Field(16.0, gt=0.0, le=MAX_GB)
     solve_budget_gb: float = Field(3.0, gt=0.0, le=MAX_GB)
+    statistics: Literal["auto", "ordered", "reduce"] = "auto"
 
     @field_validator("device")
     @classmethod

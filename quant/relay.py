@@ -7,7 +7,9 @@ global batch order. A consumer therefore accumulates exactly the sequence of add
 and its sums are bit-identical at any world size (the reason this exists rather than an all-reduce of partial
 sums, whose rounding depends on the split).
 
-With one rank ``put`` consumes at once (nothing is held back) and ``flush`` does nothing: one code path.
+With one rank ``put`` consumes at once (nothing is held back) and ``flush`` does nothing: one code path. A relay
+made ``local`` does the same at any world size: every rank consumes its own batches only, and the caller combines
+the ranks' partial sums after the pass (``quantize.statistics: reduce``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class Channel:
     def put(self, *tensors: torch.Tensor) -> None:
         if self.closed:
             return
-        if not self.relay.world.distributed:
+        if not self.relay.world.distributed or self.relay.local:
             if self.consume is not None:
                 self.consume(*tensors)
             return
@@ -51,8 +53,8 @@ class Relay:
     """The channels of one pass over the calibration batches. Every rank must create the same channels in the
     same order (same model code, same decisions) and call :meth:`flush` after every step, batch or not."""
 
-    def __init__(self, world: World):
-        self.world = world
+    def __init__(self, world: World, local: bool = False):
+        self.world, self.local = world, local
         self.channels: list[Channel] = []
 
     def channel(self, consume: Consume | None, consumers: set[int] | frozenset[int] | None = None) -> Channel:
@@ -65,7 +67,7 @@ class Relay:
 
     def flush(self) -> None:
         """Deliver this step's payloads: for each source rank in order, each channel in order."""
-        if not self.world.distributed:
+        if not self.world.distributed or self.local:
             return
         w = self.world
         local = [ch.pending for ch in self.channels]

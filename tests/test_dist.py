@@ -115,6 +115,20 @@ def _relay_order(world: World):
     return got_all, got_one
 
 
+def _local_relay(world: World):
+    """A ``local`` relay: every rank consumes its own batches at once, and flushing moves nothing (it would hang or
+    fail if ranks disagreed on collectives: rank 2 puts nothing at all)."""
+    got = []
+    relay = Relay(world, local=True)
+    ch = relay.channel(lambda t: got.append(int(t)))
+    for step in range(4):
+        b = step * world.size + world.rank
+        if world.rank != 2:
+            ch.put(torch.tensor(b))
+        relay.flush()
+    return got
+
+
 def _exchange(world: World):
     mine = {f"r{world.rank}.q": torch.full((3, 2), world.rank, dtype=torch.int8),
             f"r{world.rank}.s": torch.full((3,), world.rank + 0.5, dtype=torch.bfloat16)}
@@ -176,7 +190,7 @@ def _fingerprint(world: World):
     return got, src.fingerprint, hashed
 
 
-SCENARIOS = {"fingerprint": _fingerprint, "relay": _relay_order, "shared_read": _shared_read, "exchange": _exchange, "writer_error": _writer_error, "peer_dies": _peer_dies}
+SCENARIOS = {"fingerprint": _fingerprint, "relay": _relay_order, "local_relay": _local_relay, "shared_read": _shared_read, "exchange": _exchange, "writer_error": _writer_error, "peer_dies": _peer_dies}
 
 
 def _spawn(scenario: str, size: int = 3) -> dict[int, object]:
@@ -198,8 +212,8 @@ def _spawn(scenario: str, size: int = 3) -> dict[int, object]:
 @pytest.fixture(scope="module")
 def gloo_results():
     """One spawn per scenario, 3 gloo ranks each (a few seconds each)."""
-    return {name: _spawn(name) for name in ("relay", "exchange", "writer_error", "peer_dies", "shared_read",
-                                            "fingerprint")}
+    return {name: _spawn(name) for name in ("relay", "local_relay", "exchange", "writer_error", "peer_dies",
+                                            "shared_read", "fingerprint")}
 
 
 def test_the_model_is_hashed_by_the_writer_alone_and_its_fingerprint_reaches_every_rank(gloo_results):
@@ -218,6 +232,11 @@ def test_relay_delivers_in_global_batch_order_to_consumers_only(gloo_results):
         assert [b for b, _ in got_all] == list(range(10)), rank
         assert [s for _, s in got_all] == [[float(i) for i in range(b % 4)] for b in range(10)]
         assert got_one == ([0, 2, 4, 6, 8] if rank == 1 else [])
+
+
+def test_a_local_relay_keeps_each_ranks_batches_on_that_rank(gloo_results):
+    res = gloo_results["local_relay"]
+    assert res == {0: [0, 3, 6, 9], 1: [1, 4, 7, 10], 2: []}, res
 
 
 def test_exchange_tensors_gives_every_rank_the_union(gloo_results):

@@ -212,6 +212,29 @@ def test_more_gpus_split_expert_work_and_activations_not_the_layer(shapes_dir):
     assert q4.seconds < q1.seconds and q4.gpu_bytes < q1.gpu_bytes
 
 
+def test_reduced_statistics_hold_every_experts_hessians_on_each_rank(shapes_dir):
+    """Qwen3-30B-A3B at 2 GPUs: its 128 experts' Hessians (2.4 GB) fit one pass, so by default on GPUs each rank
+    sums its own batches for every expert (``quantize.statistics: reduce``) and holds all of them, as one GPU does;
+    ``ordered`` holds only the rank's 64. DeepSeek-V3's (56 GB) need chunks: ordered either way."""
+    from quant.quantize import expert_hessian_bytes
+
+    per = expert_hessian_bytes(2048, 768)
+    path = shapes_dir("qwen3-30b-a3b", 1)
+    src = load_headers(str(path))
+    hess = {}
+    for mode in ("auto", "reduce", "ordered"):
+        recipe = _bench_recipe(path, 256, "gptq", 3.0, f"quantize.statistics={mode}")
+        q = next(s for s in forecast(recipe, src, gpus=2, gpu_memory_gb=143).stages if s.stage == "quantize")
+        hess[mode] = q.parts["expert Hessians + codes"]
+    codes = hess["ordered"] - 64 * per
+    assert hess["auto"] == hess["reduce"] == pytest.approx(128 * per + codes) and 0 < codes < 64 * per
+    path = shapes_dir("deepseek-v3", 1)
+    dsv3 = [next(s for s in forecast(_bench_recipe(path, 32, "gptq", 3.0, f"quantize.statistics={m}"),
+                                     load_headers(str(path)), gpus=2, gpu_memory_gb=143).stages
+                 if s.stage == "quantize").parts["expert Hessians + codes"] for m in ("reduce", "ordered")]
+    assert dsv3[0] == dsv3[1]
+
+
 def test_export_divides_over_ranks_up_to_the_storage_bandwidth(shapes_dir):
     from quant.estimate import STORAGE_BYTES_PER_S
     from quant.throughputs import THROUGHPUTS
