@@ -130,7 +130,8 @@ def worker(a: argparse.Namespace) -> None:
     world.barrier()
     t0 = time.perf_counter()
     with CudaTrace() if a.memory_trace else contextlib.nullcontext() as trace, _torch_profile(a.torch_profile) as prof:
-        reports = quantize_model(src, calib, plan, QuantizeSpec(algorithm="gptq", device=dev, batch_size=a.batch),
+        reports = quantize_model(src, calib, plan, QuantizeSpec(algorithm="gptq", device=dev, batch_size=a.batch,
+                                                                statistics=a.statistics),
                                  Layerwise(src, "bfloat16", dev, a.batch, world=world), qdir)
     sync()
     world.barrier()
@@ -165,11 +166,13 @@ def worker(a: argparse.Namespace) -> None:
     exit_process(0)
 
 
-def launch(a: argparse.Namespace, n: int, model_dir: Path, work: Path) -> dict:
-    result, qdir = work / f"result-{n}.json", work / f"q-{n}"
+def launch(a: argparse.Namespace, n: int, model_dir: Path, work: Path, statistics: str = "auto") -> dict:
+    tag = f"{n}" if statistics == "auto" else f"{n}-{statistics}"
+    result, qdir = work / f"result-{tag}.json", work / f"q-{tag}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
            "--worker", "--shape", a.shape, "--samples", str(a.samples), "--seqlen", str(a.seqlen), "--batch",
-           str(a.batch), "--model-dir", str(model_dir), "--qdir", str(qdir), "--result", str(result)] + (
+           str(a.batch), "--model-dir", str(model_dir), "--qdir", str(qdir), "--result", str(result),
+           "--statistics", statistics] + (
                ["--memory-trace"] if a.memory_trace else []) + (["--torch-profile"] if a.torch_profile else [])
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n))} if torch.cuda.is_available() \
         else dict(os.environ)
@@ -222,6 +225,8 @@ def main() -> None:
     ap.add_argument("--llmc-worker", action="store_true")
     ap.add_argument("--model-dir", default="")
     ap.add_argument("--qdir", default="")
+    ap.add_argument("--statistics", default="auto", help="quantize.statistics; a comma list (auto,ordered,reduce) "
+                    "runs each rank count > 1 once per mode")
     ap.add_argument("--result", default="")
     a = ap.parse_args()
     if a.worker:
@@ -237,9 +242,11 @@ def main() -> None:
     say(step="build", s=round(time.perf_counter() - t0, 1), gpus=torch.cuda.device_count())
     rows = []
     for n in [int(x) for x in a.ranks.split(",")]:
-        r = launch(a, n, model_dir, work)
-        say(**r)
-        rows.append(r)
+        for mode in a.statistics.split(",") if n > 1 else ["auto"]:
+            r = launch(a, n, model_dir, work, mode)
+            r["statistics"] = mode
+            say(**r)
+            rows.append(r)
     base = Path(rows[0]["qdir"])
     for r in rows:
         r["identical_layer_files"] = same_codes(base, Path(r["qdir"]))
@@ -252,15 +259,15 @@ def main() -> None:
             from quant.plan import BitPlan
 
             plan = BitPlan.load(Path(r["qdir"] + ".plan.json"))
-            ckpt = write_compressed_tensors(src, plan, Path(r["qdir"]), work / f"ckpt-{r['ranks']}", 20 << 30)
+            ckpt = write_compressed_tensors(src, plan, Path(r["qdir"]), work / f"ckpt-{Path(r['qdir']).name}", 20 << 30)
             errs = layer_errors(src, dequantized(ckpt, work), calib.tokens[: a.error_samples], a.batch)
             r["mean_rel_layer_error"] = sum(errs) / len(errs)
-            say(ranks=r["ranks"], rel_layer_error=errs)
-    print(f"\n{'GPUs':>4} {'s/layer':>8} {'stats':>7} {'solve':>7} {'fwd':>7} {'profile s':>9} {'peak GB/rank':>16} "
+            say(ranks=r["ranks"], statistics=r["statistics"], rel_layer_error=errs)
+    print(f"\n{'GPUs':>4} {'stats mode':>10} {'s/layer':>8} {'stats':>7} {'solve':>7} {'fwd':>7} {'profile s':>9} {'peak GB/rank':>16} "
           f"{'same codes':>10} {'rel err':>8}")
     for r in rows:
         same = "{}/{}".format(*r["identical_layer_files"])
-        print(f"{r['ranks']:>4} {r['s_per_layer']:8.2f} {r['stats_s_per_layer']:7.2f} {r['solve_s_per_layer']:7.2f} "
+        print(f"{r['ranks']:>4} {r['statistics']:>10} {r['s_per_layer']:8.2f} {r['stats_s_per_layer']:7.2f} {r['solve_s_per_layer']:7.2f} "
               f"{r['forward_s_per_layer']:7.2f} {r['profile_s']:9.2f} {str(r['peak_gpu_gb_per_rank']):>16} "
               f"{same:>10} {r.get('mean_rel_layer_error', float('nan')):8.4f}")
     for r in rows:
@@ -277,7 +284,8 @@ def main() -> None:
                   f"GB per rank {llmc['peak_gpu_gb_per_rank']}, rel err {llmc.get('mean_rel_layer_error', float('nan')):.4f}" + (
                       f"; quant {llmc['s_per_layer'] / mine['s_per_layer']:.1f}x faster per layer" if mine else ""))
     for r in rows[1:]:
-        print(f"{r['ranks']} GPUs vs 1: {rows[0]['s_per_layer'] / r['s_per_layer']:.2f}x per layer (quantize), "
+        print(f"{r['ranks']} GPUs ({r['statistics']} statistics) vs 1: {rows[0]['s_per_layer'] / r['s_per_layer']:.2f}x "
+              "per layer (quantize), "
               f"{rows[0]['profile_s'] / r['profile_s']:.2f}x profile")
 
 

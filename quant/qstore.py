@@ -37,14 +37,14 @@ def packs(spec: QuantSpec, n_in: int) -> bool:
 
 
 def pack_codes(q: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """int8 codes ``[out, in]`` (``in`` even) -> ``uint8 [out, in / 2]``, on ``q``'s device."""
+    """int8 codes ``[..., in]`` (``in`` even) -> ``uint8 [..., in / 2]``, on ``q``'s device."""
     u = (q - spec.qmin).view(torch.uint8)  # codes of <= 4 bits: -qmin <= 8, no int8 overflow
-    return u[:, 0::2] | (u[:, 1::2] << 4)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
 
 
 def unpack_codes(p: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: int8 ``[out, 2 * p.shape[1]]``."""
-    u = torch.stack((p & 15, p >> 4), dim=-1).reshape(p.shape[0], -1)
+    """Inverse of :func:`pack_codes`: int8 ``[..., 2 * p.shape[-1]]``."""
+    u = torch.stack((p & 15, p >> 4), dim=-1).reshape(*p.shape[:-1], -1)
     return u.view(torch.int8) + spec.qmin
 
 
@@ -58,6 +58,11 @@ def packed_words(qw: QuantizedWeight) -> torch.Tensor | None:
     return None
 
 
+def codes_numel(qw: QuantizedWeight) -> int:
+    """Number of codes (weights) of ``qw``, whether its codes are packed two a byte or not."""
+    return qw.q.numel() * (2 if qw.q.dtype == torch.uint8 else 1)
+
+
 def with_codes(qw: QuantizedWeight) -> QuantizedWeight:
     """``qw`` with int8 codes ``[out, in]``, unpacking codes the store kept two a byte."""
     return QuantizedWeight(unpack_codes(qw.q, qw.spec), qw.scale, qw.zero, qw.spec) if qw.q.dtype == torch.uint8 else qw
@@ -68,7 +73,8 @@ def stored_tensors(weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tenso
     tensors = {}
     for name, qw in weights.items():
         assert qw.q.ndim == 2, f"{name}: store one module per entry, got {tuple(qw.q.shape)}"
-        tensors[f"{name}.q"] = pack_codes(qw.q, qw.spec) if packs(qw.spec, qw.q.shape[1]) else qw.q.contiguous()
+        packable = qw.q.dtype == torch.int8 and packs(qw.spec, qw.q.shape[1])  # uint8: packed already
+        tensors[f"{name}.q"] = pack_codes(qw.q, qw.spec) if packable else qw.q.contiguous()
         tensors[f"{name}.scale"] = qw.scale.contiguous()
         if qw.zero is not None:
             tensors[f"{name}.zero"] = qw.zero.contiguous()
@@ -146,7 +152,8 @@ def _header(f) -> dict:
 
 
 def dequantize_2d(qw: QuantizedWeight) -> torch.Tensor:
-    """``[out, in]`` dequantized weight of a stored module (in the scale's dtype)."""
+    """``[out, in]`` dequantized weight of a stored module (in the scale's dtype; codes packed or not)."""
+    qw = with_codes(qw)
     return QuantizedWeight(qw.q[None], qw.scale[None], None if qw.zero is None else qw.zero[None],
                            qw.spec).dequantize()[0]
 

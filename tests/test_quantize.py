@@ -298,3 +298,30 @@ def test_slice_sums_equal_direct_sums_per_module():
         want = v[:, b, r].sum(dim=1)
         assert torch.allclose(got[p], want, rtol=1e-12, atol=0, equal_nan=True), (b, r)
     assert torch.isnan(got[5]).all() and not torch.isnan(got[:5]).any()
+
+
+def test_codes_wait_for_the_writer_two_a_byte(setup, tmp_path, monkeypatch):
+    """A layer's solved codes stay on the device until its file is written; W4 codes are kept packed two a byte
+    from the moment they are recorded (half the memory: 5.7 instead of 11.3 GB at a DeepSeek-V3 layer's end), W8
+    codes as int8, and the file holds the same codes."""
+    from quant import quantize as qz
+    from quant.qstore import unpack_codes
+
+    submitted = {}
+    real = qz.LayerWriter.submit
+
+    def spy(self, path, results, params, report=None):
+        submitted[path.name] = dict(results)
+        return real(self, path, results, params, report)
+
+    monkeypatch.setattr(qz.LayerWriter, "submit", spy)
+    _, out, _ = _quantize(setup, tmp_path, "packed")
+    bits = set()
+    for name, results in submitted.items():
+        stored = read_layer(out / name)
+        for module, qw in results.items():
+            bits.add(qw.spec.bits)
+            assert qw.q.dtype == (torch.uint8 if qw.spec.bits == 4 else torch.int8), module
+            codes = unpack_codes(qw.q, qw.spec) if qw.q.dtype == torch.uint8 else qw.q
+            assert torch.equal(codes, stored[module].q), module
+    assert bits == {4, 8}
