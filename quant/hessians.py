@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from quant.dist import SINGLE
+from quant.hostsync import on_device
 from quant.models.layers import ExpertsView
 from quant.relay import Relay
 from quant.routing import Bucket, chunk_budget, count_ids, expert_intermediate, load_buckets, with_zero_row
@@ -110,7 +111,7 @@ class LinearStats:
             return
         world.all_reduce_sum(self.sum)
         world.all_reduce_sum(self.abs_sum)
-        self.n = int(world.all_reduce_sum(torch.tensor([self.n], dtype=torch.long, device=self.sum.device)).item())
+        self.n = int(world.all_reduce_sum(on_device([self.n], self.sum.device)).item())
 
     def hessian(self) -> torch.Tensor:
         if self.leader is not None:
