@@ -189,3 +189,37 @@ def test_gpu_chunked_search_equals_whole_and_the_cpu(shared: bool) -> None:
     torch.testing.assert_close(whole.scales.cpu(), cpu.scales, rtol=1e-5, atol=0)
     assert (whole.weight.q.cpu() != cpu.weight.q).float().mean() < 1e-3
     torch.testing.assert_close(whole.error.cpu(), cpu.error, rtol=1e-3, atol=0)
+
+
+def test_split_products_match_fp64_to_1e5():
+    """Three bf16 products of the split operands (what the GPU runs on its tensor cores) agree with the fp64
+    product to ~1e-5 relative; a single bf16 product is off by ~1e-3."""
+    from quant.algos.awq import _split, split_bmm
+
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(3, 64, 256, generator=g), torch.randn(3, 256, 48, generator=g)
+    exact = torch.bmm(a.double(), b.double())
+    rel = ((split_bmm(_split(a), _split(b)).double() - exact).norm() / exact.norm()).item()
+    single = ((torch.bmm(a.bfloat16().float(), b.bfloat16().float()).double() - exact).norm() / exact.norm()).item()
+    assert rel < 3e-5 and single > 1e-3, (rel, single)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_split_trial_errors_pick_what_fp32_picks(shared: bool):
+    """The GPU's trial errors (split products, ``x (Q(W·s)/s − W)ᵀ``) equal the fp32 ones to 1e-4 relative on
+    Hessian rows (``x = Lᵀ``, as quantize passes them) and on activations, and the search picks the same α."""
+    from quant.algos.awq import smoothing_grid, trial_errors
+    from quant.smooth import rows_from_hessian
+
+    w, x = weights(), outlier_activations()
+    rows = rows_from_hessian(x.transpose(1, 2) @ x)
+    for xs in (x, rows):
+        part = AWQExtra(w, xs, torch.ones(xs.shape[:2], dtype=torch.bool), SPEC)
+        means = x.abs().mean(dim=1)
+        means = means.mean(0, keepdim=True) if shared else means
+        _, grid = smoothing_grid(means, 20)
+        fp32 = trial_errors(part, grid, torch.bfloat16, shared, split=False)
+        fast = trial_errors(part, grid, torch.bfloat16, shared, split=True)
+        torch.testing.assert_close(fast, fp32, rtol=1e-4, atol=0)
+        pick = (lambda e: e.sum(1).argmin()) if shared else (lambda e: e.argmin(0))
+        assert torch.equal(pick(fast), pick(fp32))
