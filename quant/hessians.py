@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from quant.dist import SINGLE
-from quant.hostsync import on_device
+from quant.hostsync import HostCopy, on_device
 from quant.models.layers import ExpertsView
 from quant.relay import Relay
 from quant.routing import Bucket, chunk_budget, count_ids, expert_intermediate, load_buckets, with_zero_row
@@ -172,17 +172,35 @@ class ExpertStats:
         self.weight_sum = torch.zeros(E, dtype=torch.float64, device=dev)
         self.counts = torch.zeros(E, dtype=torch.long, device=dev)
         self._normalized = False
+        self._pending: tuple | None = None
         self.channel = relay.channel(self._consume if count else None, consumers)
         self.handle = view.on_route(self.channel.put)
 
     def _consume(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
+        """Count the batch's routing now and start its counts' copy to the host; its sums are added when the next
+        batch arrives (or at :meth:`remove`): cutting the buckets needs the counts on the host, and reading them at
+        once would make the host wait for the GPU every batch. The batches' order is kept, so are the sums."""
         E = self.view.n_experts
-        self.counts += count_ids(idx, E)[self.first : self.first + self.count]
+        routed = count_ids(idx, E)
+        self.counts += routed[self.first : self.first + self.count]
         if self.all_experts:
             idx = torch.arange(E, device=idx.device).expand(x.shape[0], E)
             w = torch.ones(idx.shape, dtype=x.dtype, device=x.device)
+            routed = count_ids(idx, E)
+        previous, self._pending = self._pending, (x, idx, w, HostCopy(routed))
+        if previous is not None:
+            self._add_batch(*previous)
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._add_batch(*pending)
+
+    @torch.no_grad()  # also when the last batch is added at remove(), outside the caller's forward
+    def _add_batch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, host: HostCopy) -> None:
+        E = self.view.n_experts
         width = max(self.view.gate_up.shape[1:])
-        _, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device))
+        _, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device), host=host.tolist())
         x_padded = with_zero_row(x)
         for bucket in buckets:
             mine = bucket.restrict(self.first, self.count)
@@ -209,6 +227,7 @@ class ExpertStats:
 
     def reduce(self, world) -> None:
         """Sum every accumulator over ranks in place (each rank summed its own batches: a ``local`` relay)."""
+        self._flush()
         if not world.distributed:
             return
         for t in (self.sum_gu, self.sum_down, self.abs_gu, self.abs_down, self.weight_sum, self.counts):
@@ -217,6 +236,7 @@ class ExpertStats:
 
     def restrict(self, first: int, count: int) -> None:
         """Keep experts ``first .. first + count - 1`` (within this range): views of their rows."""
+        self._flush()
         assert self.first <= first and first + count <= self.first + self.count and not self._normalized
         rows = slice(first - self.first, first - self.first + count)
         for name in ("sum_gu", "sum_down", "abs_gu", "abs_down", "weight_sum", "counts"):
@@ -227,6 +247,7 @@ class ExpertStats:
 
     def mean_abs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """mean |x| per input channel, per expert: gate/up input ``[E, D]``, down input ``[E, I]``."""
+        self._flush()
         denom = self.weight_sum.clamp_min(1e-12).float()[:, None]
         return self.abs_gu / denom, self.abs_down / denom
 
@@ -234,6 +255,7 @@ class ExpertStats:
         """``Σ x xᵀ / Σ weight`` per expert, normalized in place: the sums become the Hessians (a second copy was
         the largest single term at the GPTQ peak, 15.8 GB on a DeepSeek-V3 chunk). Call after the pass; later
         calls return the same tensors."""
+        self._flush()
         if not self._normalized:
             denom = self.weight_sum.clamp_min(1e-12).float().view(-1, 1, 1)
             self.sum_gu.div_(denom)
@@ -243,5 +265,7 @@ class ExpertStats:
         return self.sum_gu, self.sum_down
 
     def remove(self) -> None:
+        """End the pass: no more batches; the last one's sums are added."""
         self.handle.remove()
         self.channel.close()
+        self._flush()

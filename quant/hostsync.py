@@ -105,3 +105,23 @@ def on_device(values, device: torch.device | str, dtype: torch.dtype = torch.lon
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's values for the host, without waiting now: a non-blocking copy into page-locked memory and
+    an event. :meth:`tolist` waits for that copy alone, so a consumer that asks one batch later (after the next
+    batch's kernels were queued) finds it done and the GPU never drains. On a CPU it is the tensor itself."""
+
+    def __init__(self, t: torch.Tensor):
+        if t.is_cuda:
+            self.values = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.values.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values, self.event = t, None
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.values.tolist()

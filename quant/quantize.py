@@ -173,12 +173,13 @@ class _LayerJob:
                                         relay=relay, consumers=consumers)
             with _timed(self.report, "stats_seconds", lw.device), _unused(self.view):
                 lw.run(self.layer, hidden, after_step=relay.flush)
+                if exp_stats is not None:
+                    exp_stats.remove()  # the last batch's sums are added here
             if i == 0:
                 for st in lin_stats.values():
                     st.remove()
                 agree_leaders(lin_stats, self.world)
             if exp_stats is not None:
-                exp_stats.remove()
                 if exp_stats.count:
                     with _timed(self.report, "solve_seconds", lw.device):
                         self.run_experts(exp_stats)

@@ -97,3 +97,25 @@ def test_on_device_copies_from_page_locked_memory_without_a_sync():
     t = on_device(list(range(1000)), dev)
     assert not torch.cuda.current_stream().query()  # the host did not wait for the queued work
     assert t.device.type == "cuda" and t.tolist() == list(range(1000))
+
+
+def test_host_copy_of_a_cpu_tensor_is_the_tensor():
+    from quant.hostsync import HostCopy
+
+    t = torch.tensor([3, 1, 2])
+    c = HostCopy(t)
+    assert c.values is t and c.tolist() == [3, 1, 2]
+
+
+@pytest.mark.gpu
+def test_host_copy_starts_without_waiting_and_reads_the_values():
+    from quant.hostsync import HostCopy
+
+    dev = torch.device("cuda")
+    busy = torch.randn(4096, 4096, device=dev)
+    for _ in range(20):
+        busy = busy @ busy / 64
+    counts = torch.arange(7, device=dev) * busy[0, 0].isfinite().long()  # computed after the queued work
+    c = HostCopy(counts)
+    assert not torch.cuda.current_stream().query()  # queued, not waited for
+    assert c.tolist() == list(range(7))
