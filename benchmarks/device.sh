@@ -13,7 +13,8 @@
 #   profile    the profile stage: Qwen3 2 layers x 512 samples, DeepSeek-V3 2 layers x 256 samples
 #   dsv3       DeepSeek-V3 layer, 32 x 2048: GPTQ and AWQ, each with the allocator's history at its peak
 #   e2e48      48 virtual Qwen3-30B-A3B layers, 512 x 2048, profile + quantize + export end to end
-#   x2         (2 GPUs) 1 vs 2 ranks on both shapes, llm-compressor's distributed oneshot on 2 GPUs
+#   x2         (2 GPUs) 1 vs 2 ranks on both shapes (Qwen3: ordered and reduce statistics), llm-compressor's
+#              distributed oneshot on 2 GPUs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
@@ -57,7 +58,7 @@ for task in "$@"; do
              --seqlen 2048 --algos gptq --error-samples 0 --workdir "$W" ;;
     x2)
       run x2 python3 benchmarks/distributed.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 \
-        --ranks 1,2 --error-samples 16 --llmcompressor 2 --workdir "$W"
+        --ranks 1,2 --statistics ordered,reduce --error-samples 16 --llmcompressor 2 --workdir "$W"
       rm -rf "$W"
       run x2 python3 benchmarks/distributed.py --shape deepseek-v3 --layers 1 --samples 32 --seqlen 2048 \
         --ranks 1,2 --error-samples 0 --memory-trace --workdir "$W" ;;
