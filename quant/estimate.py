@@ -24,7 +24,8 @@ GPTQ's solve from its fp32 work at the fused column loop's rate, AWQ's search fr
 out over ranks, so each rank holds 1/N of the activations and runs 1/N of the forward passes; every rank holds the
 whole layer and the non-expert modules' input Hessians, whose solves are shared out (the worst rank is assumed to
 solve them all). GPTQ and RTN divide the experts (their statistics, Hessians, solves and codes) over ranks; AWQ
-runs replicated (quant/smooth.py): every rank accumulates and searches every expert from every rank's batches.
+divides its searches over ranks but every rank accumulates every expert's statistics from every rank's batches
+(quant/smooth.py), so its Hessian chunks and passes are the one-GPU run's.
 Export's shard files are divided over ranks, each at the one-GPU rate, up to an assumed storage bandwidth
 (``STORAGE_BYTES_PER_S``). Eval dispatches the model over the N GPUs.
 """
@@ -174,7 +175,7 @@ class Run:
 
     @property
     def expert_ranks(self) -> int:
-        """Ranks the experts are divided over: AWQ runs replicated (every rank searches every expert)."""
+        """Ranks the experts' statistics are divided over: AWQ's are replicated (its searches are divided)."""
         return 1 if self.algorithm == "awq" else self.gpus
 
 
@@ -298,7 +299,7 @@ def quantize_seconds(layer: LayerShape, run: Run, d: Dims) -> float:
             + max(len(chunks), 1) * run.tokens * layer.active_params / run.gpus)
     problems = _solve_problems(layer, run, d, chunks)
     if run.algorithm == "awq":
-        solve = awq_search_seconds(problems, run.awq_grid)
+        solve = awq_search_seconds(problems, run.awq_grid) / run.gpus  # each rank searches its share
     else:
         solve = gptq_solve_seconds(problems, run.solve_kernel)
     return seconds + macs / t["stats_macs_per_s"] + solve
@@ -505,7 +506,8 @@ def render(f: Forecast, recipe: Recipe) -> str:
         lines.append("budgets: no quantize.hessian_budget_gb / solve_budget_gb fits the card")
     ranks = ""
     if f.gpus > 1:
-        experts = "AWQ replicated on every rank" if q.algorithm == "awq" else "experts divided over ranks"
+        experts = ("AWQ searches divided over ranks, its statistics replicated on every rank" if q.algorithm == "awq"
+                   else "experts divided over ranks")
         ranks = f"{experts}, every rank holds the layer and its share of the batches; "
     lines.append(f"assumes: {ranks}time from one H200's throughputs (BENCHMARKS.md)")
     return "\n".join(lines)

@@ -12,7 +12,10 @@ first onto the least-loaded rank). Calibration batches run data-parallel and ``q
 experts' routed tokens (and every rank the other modules' inputs) in global batch order, so every Hessian, and
 so every code, is the one a single process computes. Owners exchange codes (``World.exchange_tensors``), every
 rank puts the dequantized layer together and propagates its own batches; only the writer writes the layer file.
-AWQ runs replicated (every rank computes the whole layer) for now.
+With ``quantize.statistics: reduce`` each rank instead sums its own batches and the sums are all-reduced once a
+layer. AWQ: every rank accumulates every expert's statistics (every batch, ordered), searches and quantizes its own
+experts (the shared gate/up search's error tables are gathered in expert order before the pick), and the codes are
+exchanged as GPTQ's.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ class _LayerJob:
         self.view: ExpertsView | None = experts_of(source, layer, idx)
         self.results: dict[str, QuantizedWeight] = {}
         self.report = LayerReport(idx)
-        self.replicated = plan.algorithm == "awq"  # every rank computes the whole layer
+        self.replicated = False  # True: every rank would compute the whole layer (no algorithm needs it now)
         n_experts = self.view.n_experts if self.view is not None and self.experts_planned() else 0
         size = 1 if self.replicated else world.size
         self.ranges = even_ranges(n_experts, size) * (world.size if self.replicated else 1)

@@ -65,17 +65,23 @@ def _in_chunk(experts: list[int], stats: ExpertStats) -> list[int]:
     return [e for e in experts if stats.first <= e < stats.first + stats.count]
 
 
+def _mine(job, experts: list[int]) -> list[int]:
+    """The experts this rank searches and quantizes (its range of ``job.ranges``; all of them in a world of one)."""
+    r = job.ranges[job.world.rank]
+    return [e for e in experts if r.start <= e < r.stop]
+
+
 def _local(experts: list[int], stats: ExpertStats) -> torch.Tensor:
     return on_device([e - stats.first for e in experts], stats.weight_sum.device)
 
 
 def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
-    """Per-expert s for the chunk's down_proj, folded into that expert's up rows."""
+    """Per-expert s for the chunk's down_proj of this rank's experts, folded into that expert's up rows."""
     v, I = job.view, job.view.intermediate
     for (proj, spec, _few), experts in groups.items():
         if proj != "down":
             continue
-        for sub in _sub_batches(job, _in_chunk(experts, stats), v.down):
+        for sub in _sub_batches(job, _mine(job, _in_chunk(experts, stats)), v.down):
             sel, local = on_device(sub, v.down.device), _local(sub, stats)
             denom = stats.weight_sum[local].clamp_min(1e-12).float()
             H = stats.sum_down[local] / denom[:, None, None]
@@ -94,7 +100,9 @@ class _GateUpSearch:
     follow the last chunk. An expert's errors depend on that expert alone and the tables are joined in expert
     order, so the result is the one a search over all experts at once gives. The largest (spec, experts) group is
     searched, the second counts in the loss with its own spec (a shared s, as for the shared expert's extra), a
-    third spec is quantized with the s found, unsearched.
+    third spec is quantized with the s found, unsearched. With several ranks each rank computes its own experts'
+    errors (``job.ranges``) and the tables are gathered in expert order before the pick, the same on every rank;
+    each rank then quantizes its own experts.
     """
 
     def __init__(self, job, totals: ExpertStats, groups: dict):
@@ -109,7 +117,7 @@ class _GateUpSearch:
     def add(self, stats: ExpertStats) -> None:
         v = self.job.view
         for table, (spec, experts) in zip(self.tables, self.searched, strict=True):
-            for sub in _sub_batches(self.job, _in_chunk(experts, stats), v.gate_up):
+            for sub in _sub_batches(self.job, _mine(self.job, _in_chunk(experts, stats)), v.gate_up):
                 x = rows_from_hessian(stats.sum_gu[_local(sub, stats)])
                 part = AWQExtra(v.gate_up.data[on_device(sub, x.device)], x,
                                 torch.ones(x.shape[:2], dtype=torch.bool, device=x.device), spec)
@@ -120,13 +128,25 @@ class _GateUpSearch:
         v = self.job.view
         if not self.searched:
             return torch.ones(v.gate_up.shape[2], device=v.gate_up.device)
-        s = pick_scales([torch.cat(t, dim=1) for t in self.tables], self.s_grid, shared=True)[0]  # [1, D]
+        s = pick_scales(self._gathered(), self.s_grid, shared=True)[0]  # [1, D]
         for spec, experts in self.searched + self.rest:
-            for sub in _sub_batches(self.job, experts, v.gate_up):
+            for sub in _sub_batches(self.job, _mine(self.job, experts), v.gate_up):
                 w = v.gate_up.data[on_device(sub, s.device)]
                 _write_gate_up(self.job, sub, quantize_scaled(w, s, spec, v.gate_up.dtype),
                                v.intermediate)
         return s[0]
+
+
+    def _gathered(self) -> list[torch.Tensor]:
+        """Each searched group's errors ``[n_grid, experts]`` of every rank, in expert order (ranks own ascending
+        ranges), identical on every rank."""
+        n_grid = self.s_grid.shape[0]
+        mine = [torch.cat(t, dim=1) if t else torch.zeros(n_grid, 0, device=self.s_grid.device) for t in self.tables]
+        world = self.job.world
+        if not world.distributed:
+            return mine
+        parts = world.all_gather_object([t.cpu() for t in mine])
+        return [torch.cat([rank[i] for rank in parts], dim=1).to(self.s_grid.device) for i in range(len(mine))]
 
 
 def _close_linear_stats(lin_stats: dict[str, LinearStats], world) -> None:
@@ -139,7 +159,8 @@ def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay)
     """One calibration pass per expert chunk (``job.expert_chunks``: their Hessians fit ``hessian_budget_gb``);
     the first pass (on ``relay``, which the linears' statistics use) also takes the linears' statistics and every
     expert's counts and gate/up ``Σ |x|`` (the plan's token floor and the shared search's grid need all experts).
-    Every rank consumes every batch of every pass (AWQ runs replicated). Folds and writes the routed experts;
+    Every rank consumes every batch of every pass (the statistics are replicated); it searches, folds and writes
+    its own experts (``job.ranges``), the other ranks' arrive with the codes exchange. Folds and writes the routed experts;
     returns the gate/up s, still to be folded into the norm and the routed experts' readers.
 
     Folding a chunk changes only its experts, which feed neither another chunk's gate/up input (the
@@ -208,7 +229,7 @@ def _smooth_linears(job, names: list[str], lin_stats: dict[str, LinearStats], s:
 def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
     """AWQ for the planned modules of ``job``'s layer; returns the changed kept parameters."""
     sites = smoothing_sites(job.source, job.layer, job.idx, set(job.mods))
-    relay = Relay(lw.world)  # every rank consumes every batch: AWQ runs replicated
+    relay = Relay(lw.world)  # every rank consumes every batch: AWQ's statistics are replicated
     lin_stats = linear_stats(job.linears, relay)
     params: dict[str, torch.Tensor] = {}
     routed = job.view is not None and bool(job.experts_planned())

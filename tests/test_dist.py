@@ -129,6 +129,35 @@ def _local_relay(world: World):
     return got
 
 
+def _awq_split(world: World):
+    """AWQ on layer 0 of a builtin model at 3 ranks: which experts each rank searched and quantized (before the
+    codes exchange), and its range."""
+    from transformers import AutoTokenizer
+
+    from quant.calibration import build_calibration
+    from quant.layerwise import Layerwise
+    from quant.models import resolve_model
+    from quant.plan import plan_bits
+    from quant.profile import profile_routing
+    from quant.quantize import _LayerJob
+    from quant.recipe import PlanSpec, QuantizeSpec
+    from quant.smooth import run_awq
+
+    src = resolve_model("builtin:qwen3-moe-tiny")
+    calib = build_calibration(str(Path(__file__).parents[1] / "calibration" / "bundled.yaml"),
+                              AutoTokenizer.from_pretrained(src.path), 8, 32, 0)
+    lw = Layerwise(src, "float32", "cpu", 2, world=world)
+    plan = plan_bits(profile_routing(src, calib, lw), src.modules, PlanSpec(group_size=32, symmetric=False), "awq",
+                     src.n_layers)
+    hidden = lw.embed(calib.tokens)
+    with lw.layer(0) as layer:
+        job = _LayerJob(src, plan, QuantizeSpec(algorithm="awq"), 0, layer, world)
+        run_awq(job, lw, hidden)
+        experts = sorted({int(n.split(".")[3]) for n in job.results if ".experts." in n})
+        r = job.ranges[world.rank]
+        return experts, (r.start, r.stop), job.view.n_experts
+
+
 def _exchange(world: World):
     mine = {f"r{world.rank}.q": torch.full((3, 2), world.rank, dtype=torch.int8),
             f"r{world.rank}.s": torch.full((3,), world.rank + 0.5, dtype=torch.bfloat16)}
@@ -190,7 +219,7 @@ def _fingerprint(world: World):
     return got, src.fingerprint, hashed
 
 
-SCENARIOS = {"fingerprint": _fingerprint, "relay": _relay_order, "local_relay": _local_relay, "shared_read": _shared_read, "exchange": _exchange, "writer_error": _writer_error, "peer_dies": _peer_dies}
+SCENARIOS = {"fingerprint": _fingerprint, "relay": _relay_order, "local_relay": _local_relay, "awq_split": _awq_split, "shared_read": _shared_read, "exchange": _exchange, "writer_error": _writer_error, "peer_dies": _peer_dies}
 
 
 def _spawn(scenario: str, size: int = 3) -> dict[int, object]:
@@ -213,7 +242,7 @@ def _spawn(scenario: str, size: int = 3) -> dict[int, object]:
 def gloo_results():
     """One spawn per scenario, 3 gloo ranks each (a few seconds each)."""
     return {name: _spawn(name) for name in ("relay", "local_relay", "exchange", "writer_error", "peer_dies",
-                                            "shared_read", "fingerprint")}
+                                            "shared_read", "fingerprint", "awq_split")}
 
 
 def test_the_model_is_hashed_by_the_writer_alone_and_its_fingerprint_reaches_every_rank(gloo_results):
@@ -237,6 +266,20 @@ def test_relay_delivers_in_global_batch_order_to_consumers_only(gloo_results):
 def test_a_local_relay_keeps_each_ranks_batches_on_that_rank(gloo_results):
     res = gloo_results["local_relay"]
     assert res == {0: [0, 3, 6, 9], 1: [1, 4, 7, 10], 2: []}, res
+
+
+def test_awq_ranks_search_their_own_experts_only(gloo_results):
+    """AWQ divides its searches: before the codes exchange each rank holds codes of its own experts only, and the
+    ranks' ranges cover every expert once (the checkpoint equals one process's: tests/integration)."""
+    res = gloo_results["awq_split"]
+    assert all(not isinstance(res[r][0], str) for r in range(3)), res
+    n = res[0][2]
+    covered = []
+    for rank in range(3):
+        experts, (lo, hi), _ = res[rank]
+        assert experts == list(range(lo, hi)), (rank, experts, lo, hi)
+        covered += experts
+    assert covered == list(range(n))
 
 
 def test_exchange_tensors_gives_every_rank_the_union(gloo_results):

@@ -248,10 +248,10 @@ def test_export_divides_over_ranks_up_to_the_storage_bandwidth(shapes_dir):
     assert e64.seconds == pytest.approx(e1.disk_bytes / STORAGE_BYTES_PER_S)  # 64 x 0.34 GB/s is past the storage
 
 
-def test_more_gpus_keep_awq_replicated(shapes_dir):
-    """AWQ runs replicated (quant/smooth.py): at 4 GPUs each rank still holds every expert's statistics chunks and
-    searches every expert (same expert memory, same solve time); only its share of the batches' activations and
-    forward passes shrinks. The rendered assumptions say so."""
+def test_more_gpus_divide_awq_searches_not_its_statistics(shapes_dir):
+    """AWQ (quant/smooth.py): at 4 GPUs each rank still holds every expert's statistics chunks (same expert
+    memory, same passes) but searches a quarter of the experts; its share of the batches' activations and forward
+    passes shrinks too. The rendered assumptions say so."""
     path = shapes_dir("deepseek-v3", 1)
     recipe, src = _bench_recipe(path, 32, "awq", 3.0), load_headers(str(path))
     one, four = forecast(recipe, src, gpus=1, gpu_memory_gb=143), forecast(recipe, src, gpus=4, gpu_memory_gb=143)
@@ -259,9 +259,8 @@ def test_more_gpus_keep_awq_replicated(shapes_dir):
     assert q4.parts["activations"] == q1.parts["activations"] / 4
     for part in ("layer", "expert Hessians + codes", "solve working set"):
         assert q4.parts[part] == q1.parts[part], part
-    saved = q1.seconds - q4.seconds  # the forward passes, divided over ranks; the searches are not
-    assert 0 < saved < 0.5 * q4.seconds
-    assert "AWQ replicated on every rank" in render(four, recipe)
+    assert q1.seconds / q4.seconds > 2.5  # the searches dominate this layer
+    assert "AWQ searches divided over ranks" in render(four, recipe)
 
 
 def test_refuses_what_cannot_fit_and_names_budgets_that_do(shapes_dir):
