@@ -15,10 +15,11 @@
 #   e2e48      48 virtual Qwen3-30B-A3B layers, 512 x 2048, profile + quantize + export end to end
 #   x2         (2 GPUs) 1 vs 2 ranks on both shapes (Qwen3: ordered and reduce statistics), llm-compressor's
 #              distributed oneshot on 2 GPUs
+#   x2-awq     (2 GPUs) AWQ at 1 vs 2 ranks on both shapes (its searches divided over ranks)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|dsv3|e2e48|x2) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|dsv3|e2e48|x2|x2-awq) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -62,6 +63,12 @@ for task in "$@"; do
       rm -rf "$W"
       run x2 python3 benchmarks/distributed.py --shape deepseek-v3 --layers 1 --samples 32 --seqlen 2048 \
         --ranks 1,2 --error-samples 0 --memory-trace --workdir "$W" ;;
+    x2-awq)
+      run x2-awq python3 benchmarks/distributed.py --algo awq --shape qwen3-30b-a3b --layers 2 --samples 256 \
+        --seqlen 2048 --ranks 1,2 --error-samples 16 --workdir "$W"
+      rm -rf "$W"
+      run x2-awq python3 benchmarks/distributed.py --algo awq --shape deepseek-v3 --layers 1 --samples 32 \
+        --seqlen 2048 --ranks 1,2 --error-samples 0 --memory-trace --workdir "$W" ;;
     *) echo "unknown task: $task" >&2; exit 2 ;;
   esac
   rm -rf "$W"  # the machine's disk is 64 GB: one model at a time

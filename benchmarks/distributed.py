@@ -42,13 +42,14 @@ from engine import SHAPES, build_model, calibration, dequantized, layer_errors, 
 from quant.models import ModelSource  # noqa: E402
 
 
-def _plan(src, prof):
+def _plan(src, prof, algo: str = "gptq"):
+    """engine.py's plan: W4 g128 everywhere, symmetric for GPTQ, asymmetric for AWQ (llm-compressor's schemes)."""
     from quant.plan import plan_bits
     from quant.recipe import PlanSpec
 
-    spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=128, symmetric=True,
+    spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=128, symmetric=algo != "awq",
                     protect={"attention": 4, "shared_experts": 4, "dense_mlp": 4})
-    return plan_bits(prof, src.modules, spec, "gptq", src.n_layers)
+    return plan_bits(prof, src.modules, spec, algo, src.n_layers)
 
 
 def llmc_worker(a: argparse.Namespace) -> None:
@@ -119,7 +120,7 @@ def worker(a: argparse.Namespace) -> None:
     prof = profile_routing(src, calib, Layerwise(src, "bfloat16", dev, a.batch, world=world))
     sync()
     out["profile_s"] = time.perf_counter() - t0
-    plan = _plan(src, prof)
+    plan = _plan(src, prof, a.algo)
     qdir = Path(a.qdir)
     if world.is_writer:
         shutil.rmtree(qdir, ignore_errors=True)
@@ -130,7 +131,7 @@ def worker(a: argparse.Namespace) -> None:
     world.barrier()
     t0 = time.perf_counter()
     with CudaTrace() if a.memory_trace else contextlib.nullcontext() as trace, _torch_profile(a.torch_profile) as prof:
-        reports = quantize_model(src, calib, plan, QuantizeSpec(algorithm="gptq", device=dev, batch_size=a.batch,
+        reports = quantize_model(src, calib, plan, QuantizeSpec(algorithm=a.algo, device=dev, batch_size=a.batch,
                                                                 statistics=a.statistics),
                                  Layerwise(src, "bfloat16", dev, a.batch, world=world), qdir)
     sync()
@@ -172,7 +173,7 @@ def launch(a: argparse.Namespace, n: int, model_dir: Path, work: Path, statistic
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
            "--worker", "--shape", a.shape, "--samples", str(a.samples), "--seqlen", str(a.seqlen), "--batch",
            str(a.batch), "--model-dir", str(model_dir), "--qdir", str(qdir), "--result", str(result),
-           "--statistics", statistics] + (
+           "--statistics", statistics, "--algo", a.algo] + (
                ["--memory-trace"] if a.memory_trace else []) + (["--torch-profile"] if a.torch_profile else [])
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n))} if torch.cuda.is_available() \
         else dict(os.environ)
@@ -225,6 +226,7 @@ def main() -> None:
     ap.add_argument("--llmc-worker", action="store_true")
     ap.add_argument("--model-dir", default="")
     ap.add_argument("--qdir", default="")
+    ap.add_argument("--algo", default="gptq", choices=["gptq", "awq"])
     ap.add_argument("--statistics", default="auto", help="quantize.statistics; a comma list (auto,ordered,reduce) "
                     "runs each rank count > 1 once per mode")
     ap.add_argument("--result", default="")
