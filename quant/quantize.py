@@ -13,9 +13,9 @@ experts' routed tokens (and every rank the other modules' inputs) in global batc
 so every code, is the one a single process computes. Owners exchange codes (``World.exchange_tensors``), every
 rank puts the dequantized layer together and propagates its own batches; only the writer writes the layer file.
 With ``quantize.statistics: reduce`` each rank instead sums its own batches and the sums are all-reduced once a
-layer. AWQ: every rank accumulates every expert's statistics (every batch, ordered), searches and quantizes its own
-experts (the shared gate/up search's error tables are gathered in expert order before the pick), and the codes are
-exchanged as GPTQ's.
+layer. AWQ: every rank holds every expert's statistics (every batch in order, or its own batches summed over ranks
+after each pass), searches and quantizes its own experts (the shared gate/up search's error tables are gathered in
+expert order before the pick), and the codes are exchanged as GPTQ's.
 """
 
 from __future__ import annotations
@@ -196,12 +196,15 @@ class _LayerJob:
         ``ordered`` relay (each rank receives its experts' routed tokens in global batch order: the one-process
         sums bit for bit). ``auto``: reduce on GPUs (NCCL), where the solves' sub-batches already make codes differ
         at rounding level between world sizes, ordered on CPUs (gloo)."""
-        mode = self.spec.statistics
-        if not self.world.distributed or mode == "ordered":
-            return False
-        if mode == "auto" and self.world.backend != "nccl":
+        if not self.reduce_asked():
             return False
         return not has_experts or len(self.expert_chunks(range(self.view.n_experts))) == 1
+
+    def reduce_asked(self) -> bool:
+        """Whether ``quantize.statistics`` asks for partial sums added over ranks (``reduce``, or ``auto`` on
+        NCCL), in a world of several ranks."""
+        mode = self.spec.statistics
+        return self.world.distributed and (mode == "reduce" or (mode == "auto" and self.world.backend == "nccl"))
 
     def _run_reduced(self, lw: Layerwise, hidden: torch.Tensor, has_experts: bool) -> None:
         """One calibration pass over this rank's own batches for every statistic, summed over ranks once."""

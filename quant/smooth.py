@@ -22,6 +22,8 @@ point across chunks and picks after the last, so the result does not depend on t
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from quant.algos.awq import AWQExtra, awq_search, pick_scales, quantize_scaled, smoothing_grid, trial_errors
@@ -31,6 +33,8 @@ from quant.hostsync import on_device
 from quant.models.layers import smoothing_sites
 from quant.relay import Relay
 from quant.sharing import sub_batches
+
+log = logging.getLogger(__name__)
 
 
 def rows_from_hessian(H: torch.Tensor) -> torch.Tensor:
@@ -149,10 +153,13 @@ class _GateUpSearch:
         return [torch.cat([rank[i] for rank in parts], dim=1).to(self.s_grid.device) for i in range(len(mine))]
 
 
-def _close_linear_stats(lin_stats: dict[str, LinearStats], world) -> None:
+def _close_linear_stats(lin_stats: dict[str, LinearStats], world, reduce: bool = False) -> None:
     for st in lin_stats.values():
         st.remove()
     agree_leaders(lin_stats, world)
+    if reduce:
+        for st in lin_stats.values():
+            st.reduce(world)
 
 
 def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay) -> torch.Tensor:
@@ -167,7 +174,7 @@ def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay)
     post-attention norm's output, folded last) nor its down input (its own gate/up), so later passes stay exact."""
     v, chunks = job.view, job.expert_chunks(range(job.view.n_experts))
     for i, (first, count) in enumerate(chunks):
-        relay = relay if i == 0 else Relay(lw.world)
+        relay = relay if i == 0 else Relay(lw.world, local=relay.local)
         stats = ExpertStats(v, False, job.spec.all_experts, first, count, relay=relay)
         if i == 0:  # every expert's counts and Σ |x|: this chunk's stats when it is the only one
             totals = stats if len(chunks) == 1 else ExpertStats(v, False, job.spec.all_experts, relay=relay,
@@ -175,9 +182,13 @@ def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay)
         with v.outputs_unused():
             lw.run(job.layer, hidden, after_step=relay.flush)
         stats.remove()
+        if relay.local:  # each rank summed its own batches: add the ranks' sums
+            stats.reduce(lw.world)
         if i == 0:
             totals.remove()
-            _close_linear_stats(lin_stats, lw.world)
+            if relay.local and totals is not stats:
+                totals.reduce(lw.world)
+            _close_linear_stats(lin_stats, lw.world, relay.local)
             groups = job.expert_groups(0, v.n_experts, totals.counts)
             search = _GateUpSearch(job, totals, groups)
             del totals  # (a name still bound to chunk i's sums kept two chunks alive: 14.6 GB on DeepSeek-V3)
@@ -229,7 +240,11 @@ def _smooth_linears(job, names: list[str], lin_stats: dict[str, LinearStats], s:
 def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
     """AWQ for the planned modules of ``job``'s layer; returns the changed kept parameters."""
     sites = smoothing_sites(job.source, job.layer, job.idx, set(job.mods))
-    relay = Relay(lw.world)  # every rank consumes every batch: AWQ's statistics are replicated
+    # every rank holds every statistic: from every batch in order (the relay), or from its own batches, summed over
+    # ranks after each pass (quantize.statistics: reduce)
+    relay = Relay(lw.world, local=job.reduce_asked())
+    if relay.local:
+        log.info("layer %d: statistics of each rank's own batches, summed over %d ranks", job.idx, lw.world.size)
     lin_stats = linear_stats(job.linears, relay)
     params: dict[str, torch.Tensor] = {}
     routed = job.view is not None and bool(job.experts_planned())
@@ -247,7 +262,7 @@ def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
             params[local + ".weight"] = mod.weight.data
     else:
         lw.run(job.layer, hidden, after_step=relay.flush)
-        _close_linear_stats(lin_stats, lw.world)
+        _close_linear_stats(lin_stats, lw.world, relay.local)
     attn = [n for n in sites.attn_linears if n in job.linears]
     if attn:
         s_attn = _smooth_linears(job, attn, lin_stats, None)

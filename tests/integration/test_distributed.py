@@ -115,17 +115,24 @@ def _code_changes(a: Path, b: Path) -> float:
     return changed / total
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_reduced_statistics_give_the_one_process_plan_and_errors(reference, tmp_path, family):
-    """``quantize.statistics: reduce``: each rank sums its own batches' statistics, summed over ranks once a layer
-    (no activations move between ranks; the default on GPUs). Same plan; the sums differ from one process's only in
-    rounding order, so every layer's worst error is within 0.5 % and at most 1 % of the codes change."""
+@pytest.mark.parametrize("family,algorithm", [(f, "gptq") for f in FAMILIES] + [(FAMILIES[0], "awq")])
+def test_reduced_statistics_give_the_one_process_plan_and_errors(reference, tmp_path, family, algorithm):
+    """``quantize.statistics: reduce``: each rank sums its own batches' statistics, summed over ranks once a pass
+    (no activations move between ranks; the default on GPUs); GPTQ and AWQ. Same plan; the sums differ from one
+    process's only in rounding order, so every layer's worst error is within 0.5 % and at most 1 % of the codes
+    change."""
     d = tmp_path / "r2"
-    p = subprocess.run(torchrun(2, "export", HEADLINE, "-o", str(d), "--model", f"builtin:{family}", *GPTQ, "--set",
-                                "quantize.statistics=reduce"), capture_output=True, text=True, env=_env(), timeout=900,
-                       cwd=REPO)
+    p = subprocess.run(torchrun(2, "export", HEADLINE, "-o", str(d), "--model", f"builtin:{family}", "--set",
+                                f"quantize.algorithm={algorithm}", "--set", "quantize.statistics=reduce"),
+                       capture_output=True, text=True, env=_env(), timeout=900, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
-    ref = reference[family]
+    ref = reference[family if algorithm == "gptq" else f"{family}-{algorithm}"]
+    _close_to_one_process(ref, d, p)
+
+
+def _close_to_one_process(ref: Path, d: Path, p: subprocess.CompletedProcess) -> None:
+    """The run in ``d`` reduced its statistics and is the one process's ``ref`` up to rounding order: same plan,
+    each layer's worst error within 0.5 %, at most 1 % of the codes changed."""
     assert (d / "plan.json").read_bytes() == (ref / "plan.json").read_bytes()
     assert (p.stdout + p.stderr).count("statistics of each rank's own batches, summed over 2 ranks") >= 1
     mine = json.loads((d / "quantized" / "layers.json").read_text())
@@ -133,6 +140,20 @@ def test_reduced_statistics_give_the_one_process_plan_and_errors(reference, tmp_
     for x, y in zip(mine, one, strict=True):
         assert abs(x["worst_rel_error"] - y["worst_rel_error"]) <= 5e-3 * y["worst_rel_error"], (x, y)
     assert _code_changes(ref, d) <= 0.01
+
+
+def test_reduced_awq_statistics_in_expert_chunks(tmp_path):
+    """AWQ whose expert statistics take 3 passes (6 of 16 experts' Hessians fit): with ``reduce`` every pass's
+    sums are added over ranks (AWQ holds every chunk on every rank, so chunks do not prevent it)."""
+    args = ("--model", "builtin:deepseek-v3-tiny", "--set", "quantize.algorithm=awq", "--set",
+            "quantize.hessian_budget_gb=1.3e-4")
+    one = run_cli("export", HEADLINE, "-o", str(tmp_path / "one"), *args, env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr[-3000:]
+    p = subprocess.run(torchrun(2, "export", HEADLINE, "-o", str(tmp_path / "many"), *args, "--set",
+                                "quantize.statistics=reduce"), capture_output=True, text=True, env=_env(),
+                       timeout=900, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    _close_to_one_process(tmp_path / "one", tmp_path / "many", p)
 
 
 def test_reduced_statistics_fall_back_to_the_ordered_relay_when_experts_take_several_passes(tmp_path):
