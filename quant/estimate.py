@@ -201,12 +201,14 @@ def forward_transient(layer: LayerShape, run: Run, d: Dims, stats_blocks: int) -
 
 
 def _reduced(layer: LayerShape, run: Run) -> bool:
-    """Whether the ranks sum their own batches' statistics (quantize._LayerJob.reduces_statistics): every rank
-    then holds every expert's Hessians of the layer, which must fit one pass."""
+    """Whether the ranks sum their own batches' statistics and add the sums (quantize.statistics: reduce, auto on
+    GPUs): GPTQ when every expert's Hessians fit one pass (quantize._LayerJob.reduces_statistics), AWQ always."""
     from quant.quantize import expert_hessian_bytes
 
-    if run.gpus == 1 or run.algorithm != "gptq" or run.statistics == "ordered":
+    if run.gpus == 1 or not run.hessians or run.statistics == "ordered":
         return False
+    if run.algorithm == "awq":
+        return True
     return int(run.hessian_budget_gb * GB) // expert_hessian_bytes(*layer.expert_in) >= layer.n_experts
 
 
@@ -269,7 +271,7 @@ def quantize_memory(layer: LayerShape, run: Run, d: Dims) -> dict[str, float]:
     for count in chunks:  # a chunk's Hessians beside the codes of every expert solved so far
         done += count
         chunk_peak = max(chunk_peak, count * per_h + done * layer.expert_code_bytes)
-    if _reduced(layer, run):  # every expert's summed Hessians on every rank, beside this rank's codes
+    if _reduced(layer, run) and run.algorithm == "gptq":  # every expert's summed Hessians, beside this rank's codes
         chunk_peak = layer.n_experts * per_h + sum(chunks) * layer.expert_code_bytes
     lin_h = sum(4 * in_f**2 for in_f, _ in layer.linear_groups) if run.hessians else 0.0
     experts, linears = _solve_sets(layer, run, max(chunks, default=0))
@@ -294,8 +296,10 @@ def quantize_seconds(layer: LayerShape, run: Run, d: Dims) -> float:
     if not run.hessians:
         return seconds + layer.weight_bytes / t["rtn_bytes_per_s"]
     D, I = layer.expert_in
-    macs = (run.tokens * d.top_k * (D**2 + I**2) * (layer.n_experts > 0) / run.expert_ranks
-            + run.tokens * sum(in_f**2 for in_f, _ in layer.linear_groups)
+    # statistics: ordered, each rank sums every batch (for its experts); reduced, its own batches (for every expert)
+    own = run.gpus if _reduced(layer, run) else 1
+    macs = (run.tokens * d.top_k * (D**2 + I**2) * (layer.n_experts > 0) / (own if own > 1 else run.expert_ranks)
+            + run.tokens * sum(in_f**2 for in_f, _ in layer.linear_groups) / own
             + max(len(chunks), 1) * run.tokens * layer.active_params / run.gpus)
     problems = _solve_problems(layer, run, d, chunks)
     if run.algorithm == "awq":

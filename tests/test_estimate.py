@@ -261,6 +261,9 @@ def test_more_gpus_divide_awq_searches_not_its_statistics(shapes_dir):
         assert q4.parts[part] == q1.parts[part], part
     assert q1.seconds / q4.seconds > 2.5  # the searches dominate this layer
     assert "AWQ searches divided over ranks" in render(four, recipe)
+    ordered = _bench_recipe(path, 32, "awq", 3.0, "quantize.statistics=ordered")
+    qo = next(s for s in forecast(ordered, src, gpus=4, gpu_memory_gb=143).stages if s.stage == "quantize")
+    assert qo.seconds > q4.seconds and qo.parts == q4.parts  # reduced statistics: each rank sums its own batches
 
 
 def test_refuses_what_cannot_fit_and_names_budgets_that_do(shapes_dir):
