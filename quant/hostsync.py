@@ -15,13 +15,13 @@ kernels' own code.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from quant.memtrace import caller_site, package_root
 
 _aten = torch.ops.aten
 _ALWAYS = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
@@ -30,7 +30,6 @@ _UNLESS_SIZED = {_aten.repeat_interleave.Tensor: "output_size", _aten.repeat_int
                  _aten.bincount.default: None}
 _INDEX = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default}
 _METHODS = ("tolist", "cpu", "numpy")
-_THIS = __file__
 
 
 def _needs_host(func, args, kwargs) -> bool:
@@ -50,7 +49,7 @@ class HostSyncs(TorchDispatchMode):
 
     def __init__(self, package: str | None = None):
         super().__init__()
-        self._root = (package or os.path.dirname(os.path.abspath(__file__))).rstrip(os.sep) + os.sep
+        self._root = package_root(package)
         self._thread = threading.get_ident()
         self._saved: dict[str, object] = {}
         self.sites: Counter[str] = Counter()
@@ -62,14 +61,7 @@ class HostSyncs(TorchDispatchMode):
     def _count(self, what: str) -> None:
         if threading.get_ident() != self._thread:
             return
-        f = sys._getframe(2)
-        while f is not None:
-            path = f.f_code.co_filename
-            if path.startswith(self._root) and path != _THIS:
-                self.sites[f"{os.path.basename(path)}:{f.f_lineno} {f.f_code.co_name} ({what})"] += 1
-                return
-            f = f.f_back
-        self.sites[f"(outside) ({what})"] += 1
+        self.sites[f"{caller_site(self._root, 'hostsync.py') or '(outside)'} ({what})"] += 1
 
     def __enter__(self) -> HostSyncs:
         for name in _METHODS:

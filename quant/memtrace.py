@@ -53,9 +53,22 @@ class Peak:
         return "\n".join(lines)
 
 
-def _root(package: str | None) -> str:
-    """The folder whose source lines name allocation sites: ``package``, by default this package."""
+def package_root(package: str | None) -> str:
+    """The folder whose source lines name sites (allocations here, host reads in ``hostsync``): ``package``, by
+    default this package."""
     return (package or os.path.dirname(os.path.abspath(__file__))).rstrip(os.sep) + os.sep
+
+
+def caller_site(root: str, skip: str) -> str | None:
+    """``"file.py:line function"`` of the innermost frame of the calling stack whose file lies under ``root`` and is
+    not named ``skip`` (the tracer's own module), or None."""
+    f = sys._getframe(1)
+    while f is not None:
+        path = f.f_code.co_filename
+        if path.startswith(root) and os.path.basename(path) != skip:
+            return f"{os.path.basename(path)}:{f.f_lineno} {f.f_code.co_name}"
+        f = f.f_back
+    return None
 
 
 def _peak(total: int, live) -> Peak:
@@ -73,7 +86,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self, package: str | None = None, step: int = 1 << 20):
         super().__init__()
-        self._root = _root(package)
+        self._root = package_root(package)
         self._step = step
         self._live: dict[int, tuple[int, str]] = {}  # data_ptr -> (nbytes, site)
         self._thread = threading.get_ident()
@@ -93,13 +106,7 @@ class LiveBytes(TorchDispatchMode):
             self._phase = outer
 
     def _site(self) -> str:
-        f = sys._getframe(2)
-        while f is not None:
-            path = f.f_code.co_filename
-            if path.startswith(self._root) and not path.endswith("memtrace.py"):
-                return f"{os.path.basename(path)}:{f.f_lineno} {f.f_code.co_name}"
-            f = f.f_back
-        return "(outside)"
+        return caller_site(self._root, "memtrace.py") or "(outside)"
 
     def _release(self, ptr: int) -> None:
         entry = self._live.pop(ptr, None)
@@ -140,7 +147,7 @@ def peak_from_snapshot(snapshot: dict, device: int, package: str | None = None, 
     allocated before the trace began counts as one ``(before the trace)`` site; unlike :class:`LiveBytes` this sees
     every block of the caching allocator (kernel workspaces, collectives' buffers made by torch) but not memory
     outside it (NCCL's own). Sites are a snapshot within ``step`` bytes of the peak."""
-    root = _root(package)
+    root = package_root(package)
     events = snapshot["device_traces"][device]
     allocated = sum(b["size"] for seg in snapshot["segments"] if seg["device"] == device
                     for b in seg["blocks"] if b["state"] == "active_allocated")
