@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.algos.grid import QuantizedWeight, QuantSpec, quantize_weight
+from quant.algos.grid import QuantizedWeight, QuantSpec, all_finite, quantize_weight
 from quant.errors import NumericalError
 
 # Channels whose mean |x| is below this fraction of the largest are floored to it, so s stays finite and a
@@ -188,7 +188,7 @@ def _check_part(part: AWQExtra, B: int, n_in: int, shared: bool) -> None:
     assert part.mask.shape == (Bp, Cp) and part.mask.dtype == torch.bool, "mask must be bool [B, C]"
     assert shared or Bp == B, f"extra has batch {Bp} but w has {B}: only a shared search mixes batch sizes"
     assert n_in % part.spec.group_size == 0, f"group size {part.spec.group_size} does not divide {n_in}"
-    finite = torch.isfinite(part.w).flatten(1).all(1) & torch.isfinite(part.x).flatten(1).all(1)
+    finite = all_finite(part.w) & all_finite(part.x)
     if not bool(finite.all()):
         bad = (~finite).nonzero().flatten().tolist()
         raise NumericalError(f"AWQ input has NaN/Inf at batch index {bad} (weights or activations)")

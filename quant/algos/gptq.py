@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from quant.algos.cholesky import upper_inverse_factor
-from quant.algos.grid import QuantizedWeight, QuantSpec, dequantize, fit_grid, quantize
+from quant.algos.grid import QuantizedWeight, QuantSpec, all_finite, dequantize, fit_grid, quantize
 from quant.errors import NumericalError
 
 _DAMPENING_GROWTH = 10.0
@@ -98,7 +98,7 @@ def gptq(
     assert n_in % spec.group_size == 0, f"group size {spec.group_size} does not divide in_features {n_in}"
     assert block_size > 0 and dampening >= 0, (block_size, dampening)
     assert kernel in ("auto", "torch", "triton"), kernel
-    finite = torch.isfinite(w).flatten(1).all(1) & torch.isfinite(H).flatten(1).all(1)
+    finite = all_finite(w) & all_finite(H)
     W = w.detach().to(torch.float32, copy=True)
     dead, unseen = _dead_inputs(W, H)
     perm = None
@@ -308,7 +308,7 @@ def _quantize_columns(W, U, spec: QuantSpec, scale_dtype: torch.dtype, block_siz
             if zero is not None:
                 zero[:, :, (i1 + j) // gs] = z
         Wt[:, i2:] -= torch.bmm(U[:, i1:i2, i2:].transpose(1, 2), err)
-    return qt.transpose(1, 2).contiguous(), scale, zero, ~torch.isfinite(Wt).flatten(1).all(1)
+    return qt.transpose(1, 2).contiguous(), scale, zero, ~all_finite(Wt)
 
 
 def _column_block(spec: QuantSpec, scale_dtype, starts: tuple[int, ...], W1, U1, s_static=None, z_static=None):

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from quant.algos.grid import QuantSpec, fit_grid
+from quant.algos.grid import QuantSpec, all_finite, fit_grid
 
 BLOCK_COLUMNS = 128  # the widest block one launch handles (the tile's BW)
 ROWS_PER_PROGRAM = 32  # BO: tile rows of one program
@@ -170,7 +170,7 @@ def quantize_columns(W: torch.Tensor, U: torch.Tensor, spec: QuantSpec, scale_dt
         column_block(Wt, U, qt, err, scale, zero, None if fitted and not wide else gidx, i1, i2, spec, scale_dtype)
         if i2 < n_in:
             Wt[:, i2:].baddbmm_(U[:, i1:i2, i2:].transpose(1, 2), err[:, : i2 - i1], alpha=-1)
-    diverged = ~torch.isfinite(Wt).flatten(1).all(1)
+    diverged = ~all_finite(Wt)
     if not fitted:
         return qt.transpose(1, 2).contiguous(), None, None, diverged
     zero_out = None if spec.symmetric else zero.transpose(1, 2).to(torch.int8)

@@ -48,6 +48,12 @@ class QuantizedWeight:
         return dequantize(self.q, self.scale, self.zero, self.spec.group_size)
 
 
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: whether every value of batch element ``b`` of ``t [B, ...]`` is finite (on ``t``'s device, no
+    host read)."""
+    return torch.isfinite(t).flatten(1).all(1)
+
+
 def effective_group_size(group_size: int, in_features: int) -> int:
     """-1 means one group per row; larger than the row means the row."""
     return in_features if group_size == -1 or group_size > in_features else group_size
