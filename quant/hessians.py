@@ -69,6 +69,7 @@ class LinearStats:
         self.name = name
         mine = consumers is None or relay.world.rank in consumers
         dev = module.weight.device
+        self._partial = relay.world if relay.local and relay.world.distributed else None  # sums to add over ranks
         self.sum = torch.zeros(n, n, dtype=torch.float32, device=dev) if mine else None
         self.abs_sum = torch.zeros(n, dtype=torch.float32, device=dev) if mine else None
         self.n = 0
@@ -104,10 +105,11 @@ class LinearStats:
         self.channel.close()
         self._last[0] = self._last[1] = None
 
-    def reduce(self, world) -> None:
-        """Sum this accumulator over ranks (each rank summed its own batches: a ``local`` relay). Followers hold
-        no sums of their own."""
-        if self.leader is not None or self.sum is None or not world.distributed:
+    def _sum_over_ranks(self) -> None:
+        """With a ``local`` relay each rank summed its own batches: add the ranks' sums (a collective). Followers
+        hold no sums of their own."""
+        world = self._partial
+        if world is None or self.leader is not None or self.sum is None:
             return
         world.all_reduce_sum(self.sum)
         world.all_reduce_sum(self.abs_sum)
@@ -131,6 +133,16 @@ def linear_stats(modules: dict[str, nn.Linear], relay: Relay | None = None,
     last: list = [None, None]
     relay = relay or Relay(SINGLE)
     return {name: LinearStats(m, name, last, relay, consumers) for name, m in modules.items()}
+
+
+def close_linear_stats(stats: dict[str, LinearStats], world) -> None:
+    """End the pass of :func:`linear_stats`: hooks removed, the sharing of inputs agreed over ranks
+    (:func:`agree_leaders`) and, with a ``local`` relay, each accumulator's sums added over ranks."""
+    for st in stats.values():
+        st.remove()
+    agree_leaders(stats, world)
+    for st in stats.values():
+        st._sum_over_ranks()
 
 
 def agree_leaders(stats: dict[str, LinearStats], world) -> None:
@@ -173,6 +185,7 @@ class ExpertStats:
         self.counts = torch.zeros(E, dtype=torch.long, device=dev)
         self._normalized = False
         self._pending: tuple | None = None
+        self._partial = relay.world if relay.local and relay.world.distributed else None  # sums to add over ranks
         self.channel = relay.channel(self._consume if count else None, consumers)
         self.handle = view.on_route(self.channel.put)
 
@@ -225,15 +238,6 @@ class ExpertStats:
             _add_gram(self.sum_down, b, a)
             b.add_to(self.abs_down, a.abs().sum(dim=1, dtype=torch.float32))
 
-    def reduce(self, world) -> None:
-        """Sum every accumulator over ranks in place (each rank summed its own batches: a ``local`` relay)."""
-        self._flush()
-        if not world.distributed:
-            return
-        for t in (self.sum_gu, self.sum_down, self.abs_gu, self.abs_down, self.weight_sum, self.counts):
-            if t is not None:
-                world.all_reduce_sum(t)
-
     def restrict(self, first: int, count: int) -> None:
         """Keep experts ``first .. first + count - 1`` (within this range): views of their rows."""
         self._flush()
@@ -265,7 +269,14 @@ class ExpertStats:
         return self.sum_gu, self.sum_down
 
     def remove(self) -> None:
-        """End the pass: no more batches; the last one's sums are added."""
+        """End the pass: no more batches; the last one's sums are added, and with a ``local`` relay (each rank
+        summed its own batches) the ranks' sums are added in place (a collective: every rank removes its
+        statistics in the same order). Removing again changes nothing."""
         self.handle.remove()
         self.channel.close()
         self._flush()
+        world, self._partial = self._partial, None  # once: a second remove() adds nothing
+        if world is not None:
+            for t in (self.sum_gu, self.sum_down, self.abs_gu, self.abs_down, self.weight_sum, self.counts):
+                if t is not None:
+                    world.all_reduce_sum(t)

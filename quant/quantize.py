@@ -38,7 +38,7 @@ from quant.algos.rtn import rtn
 from quant.calibration import CalibrationSet
 from quant.dist import SINGLE, World, even_ranges
 from quant.errors import NumericalError, QuantError
-from quant.hessians import ExpertStats, agree_leaders, linear_stats
+from quant.hessians import ExpertStats, close_linear_stats, linear_stats
 from quant.hostsync import on_device
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
@@ -179,9 +179,7 @@ class _LayerJob:
                 if exp_stats is not None:
                     exp_stats.remove()  # the last batch's sums are added here
             if i == 0:
-                for st in lin_stats.values():
-                    st.remove()
-                agree_leaders(lin_stats, self.world)
+                close_linear_stats(lin_stats, self.world)
             if exp_stats is not None:
                 if exp_stats.count:
                     with _timed(self.report, "solve_seconds", lw.device):
@@ -215,14 +213,9 @@ class _LayerJob:
                      if has_experts else None)
         with _timed(self.report, "stats_seconds", lw.device), _unused(self.view):
             lw.run(self.layer, hidden)
-            for st in lin_stats.values():
-                st.remove()
-            agree_leaders(lin_stats, self.world)
-            for st in lin_stats.values():
-                st.reduce(self.world)
+            close_linear_stats(lin_stats, self.world)
             if exp_stats is not None:
-                exp_stats.remove()
-                exp_stats.reduce(self.world)
+                exp_stats.remove()  # the ranks' sums added
                 mine = self.ranges[self.world.rank]
                 exp_stats.restrict(mine.start, len(mine))
         with _timed(self.report, "solve_seconds", lw.device):

@@ -28,7 +28,7 @@ import torch
 
 from quant.algos.awq import AWQExtra, awq_search, pick_scales, quantize_scaled, smoothing_grid, trial_errors
 from quant.algos.grid import QuantSpec
-from quant.hessians import ExpertStats, LinearStats, agree_leaders, linear_stats
+from quant.hessians import ExpertStats, LinearStats, close_linear_stats, linear_stats
 from quant.hostsync import on_device
 from quant.models.layers import smoothing_sites
 from quant.relay import Relay
@@ -153,15 +153,6 @@ class _GateUpSearch:
         return [torch.cat([rank[i] for rank in parts], dim=1).to(self.s_grid.device) for i in range(len(mine))]
 
 
-def _close_linear_stats(lin_stats: dict[str, LinearStats], world, reduce: bool = False) -> None:
-    for st in lin_stats.values():
-        st.remove()
-    agree_leaders(lin_stats, world)
-    if reduce:
-        for st in lin_stats.values():
-            st.reduce(world)
-
-
 def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay) -> torch.Tensor:
     """One calibration pass per expert chunk (``job.expert_chunks``: their Hessians fit ``hessian_budget_gb``);
     the first pass (on ``relay``, which the linears' statistics use) also takes the linears' statistics and every
@@ -182,13 +173,10 @@ def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay)
         with v.outputs_unused():
             lw.run(job.layer, hidden, after_step=relay.flush)
         stats.remove()
-        if relay.local:  # each rank summed its own batches: add the ranks' sums
-            stats.reduce(lw.world)
         if i == 0:
-            totals.remove()
-            if relay.local and totals is not stats:
-                totals.reduce(lw.world)
-            _close_linear_stats(lin_stats, lw.world, relay.local)
+            if totals is not stats:
+                totals.remove()
+            close_linear_stats(lin_stats, lw.world)
             groups = job.expert_groups(0, v.n_experts, totals.counts)
             search = _GateUpSearch(job, totals, groups)
             del totals  # (a name still bound to chunk i's sums kept two chunks alive: 14.6 GB on DeepSeek-V3)
@@ -262,7 +250,7 @@ def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
             params[local + ".weight"] = mod.weight.data
     else:
         lw.run(job.layer, hidden, after_step=relay.flush)
-        _close_linear_stats(lin_stats, lw.world, relay.local)
+        close_linear_stats(lin_stats, lw.world)
     attn = [n for n in sites.attn_linears if n in job.linears]
     if attn:
         s_attn = _smooth_linears(job, attn, lin_stats, None)
