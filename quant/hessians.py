@@ -200,7 +200,7 @@ class ExpertStats:
             idx = torch.arange(E, device=idx.device).expand(x.shape[0], E)
             w = torch.ones(idx.shape, dtype=x.dtype, device=x.device)
             routed = count_ids(idx, E)
-        previous, self._pending = self._pending, (x, idx, w, HostCopy(routed))
+        previous, self._pending = self._pending, (x, idx, w, routed, HostCopy(routed))
         if previous is not None:
             self._add_batch(*previous)
 
@@ -210,10 +210,12 @@ class ExpertStats:
             self._add_batch(*pending)
 
     @torch.no_grad()  # also when the last batch is added at remove(), outside the caller's forward
-    def _add_batch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, host: HostCopy) -> None:
+    def _add_batch(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, routed: torch.Tensor,
+                   host: HostCopy) -> None:
         E = self.view.n_experts
         width = max(self.view.gate_up.shape[1:])
-        _, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device), host=host.tolist())
+        _, buckets = load_buckets(idx, w, E, width=width, max_elems=chunk_budget(x.device),
+                                  counts=(routed, host.tolist()))
         x_padded = with_zero_row(x)
         for bucket in buckets:
             mine = bucket.restrict(self.first, self.count)

@@ -105,33 +105,36 @@ def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def sort_by_expert(top_idx: torch.Tensor, top_w: torch.Tensor, n_experts: int, first_expert: int = 0,
-                   host: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+                   counts: tuple[torch.Tensor, list[int]] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """The routed assignments of experts ``first_expert .. first_expert + n_experts - 1`` sorted by expert, tokens
     ascending within an expert: ``(token [N], weight [N], counts [n_experts], counts on the host)``. One host
-    read (the counts, which every caller needs to cut its blocks), none when the caller has them already (``host``:
-    ``count_ids`` of the same experts, e.g. read back asynchronously); other experts' assignments sort past the end."""
+    read (the counts, which every caller needs to cut its blocks), none when the caller has counted already
+    (``counts``: the experts' counts on the device and on the host, e.g. read back asynchronously); other experts'
+    assignments sort past the end."""
     T, k = top_idx.shape
     flat_e = top_idx.reshape(-1) - first_expert
     key = torch.where((flat_e >= 0) & (flat_e < n_experts), flat_e, n_experts)  # others: one bin past the end
-    counts = count_ids(key, n_experts + 1)[:n_experts]
+    if counts is None:
+        device_counts = count_ids(key, n_experts + 1)[:n_experts]
+        counts = device_counts, device_counts.tolist()
     order = torch.argsort(key, stable=True)  # stable: ascending assignment index, so ascending token, per expert
-    host = counts.tolist() if host is None else host
-    order = order[: sum(host)]
-    return order // k, top_w.reshape(-1)[order], counts, host
+    order = order[: sum(counts[1])]
+    return order // k, top_w.reshape(-1)[order], *counts
 
 
 def load_buckets(top_idx: torch.Tensor, top_w: torch.Tensor, n_experts: int, first_expert: int = 0,
                  width: int = 1, max_elems: int = 1 << 28, max_waste: float = 1.5,
-                 host: list[int] | None = None) -> tuple[torch.Tensor, list[Bucket]]:
+                 counts: tuple[torch.Tensor, list[int]] | None = None) -> tuple[torch.Tensor, list[Bucket]]:
     """Routed assignments of experts ``first_expert ..`` grouped into buckets of experts padded to one length.
 
     Padding every expert to the busiest one's count wastes work in proportion to the routing skew (hot experts
     take 3-10x the mean in real models); :func:`_partition` bounds the waste. Experts without tokens are left
-    out. Tokens keep ascending order within an expert. Returns the counts ``[E]`` too. ``host``: the counts
-    already on the host (:func:`sort_by_expert`).
+    out. Tokens keep ascending order within an expert. Returns the counts ``[E]`` too. ``counts``: already
+    counted (:func:`sort_by_expert`).
     """
     T = top_idx.shape[0]
-    s_token, s_weight, counts, host = sort_by_expert(top_idx, top_w, n_experts, first_expert, host)
+    s_token, s_weight, counts, host = sort_by_expert(top_idx, top_w, n_experts, first_expert, counts)
     starts = torch.cumsum(counts, 0) - counts
     buckets: list[Bucket] = []
     for members in _partition(host, width, max_elems, max_waste):  # empty when nothing was routed here
