@@ -297,9 +297,9 @@ def quantize_seconds(layer: LayerShape, run: Run, d: Dims) -> float:
         return seconds + layer.weight_bytes / t["rtn_bytes_per_s"]
     D, I = layer.expert_in
     # statistics: ordered, each rank sums every batch (for its experts); reduced, its own batches (for every expert)
-    own = run.gpus if _reduced(layer, run) else 1
-    macs = (run.tokens * d.top_k * (D**2 + I**2) * (layer.n_experts > 0) / (own if own > 1 else run.expert_ranks)
-            + run.tokens * sum(in_f**2 for in_f, _ in layer.linear_groups) / own
+    reduced = _reduced(layer, run)
+    macs = (run.tokens * d.top_k * (D**2 + I**2) * (layer.n_experts > 0) / (run.gpus if reduced else run.expert_ranks)
+            + run.tokens * sum(in_f**2 for in_f, _ in layer.linear_groups) / (run.gpus if reduced else 1)
             + max(len(chunks), 1) * run.tokens * layer.active_params / run.gpus)
     problems = _solve_problems(layer, run, d, chunks)
     if run.algorithm == "awq":
