@@ -188,3 +188,10 @@ def test_stop_handlers_are_the_runs_alone(tmp_path, capsys):
         assert signal.getsignal(signal.SIGUSR1) is old_usr1
     finally:
         signal.signal(signal.SIGTERM, old_term)
+
+
+@pytest.mark.parametrize("value", ["bogus", "REDUCE", "1"])
+def test_a_bad_statistics_mode_is_one_line(value):
+    """``quantize.statistics`` takes auto, ordered or reduce; anything else is one line naming the key, exit 1."""
+    p = run_cli("validate", HEADLINE, "--set", f"quantize.statistics={value}")
+    _one_error_line(p, 1, "quantize.statistics")
