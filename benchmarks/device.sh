@@ -35,13 +35,13 @@ run() {  # run TASK COMMAND...: log, time, and free the scratch disk after
   local task=$1; shift
   local t0; t0=$(date +%s)
   echo "== $task: $*" | tee -a "$OUT/$task.log"
-  "$@" 2>&1 | grep -v -E "Warning|warn\(" | tee -a "$OUT/$task.log" | grep -E '^\{|^ *[0-9]|GPU|engine|passed|failed' | tail -40
+  "$@" 2>&1 | grep --line-buffered -v -E "Warning|warn\(" | tee -a "$OUT/$task.log" | grep --line-buffered -E '^\{|^ *[0-9]|GPU|engine|passed|failed' | tail -40
   echo "== $task: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$task.log"
 }
 
 for task in "$@"; do
   case $task in
-    suite) run suite env QUANT_TEST_FAILLOG="$OUT/faillog.txt" python3 -m pytest -p no:cacheprovider -n 16 -q -rfE \
+    suite) run suite env QUANT_TEST_FAILLOG="$OUT/faillog.txt" QUANT_TEST_PROGRESS="$OUT/progress.txt" python3 -m pytest -p no:cacheprovider -n 16 -q -rfE \
              --tb=short --durations=30 --junitxml="$OUT/junit.xml" ;;
     gpu) run gpu python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --tb=short ;;
     qwen3) run qwen3 python3 benchmarks/engine.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 \

@@ -69,13 +69,33 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
+def _controller() -> bool:
+    """Under xdist every report reaches the hooks twice (worker, then controller): the logs below are written once."""
+    return "PYTEST_XDIST_WORKER" not in os.environ
+
+
+def pytest_runtest_logstart(nodeid, location) -> None:
+    """With ``QUANT_TEST_PROGRESS=FILE``: a line when each test starts and one when it ends, so a run cut off by a
+    time limit shows which tests were still running and how long the finished ones took."""
+    path = os.environ.get("QUANT_TEST_PROGRESS")
+    if path and _controller():
+        with open(path, "a") as f:
+            f.write(f"start {nodeid}\n")
+
+
 def pytest_runtest_logreport(report) -> None:
     """With ``QUANT_TEST_FAILLOG=FILE``: each failure's traceback is appended to FILE as it happens (device runs
     under a time limit keep what failed even when the run is cut off before pytest's summary)."""
+    if not _controller():
+        return
     path = os.environ.get("QUANT_TEST_FAILLOG")
     if path and report.failed:
         with open(path, "a") as f:
             f.write(f"===== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n")
+    path = os.environ.get("QUANT_TEST_PROGRESS")
+    if path and (report.when == "call" or report.outcome != "passed"):
+        with open(path, "a") as f:
+            f.write(f"{report.outcome} {report.when} {report.duration:.1f} {report.nodeid}\n")
 
 
 @pytest.fixture(scope="session", autouse=True)

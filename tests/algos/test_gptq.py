@@ -202,6 +202,8 @@ def test_divergence_raises_or_is_left_to_the_caller(kernel, monkeypatch) -> None
     ``check_diverged=False`` returns the unread flags (quantize reads them with its other checks)."""
     _blown_up_factor(monkeypatch, 1)
     w, H = random_weights(3), correlated_hessians(3, N_IN)
+    if kernel == "triton" and torch.cuda.is_available():  # elsewhere the kernel runs in Triton's interpreter
+        w, H = w.cuda(), H.cuda()
     with pytest.raises(NumericalError, match=r"diverged .* at batch index \[1\]"):
         gptq(w, H, QuantSpec(4, 64), torch.bfloat16, kernel=kernel)
     res = gptq(w, H, QuantSpec(4, 64), torch.bfloat16, kernel=kernel, check_diverged=False)
