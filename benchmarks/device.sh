@@ -11,6 +11,7 @@
 #   qwen3      Qwen3-30B-A3B shape, 2 layers, 256 x 2048: GPTQ and AWQ with llm-compressor GPTQ in the same run
 #   qwen3-q    the same without llm-compressor (quant alone, ~1 min)
 #   profile    the profile stage: Qwen3 2 layers x 512 samples, DeepSeek-V3 2 layers x 256 samples
+#              (profile-qwen3, profile-dsv3: one of them; the DeepSeek-V3 one builds 45 GB of model files, ~150 s)
 #   dsv3       DeepSeek-V3 layer, 32 x 2048: GPTQ and AWQ, each with the allocator's history at its peak
 #   e2e48      48 virtual Qwen3-30B-A3B layers, 512 x 2048, profile + quantize + export end to end
 #   x2         (2 GPUs) 1 vs 2 ranks on both shapes (Qwen3: ordered and reduce statistics), llm-compressor's
@@ -19,7 +20,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|dsv3|e2e48|x2|x2-awq) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|dsv3|e2e48|x2|x2-awq) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -48,10 +49,12 @@ for task in "$@"; do
              --algos gptq,awq --llmcompressor gptq --error-samples 16 --workdir "$W" ;;
     qwen3-q) run qwen3-q python3 benchmarks/engine.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 \
                --algos gptq,awq --error-samples 16 --workdir "$W" ;;
-    profile)
-      run profile python3 benchmarks/profile_stage.py --shape qwen3-30b-a3b --layers 2 --samples 512 --workdir "$W"
+    profile|profile-qwen3|profile-dsv3)
+      [ "$task" = profile-dsv3 ] || run "$task" python3 benchmarks/profile_stage.py --shape qwen3-30b-a3b --layers 2 \
+        --samples 512 --workdir "$W"
       rm -rf "$W"
-      run profile python3 benchmarks/profile_stage.py --shape deepseek-v3 --layers 2 --samples 256 --workdir "$W" ;;
+      [ "$task" = profile-qwen3 ] || run "$task" python3 benchmarks/profile_stage.py --shape deepseek-v3 --layers 2 \
+        --samples 256 --workdir "$W" ;;
     dsv3)
       run dsv3 python3 benchmarks/engine.py --shape deepseek-v3 --layers 1 --samples 32 --seqlen 2048 --algos gptq,awq \
         --error-samples 0 --no-export --memory-trace --workdir "$W" ;;

@@ -123,12 +123,14 @@ def trial_errors(part: AWQExtra, s_grid: torch.Tensor, scale_dtype: torch.dtype,
     element ``b`` alone. ``s_grid [n_grid, 1, I]`` when ``shared``, else ``[n_grid, B', I]``. The loop runs over
     α, each step batched over ``batch_chunk`` elements at a time.
 
-    ``split`` (default: on a GPU) computes ``x (Q(W·s)/s − W)ᵀ`` from three bf16 products with fp32 accumulation
-    (:func:`split_bmm`, ~1e-5 relative) on the tensor cores, instead of ``(x/s) Q(W·s)ᵀ − x Wᵀ`` in fp32, which
-    the GPU runs on its fp32 units: the search's products are ``20 · 2·I²·O`` flops per expert (33 TFLOP a
-    Qwen3-30B-A3B layer), most of AWQ's time there. Only near-ties (errors within ~1e-5) can pick another α."""
+    ``split`` (default: on a GPU with Triton) computes ``‖Δ xᵀ‖²`` with ``Δ = Q(W·s)/s − W`` from one fused kernel
+    for the deltas' bf16 halves (:mod:`quant.algos.awq_triton`) and one bf16 product of split operands with fp32
+    accumulation (:func:`split_rows`, ~1e-5 relative) on the tensor cores, instead of ``(x/s) Q(W·s)ᵀ − x Wᵀ`` in
+    fp32 torch ops: there the deltas took ~20 passes over the weights per α and the products ran on the fp32
+    units (``20 · 2·I²·O`` flops per expert, 33 TFLOP a Qwen3-30B-A3B layer). Only near-ties (errors within
+    ~1e-5) can pick another α; the shipped codes are quantized at the chosen α by ``grid.quantize_weight``."""
     _check_part(part, part.w.shape[0], part.w.shape[2], True)
-    split = part.x.is_cuda if split is None else split
+    split = _fused_available(part.x) if split is None else split
     step = batch_chunk or part.w.shape[0]
     chunks = []
     for b0 in range(0, part.w.shape[0], step):
@@ -136,14 +138,27 @@ def trial_errors(part: AWQExtra, s_grid: torch.Tensor, scale_dtype: torch.dtype,
         sub = AWQExtra(part.w[sl], part.x[sl], part.mask[sl], part.spec)
         grid = s_grid if shared else s_grid[:, sl]
         if split:
-            x = _split(sub.x.float())
-            chunks.append(torch.stack([_split_error(sub, x, s, scale_dtype) for s in grid]))
-            del x
+            from quant.algos.awq_triton import trial_deltas
+
+            rows = split_rows(sub.x, sub.mask)
+            chunks.append(torch.stack([_squared_norms(split_product(trial_deltas(sub.w, s, sub.spec, scale_dtype),
+                                                                    rows)) for s in grid]))
+            del rows
             continue
         ref = torch.bmm(sub.x.float(), sub.w.float().transpose(1, 2))
         chunks.append(torch.stack([_output_error(sub, ref, s, scale_dtype) for s in grid]))
         del ref
     return torch.cat(chunks, dim=1)
+
+
+def _fused_available(x: torch.Tensor) -> bool:
+    if not x.is_cuda:
+        return False
+    try:
+        import quant.algos.awq_triton  # noqa: F401
+    except ImportError:  # no Triton on this machine: the fp32 torch path computes the same errors
+        return False
+    return True
 
 
 def _split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,20 +167,33 @@ def _split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (t - hi.float()).to(torch.bfloat16)
 
 
-def split_bmm(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """``(a_hi + a_lo) @ (b_hi + b_lo)`` without the ``lo · lo`` term, from three bf16 batched products with fp32
-    output (:func:`_split` parts): fp32 accuracy to ~1e-5 relative at tensor-core speed on a GPU. On a CPU (tests)
-    the same products in fp32 (a bf16 product is exact in fp32)."""
-    if a[0].is_cuda:
-        def mm(x, y):
-            return torch.bmm(x, y, out_dtype=torch.float32)
-    else:
-        def mm(x, y):
-            return torch.bmm(x.float(), y.float())
-    out = mm(a[0], b[1])
-    out += mm(a[1], b[0])  # the two small terms first, then the large one
-    out += mm(a[0], b[0])
-    return out
+def split_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Rows ``x [B, C, I]`` (``mask [B, C]``; rows outside it zeroed) -> ``[B, 3I, C]`` bf16: ``[Xᵀ_hi; Xᵀ_hi;
+    Xᵀ_lo]``, the right operand that pairs with ``[Δ_hi | Δ_lo | Δ_hi]`` (:func:`split_cat`): one product of
+    inner dimension ``3I`` is ``Δ_hi Xᵀ_hi + Δ_lo Xᵀ_hi + Δ_hi Xᵀ_lo``."""
+    hi, lo = _split((x.float() * mask[..., None]).transpose(1, 2))
+    return torch.cat([hi, hi, lo], dim=1)
+
+
+def split_cat(t: torch.Tensor) -> torch.Tensor:
+    """fp32 ``t [B, O, I]`` -> ``[B, O, 3I]`` bf16 ``[t_hi | t_lo | t_hi]``: the layout of the fused kernel's
+    deltas, as torch ops (its reference)."""
+    hi, lo = _split(t)
+    return torch.cat([hi, lo, hi], dim=-1)
+
+
+def split_product(a: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[B, O, 3I] @ [B, 3I, C]`` (bf16, :func:`split_cat` and :func:`split_rows` layouts) with fp32 output: fp32
+    accuracy to ~1e-5 relative at tensor-core speed on a GPU. On a CPU (tests) the same product in fp32 (a
+    bf16 product is exact in fp32)."""
+    if a.is_cuda:
+        return torch.bmm(a, rows, out_dtype=torch.float32)
+    return torch.bmm(a.float(), rows.float())
+
+
+def _squared_norms(y: torch.Tensor) -> torch.Tensor:
+    """``Σ y²`` per batch element of ``y [B, ...]``, in one pass (no ``y²`` tensor)."""
+    return torch.linalg.vector_norm(y.flatten(1), dim=1).square()
 
 
 def pick_scales(errors: list[torch.Tensor], s_grid: torch.Tensor, shared: bool):
@@ -226,15 +254,6 @@ def _output_error(part: AWQExtra, ref: torch.Tensor, s: torch.Tensor, scale_dtyp
     w_hat = quantize_scaled(part.w, s, part.spec, scale_dtype).dequantize().float()
     y = torch.bmm(part.x.float() / s[:, None, :], w_hat.transpose(1, 2))
     return (((y - ref) ** 2).sum(dim=-1) * part.mask).sum(dim=-1)
-
-
-def _split_error(part: AWQExtra, x: tuple[torch.Tensor, torch.Tensor], s: torch.Tensor,
-                 scale_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`_output_error` as ``Σ_real rows ||x (Q(W · s) / s − W)ᵀ||²`` with ``x`` split (:func:`_split`)."""
-    w_hat = quantize_scaled(part.w, s, part.spec, scale_dtype).dequantize().float()
-    delta = (w_hat / s[:, None, :] - part.w.float()).transpose(1, 2)  # [B', I, O]
-    y = split_bmm(x, _split(delta.contiguous()))
-    return ((y**2).sum(dim=-1) * part.mask).sum(dim=-1)
 
 
 def _check_finite_error(errors: list[torch.Tensor]) -> None:

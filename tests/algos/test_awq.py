@@ -192,34 +192,74 @@ def test_gpu_chunked_search_equals_whole_and_the_cpu(shared: bool) -> None:
 
 
 def test_split_products_match_fp64_to_1e5():
-    """Three bf16 products of the split operands (what the GPU runs on its tensor cores) agree with the fp64
-    product to ~1e-5 relative; a single bf16 product is off by ~1e-3."""
-    from quant.algos.awq import _split, split_bmm
+    """One bf16 product of the split operands (``[a_hi | a_lo | a_hi] @ [b_hi; b_hi; b_lo]``, what the GPU runs on
+    its tensor cores) agrees with the fp64 product to ~1e-5 relative; a single bf16 product is off by ~1e-3."""
+    from quant.algos.awq import split_cat, split_product, split_rows
 
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(3, 64, 256, generator=g), torch.randn(3, 256, 48, generator=g)
     exact = torch.bmm(a.double(), b.double())
-    rel = ((split_bmm(_split(a), _split(b)).double() - exact).norm() / exact.norm()).item()
+    rows = split_rows(b.transpose(1, 2), torch.ones(3, 48, dtype=torch.bool))  # b as rows [B, C, I]
+    rel = ((split_product(split_cat(a), rows).double() - exact).norm() / exact.norm()).item()
     single = ((torch.bmm(a.bfloat16().float(), b.bfloat16().float()).double() - exact).norm() / exact.norm()).item()
     assert rel < 3e-5 and single > 1e-3, (rel, single)
 
 
+def _device() -> torch.device:
+    """Where the fused kernel runs: the GPU, or Triton's interpreter on CPU-only machines (conftest)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("spec", [QuantSpec(4, 64, True), QuantSpec(4, 32, False), QuantSpec(8, 64, False),
+                                  QuantSpec(4, 48, False)], ids=["w4-sym-g64", "w4-asym-g32", "w8-asym", "g48"])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_trial_deltas_equal_the_torch_quantizer(shared: bool, spec: QuantSpec, scale_dtype) -> None:
+    """The kernel's ``[Δ_hi | Δ_lo | Δ_hi]`` with ``Δ = Q(W·s)/s − W`` equals the same thing from
+    ``grid.quantize_weight`` (the shipped quantizer) and torch casts: bit for bit in the interpreter; on a GPU,
+    where torch may divide by a constant through its reciprocal, all but a few ‰ of the elements, the rest within
+    one grid step, and the error they give equal to 1e-6. Rows that are not a multiple of the program's tile,
+    a group that is not a power of two (48), an all-zero group and bf16 weights are included."""
+    from quant.algos.awq import quantize_scaled, smoothing_grid, split_cat
+    from quant.algos.awq_triton import trial_deltas
+
+    dev = _device()
+    w = (weights(3, n_out=70, n_in=192) * 3).bfloat16()
+    w[1, 5, :48] = 0  # an all-zero group: the scale's floor
+    x = outlier_activations(3, n_in=192)
+    means = x.abs().mean(dim=1)
+    s = smoothing_grid(means.mean(0, keepdim=True) if shared else means, 5)[1][3]  # α = 0.75
+    ref = split_cat(quantize_scaled(w, s, spec, scale_dtype).dequantize().float() / s[:, None, :] - w.float())
+    got = trial_deltas(w.to(dev), s.to(dev), spec, scale_dtype).cpu()
+    assert got.shape == (3, 70, 3 * 192) and got.dtype == torch.bfloat16
+    if dev.type == "cpu":
+        assert torch.equal(got, ref)
+        return
+    assert (got != ref).float().mean() < 3e-3
+    n = 192
+    err = [torch.linalg.vector_norm(t[..., :n].float() + t[..., n : 2 * n].float()) for t in (got, ref)]
+    torch.testing.assert_close(err[0], err[1], rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_split_trial_errors_pick_what_fp32_picks(shared: bool):
-    """The GPU's trial errors (split products, ``x (Q(W·s)/s − W)ᵀ``) equal the fp32 ones to 1e-4 relative on
-    Hessian rows (``x = Lᵀ``, as quantize passes them) and on activations, and the search picks the same α."""
+    """The GPU's trial errors (fused deltas and one split product, ``‖Δ xᵀ‖²``) equal the fp32 ones to 1e-4
+    relative on Hessian rows (``x = Lᵀ``, as quantize passes them), on activations and on activations with padding
+    rows, and the search picks the same α."""
     from quant.algos.awq import smoothing_grid, trial_errors
     from quant.smooth import rows_from_hessian
 
     w, x = weights(), outlier_activations()
     rows = rows_from_hessian(x.transpose(1, 2) @ x)
-    for xs in (x, rows):
-        part = AWQExtra(w, xs, torch.ones(xs.shape[:2], dtype=torch.bool), SPEC)
+    padded = torch.rand(x.shape[:2], generator=torch.Generator().manual_seed(3)) < 0.7
+    for xs, mask in ((x, full_mask()), (rows, torch.ones(rows.shape[:2], dtype=torch.bool)), (x * 7, padded)):
+        part = AWQExtra(w, xs, mask, SPEC)
+        on = AWQExtra(*(t.to(_device()) for t in (w, xs, part.mask)), SPEC)  # the kernel's device
         means = x.abs().mean(dim=1)
         means = means.mean(0, keepdim=True) if shared else means
         _, grid = smoothing_grid(means, 20)
         fp32 = trial_errors(part, grid, torch.bfloat16, shared, split=False)
-        fast = trial_errors(part, grid, torch.bfloat16, shared, split=True)
+        fast = trial_errors(on, grid.to(_device()), torch.bfloat16, shared, split=True).cpu()
         torch.testing.assert_close(fast, fp32, rtol=1e-4, atol=0)
         pick = (lambda e: e.sum(1).argmin()) if shared else (lambda e: e.argmin(0))
         assert torch.equal(pick(fast), pick(fp32))
