@@ -171,8 +171,15 @@ def split_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Rows ``x [B, C, I]`` (``mask [B, C]``; rows outside it zeroed) -> ``[B, 3I, C]`` bf16: ``[Xᵀ_hi; Xᵀ_hi;
     Xᵀ_lo]``, the right operand that pairs with ``[Δ_hi | Δ_lo | Δ_hi]`` (:func:`split_cat`): one product of
     inner dimension ``3I`` is ``Δ_hi Xᵀ_hi + Δ_lo Xᵀ_hi + Δ_hi Xᵀ_lo``."""
-    hi, lo = _split((x.float() * mask[..., None]).transpose(1, 2))
-    return torch.cat([hi, hi, lo], dim=1)
+    B, C, n_in = x.shape
+    xt = x.transpose(1, 2)  # [B, I, C], a view
+    out = torch.empty(B, 3 * n_in, C, dtype=torch.bfloat16, device=x.device)
+    hi = out[:, :n_in]
+    hi.copy_(xt)  # rounded to nearest even, as _split's cast
+    out[:, n_in : 2 * n_in] = hi
+    out[:, 2 * n_in :] = xt - hi  # computed in fp32 (type promotion), then rounded: no fp32 copy of hi
+    out.mul_(mask[:, None, :])  # exact: padding rows become zeros
+    return out
 
 
 def split_cat(t: torch.Tensor) -> torch.Tensor:

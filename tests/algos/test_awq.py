@@ -194,12 +194,16 @@ def test_gpu_chunked_search_equals_whole_and_the_cpu(shared: bool) -> None:
 def test_split_products_match_fp64_to_1e5():
     """One bf16 product of the split operands (``[a_hi | a_lo | a_hi] @ [b_hi; b_hi; b_lo]``, what the GPU runs on
     its tensor cores) agrees with the fp64 product to ~1e-5 relative; a single bf16 product is off by ~1e-3."""
-    from quant.algos.awq import split_cat, split_product, split_rows
+    from quant.algos.awq import _split, split_cat, split_product, split_rows
 
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(3, 64, 256, generator=g), torch.randn(3, 256, 48, generator=g)
     exact = torch.bmm(a.double(), b.double())
     rows = split_rows(b.transpose(1, 2), torch.ones(3, 48, dtype=torch.bool))  # b as rows [B, C, I]
+    hi, lo = _split(b)
+    assert torch.equal(rows, torch.cat([hi, hi, lo], dim=1))
+    mask = torch.rand(3, 48, generator=g) < 0.5
+    assert torch.equal(split_rows(b.transpose(1, 2), mask), rows * mask[:, None, :])  # padding rows: zeros
     rel = ((split_product(split_cat(a), rows).double() - exact).norm() / exact.norm()).item()
     single = ((torch.bmm(a.bfloat16().float(), b.bfloat16().float()).double() - exact).norm() / exact.norm()).item()
     assert rel < 3e-5 and single > 1e-3, (rel, single)
@@ -216,10 +220,11 @@ def _device() -> torch.device:
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fused_trial_deltas_equal_the_torch_quantizer(shared: bool, spec: QuantSpec, scale_dtype) -> None:
     """The kernel's ``[Δ_hi | Δ_lo | Δ_hi]`` with ``Δ = Q(W·s)/s − W`` equals the same thing from
-    ``grid.quantize_weight`` (the shipped quantizer) and torch casts: bit for bit in the interpreter; on a GPU,
-    where torch may divide by a constant through its reciprocal, all but a few ‰ of the elements, the rest within
-    one grid step, and the error they give equal to 1e-6. Rows that are not a multiple of the program's tile,
-    a group that is not a power of two (48), an all-zero group and bf16 weights are included."""
+    ``grid.quantize_weight`` (the shipped quantizer) and torch casts: bit for bit in the interpreter. On a GPU,
+    where torch divides by a Python constant through its reciprocal (scale = max / 7.5), an fp32 scale can differ
+    in its last bit: there every ``Δ`` agrees to 1e-5 of the weights' range but for a code or two at a rounding
+    boundary. Rows that are not a multiple of the program's tile, a group that is not a power of two (48), an
+    all-zero group and bf16 weights are included."""
     from quant.algos.awq import quantize_scaled, smoothing_grid, split_cat
     from quant.algos.awq_triton import trial_deltas
 
@@ -232,13 +237,14 @@ def test_fused_trial_deltas_equal_the_torch_quantizer(shared: bool, spec: QuantS
     ref = split_cat(quantize_scaled(w, s, spec, scale_dtype).dequantize().float() / s[:, None, :] - w.float())
     got = trial_deltas(w.to(dev), s.to(dev), spec, scale_dtype).cpu()
     assert got.shape == (3, 70, 3 * 192) and got.dtype == torch.bfloat16
+    n = 192
+    assert torch.equal(got[..., 2 * n :], got[..., :n])
     if dev.type == "cpu":
         assert torch.equal(got, ref)
         return
-    assert (got != ref).float().mean() < 3e-3
-    n = 192
-    err = [torch.linalg.vector_norm(t[..., :n].float() + t[..., n : 2 * n].float()) for t in (got, ref)]
-    torch.testing.assert_close(err[0], err[1], rtol=1e-6, atol=0)
+    delta = [t[..., :n].float() + t[..., n : 2 * n].float() for t in (got, ref)]
+    off = (delta[0] - delta[1]).abs() > 1e-5 * w.float().abs().max()
+    assert off.sum() <= 2, off.sum()
 
 
 @pytest.mark.parametrize("shared", [False, True])
