@@ -54,7 +54,7 @@ for task in "$@"; do
         --samples 512 --workdir "$W"
       rm -rf "$W"
       [ "$task" = profile-qwen3 ] || run "$task" python3 benchmarks/profile_stage.py --shape deepseek-v3 --layers 2 \
-        --samples 256 --workdir "$W" ;;
+        --samples 256 --no-kernel-table --workdir "$W" ;;
     dsv3)
       run dsv3 python3 benchmarks/engine.py --shape deepseek-v3 --layers 1 --samples 32 --seqlen 2048 --algos gptq,awq \
         --error-samples 0 --no-export --memory-trace --workdir "$W" ;;

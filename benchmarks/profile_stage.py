@@ -43,10 +43,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to try the script on a tiny shape")
     ap.add_argument("--cold-trace", action="store_true", help="run the first profile under cProfile")
+    ap.add_argument("--build-only", action="store_true",
+                    help="build the model files (if missing) and stop: e.g. beside other work on the machine")
+    ap.add_argument("--kernel-table", action=argparse.BooleanOptionalAction, default=True,
+                    help="a third, short profile (64 samples) under torch.profiler, its top CUDA kernels printed")
     a = ap.parse_args()
     model_dir = Path(a.workdir) / f"model-{a.shape}-{a.layers}"
     if not (model_dir / "config.json").is_file():
         build_model(a.shape, a.layers, model_dir, seed=0)
+    if a.build_only:
+        return
     src = ModelSource(model_dir)
     calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     lw = Layerwise(src, "bfloat16", a.device, a.batch)
@@ -89,6 +95,8 @@ def main() -> None:
         s = time.perf_counter() - t0
         print(f"profile run {rep}: {src.n_layers} layers x {a.samples}x{a.seqlen} tokens: {s:.2f} s = "
               f"{s / src.n_layers:.2f} s/layer, {calib.tokens.numel() * src.n_layers / s:.0f} tokens/s per layer", flush=True)
+    if not a.kernel_table:
+        return
     short = calibration(min(64, a.samples), a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         profile_routing(src, short, Layerwise(src, "bfloat16", a.device, a.batch))
