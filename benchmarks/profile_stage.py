@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import SHAPES, build_model, calibration  # noqa: E402
+from engine import SHAPES, TIMERS, build_model, calibration, time_calls  # noqa: E402
 
 from quant.layerwise import Layerwise  # noqa: E402
 from quant.models import ModelSource  # noqa: E402
@@ -51,9 +51,15 @@ def main() -> None:
     model_dir = Path(a.workdir) / f"model-{a.shape}-{a.layers}"
     if not (model_dir / "config.json").is_file():
         build_model(a.shape, a.layers, model_dir, seed=0)
+    src = ModelSource(model_dir)
+    t0 = time.perf_counter()
+    fingerprint = src.fingerprint  # once per model files (digests cached by stat): not the profile's cost
+    print(f"model fingerprint {fingerprint}: {time.perf_counter() - t0:.1f} s", flush=True)
     if a.build_only:
         return
-    src = ModelSource(model_dir)
+    import quant.layerwise
+
+    time_calls(quant.layerwise, "load_layer", "load_s")
     calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     lw = Layerwise(src, "bfloat16", a.device, a.batch)
     sync()
@@ -77,6 +83,7 @@ def main() -> None:
 
     for rep in range(2):
         sync()
+        TIMERS.clear()
         t0 = time.perf_counter()
         if rep == 0 and a.cold_trace:  # where the first profile's extra seconds go (Python level: I/O and waits too)
             import cProfile
@@ -93,8 +100,10 @@ def main() -> None:
             profile_routing(src, calib, Layerwise(src, "bfloat16", a.device, a.batch))
         sync()
         s = time.perf_counter() - t0
+        n_tok, load_s = calib.tokens.numel() * src.n_layers, TIMERS.get("load_s", 0.0)
         print(f"profile run {rep}: {src.n_layers} layers x {a.samples}x{a.seqlen} tokens: {s:.2f} s = "
-              f"{s / src.n_layers:.2f} s/layer, {calib.tokens.numel() * src.n_layers / s:.0f} tokens/s per layer", flush=True)
+              f"{s / src.n_layers:.2f} s/layer, {n_tok / s:.0f} tokens/s per layer ({n_tok / max(s - load_s, 1e-9):.0f} "
+              f"without the {load_s:.2f} s of layer loads)", flush=True)
     if not a.kernel_table:
         return
     short = calibration(min(64, a.samples), a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
