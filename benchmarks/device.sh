@@ -11,7 +11,8 @@
 #   qwen3      Qwen3-30B-A3B shape, 2 layers, 256 x 2048: GPTQ and AWQ with llm-compressor GPTQ in the same run
 #   qwen3-q    the same without llm-compressor (quant alone, ~1 min)
 #   profile    the profile stage: Qwen3 2 layers x 512 samples, DeepSeek-V3 2 layers x 256 samples
-#              (profile-qwen3, profile-dsv3: one of them; the DeepSeek-V3 one builds 45 GB of model files, ~150 s)
+#              (profile-qwen3, profile-dsv3: one of them; the DeepSeek-V3 one builds 45 GB of model files, ~150 s,
+#              unless WORK holds them: `profile_stage.py --build-only` builds and fingerprints them beside other work)
 #   dsv3       DeepSeek-V3 layer, 32 x 2048: GPTQ and AWQ, each with the allocator's history at its peak
 #   e2e48      48 virtual Qwen3-30B-A3B layers, 512 x 2048, profile + quantize + export end to end
 #   x2         (2 GPUs) 1 vs 2 ranks on both shapes (Qwen3: ordered and reduce statistics), llm-compressor's
@@ -50,9 +51,8 @@ for task in "$@"; do
     qwen3-q) run qwen3-q python3 benchmarks/engine.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 \
                --algos gptq,awq --error-samples 16 --workdir "$W" ;;
     profile|profile-qwen3|profile-dsv3)
-      [ "$task" = profile-dsv3 ] || run "$task" python3 benchmarks/profile_stage.py --shape qwen3-30b-a3b --layers 2 \
-        --samples 512 --workdir "$W"
-      rm -rf "$W"
+      [ "$task" = profile-dsv3 ] || { run "$task" python3 benchmarks/profile_stage.py --shape qwen3-30b-a3b \
+        --layers 2 --samples 512 --workdir "$W"; rm -rf "$W"; }
       [ "$task" = profile-qwen3 ] || run "$task" python3 benchmarks/profile_stage.py --shape deepseek-v3 --layers 2 \
         --samples 256 --no-kernel-table --workdir "$W" ;;
     dsv3)
