@@ -28,10 +28,11 @@ THROUGHPUTS = {
     # the CUDA-graph column loop of the second session's records (solve 1.63 s for Qwen3's 15 k columns over all
     # sub-batches, 60.9 s for DeepSeek-V3's 695 k): launch bound, so time follows columns, not flops
     "gptq_graph_seconds_per_column": 0.97e-4,
-    # "Engine vs llm-compressor, Qwen3-30B-A3B" second session, AWQ: solve 2.35 s/layer (AWQ's solve time includes
-    # its calibration pass) minus the statistics pass GPTQ measured on the same layer (0.85 s) leaves 1.50 s for
-    # 4.3e13 flop of trial errors and Cholesky rows (awq_search_flops: experts' gate/up and down, q/k/v)
-    "awq_search_flop_per_s": 2.85e13,
+    # BENCHMARKS "Tenth session", call 4: Qwen3-30B-A3B's warm layer searched in 1.07 s (fused trial deltas, split
+    # bf16 products) for 4.3e13 flop of trial errors and Cholesky rows (awq_search_flops: experts' gate/up and down,
+    # q/k/v). One rate over-estimates large experts: DeepSeek-V3's layer took 30.8 s before the fused deltas
+    # (2.7e15 flop: 67 s at this rate), where its products, not its elementwise passes, dominate
+    "awq_search_flop_per_s": 4.0e13,
     # "Full depth, end to end" paragraph: profile 1.76 s/layer at 1.05 M tokens, of which 0.63 s loading
     "profile_param_tokens_per_s": 5.3e13,
     # "Full depth, end to end": export wrote 17 GB in 50.3 s

@@ -2,7 +2,7 @@
 (quant.algos.cholesky), against the torch loop, the per-matrix reference and fp64.
 
 On a CPU the kernel runs in Triton's interpreter (numpy, no fused multiply-add): there it must reproduce the torch
-loop bit for bit. The GPU tier (tests/test_gpu.py) runs the compiled kernel against the same references."""
+loop bit for bit. The GPU tier (the ``gpu``-marked tests below) runs the compiled kernel against the same references."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from .test_gptq import N_IN, N_OUT, correlated_hessians, random_weights, referen
 def _interpreter() -> None:
     triton = pytest.importorskip("triton")
     if not triton.knobs.runtime.interpret:
-        pytest.skip("Triton's interpreter is off (conftest turns it on where there is no GPU); tests/test_gpu.py "
-                    "runs the compiled kernel")
+        pytest.skip("Triton's interpreter is off (conftest turns it on where there is no GPU); the gpu-marked "
+                    "tests of this file run the compiled kernel")
 
 
 @pytest.fixture(autouse=True, scope="module")
