@@ -10,7 +10,7 @@
 #   gpu        the GPU tier alone (-m gpu)
 #   qwen3      Qwen3-30B-A3B shape, 2 layers, 256 x 2048: GPTQ and AWQ with llm-compressor GPTQ in the same run
 #   qwen3-q    the same without llm-compressor (quant alone, ~1 min)
-#   profile    the profile stage: Qwen3 2 layers x 512 samples, DeepSeek-V3 2 layers x 256 samples
+#   profile    the profile stage: Qwen3 2 layers x 512 samples, DeepSeek-V3 2 layers tiled to 8 x 256 samples
 #              (profile-qwen3, profile-dsv3: one of them; the DeepSeek-V3 one builds 45 GB of model files, ~150 s,
 #              unless WORK holds them: `profile_stage.py --build-only` builds them beside other work; the 45 GB
 #              fingerprint, a once-per-model cost measured in the sixth session, is left out)
@@ -55,7 +55,7 @@ for task in "$@"; do
       [ "$task" = profile-dsv3 ] || { run "$task" python3 benchmarks/profile_stage.py --shape qwen3-30b-a3b \
         --layers 2 --samples 512 --workdir "$W"; rm -rf "$W"; }
       [ "$task" = profile-qwen3 ] || run "$task" python3 benchmarks/profile_stage.py --shape deepseek-v3 --layers 2 \
-        --samples 256 --no-kernel-table --no-fingerprint --workdir "$W" ;;
+        --virtual-layers 8 --samples 256 --no-kernel-table --no-fingerprint --workdir "$W" ;;
     dsv3)
       run dsv3 python3 benchmarks/engine.py --shape deepseek-v3 --layers 1 --samples 32 --seqlen 2048 --algos gptq,awq \
         --error-samples 0 --no-export --memory-trace --workdir "$W" ;;

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import SHAPES, TIMERS, build_model, calibration, time_calls  # noqa: E402
+from engine import SHAPES, TIMERS, TiledSource, build_model, calibration, time_calls  # noqa: E402
 
 from quant.layerwise import Layerwise  # noqa: E402
 from quant.models import ModelSource  # noqa: E402
@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/qb")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--virtual-layers", type=int, default=0,
+                    help="profile N layers tiled from the --layers saved ones (engine.py's TiledSource): a deep "
+                         "model's steady state, each layer read ahead during the previous one's compute")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to try the script on a tiny shape")
     ap.add_argument("--cold-trace", action="store_true", help="run the first profile under cProfile")
     ap.add_argument("--build-only", action="store_true",
@@ -54,7 +57,7 @@ def main() -> None:
     model_dir = Path(a.workdir) / f"model-{a.shape}-{a.layers}"
     if not (model_dir / "config.json").is_file():
         build_model(a.shape, a.layers, model_dir, seed=0)
-    src = ModelSource(model_dir)
+    src = TiledSource(model_dir, a.virtual_layers) if a.virtual_layers else ModelSource(model_dir)
     if a.fingerprint:
         t0 = time.perf_counter()
         fingerprint = src.fingerprint  # once per model files (digests cached by stat): not the profile's cost
