@@ -135,10 +135,8 @@ class _LayerJob:
         self.view: ExpertsView | None = experts_of(source, layer, idx)
         self.results: dict[str, QuantizedWeight] = {}
         self.report = LayerReport(idx)
-        self.replicated = False  # True: every rank would compute the whole layer (no algorithm needs it now)
         n_experts = self.view.n_experts if self.view is not None and self.experts_planned() else 0
-        size = 1 if self.replicated else world.size
-        self.ranges = even_ranges(n_experts, size) * (world.size if self.replicated else 1)
+        self.ranges = even_ranges(n_experts, world.size)
 
     def experts_planned(self) -> dict[str, ModulePlan]:
         return {n: p for n, p in self.mods.items() if ".experts." in n}

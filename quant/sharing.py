@@ -46,9 +46,9 @@ def expert_load(job, experts: range) -> float:
 
 
 def my_linear_groups(job, groups: list) -> list:
-    """The linear solve groups ``(spec, H, names)`` this rank solves: all of them in a world of one (or
-    replicated), else an assignment by estimated solve time on top of each rank's expert load."""
-    if job.replicated or not job.world.distributed:
+    """The linear solve groups ``(spec, H, names)`` this rank solves: all of them in a world of one, else an
+    assignment by estimated solve time on top of each rank's expert load."""
+    if not job.world.distributed:
         return groups
     costs = [solve_cost(sum(job.linears[n].out_features for n in names), job.linears[names[0]].in_features)
              for _, _, names in groups]
@@ -59,7 +59,7 @@ def my_linear_groups(job, groups: list) -> list:
 def share_results(job) -> None:
     """Every rank's codes on every rank; other ranks' modules are dequantized into this rank's layer, and the
     layer's report merged."""
-    if not job.world.distributed or job.replicated:
+    if not job.world.distributed:
         return
     mine = {}
     for name, qw in job.results.items():

@@ -71,7 +71,8 @@ def reference(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("family,algorithm", [(f, "gptq") for f in FAMILIES] + [(FAMILIES[0], "awq")])
 def test_two_ranks_give_the_one_process_plan_and_checkpoint(reference, tmp_path, family, algorithm):
-    """GPTQ: experts and modules shared out over ranks; AWQ: every rank computes the whole layer (replicated)."""
+    """Experts and modules shared out over ranks (AWQ: each rank searches its own experts, the statistics are
+    every rank's)."""
     d = tmp_path / "r2"
     p = subprocess.run(torchrun(2, "export", HEADLINE, "-o", str(d), "--model", f"builtin:{family}", "--set",
                                 f"quantize.algorithm={algorithm}"),
