@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.algos import triton_runs
 from quant.algos.grid import QuantizedWeight, QuantSpec, all_finite, quantize_weight
 from quant.errors import NumericalError
 
@@ -130,7 +131,7 @@ def trial_errors(part: AWQExtra, s_grid: torch.Tensor, scale_dtype: torch.dtype,
     units (``20 · 2·I²·O`` flops per expert, 33 TFLOP a Qwen3-30B-A3B layer). Only near-ties (errors within
     ~1e-5) can pick another α; the shipped codes are quantized at the chosen α by ``grid.quantize_weight``."""
     _check_part(part, part.w.shape[0], part.w.shape[2], True)
-    split = _fused_available(part.x) if split is None else split
+    split = triton_runs(part.x, "quant.algos.awq_triton") if split is None else split
     step = batch_chunk or part.w.shape[0]
     chunks = []
     for b0 in range(0, part.w.shape[0], step):
@@ -149,16 +150,6 @@ def trial_errors(part: AWQExtra, s_grid: torch.Tensor, scale_dtype: torch.dtype,
         chunks.append(torch.stack([_output_error(sub, ref, s, scale_dtype) for s in grid]))
         del ref
     return torch.cat(chunks, dim=1)
-
-
-def _fused_available(x: torch.Tensor) -> bool:
-    if not x.is_cuda:
-        return False
-    try:
-        import quant.algos.awq_triton  # noqa: F401
-    except ImportError:  # no Triton on this machine: the fp32 torch path computes the same errors
-        return False
-    return True
 
 
 def _split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

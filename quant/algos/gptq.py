@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.algos import triton_runs
 from quant.algos.cholesky import upper_inverse_factor
 from quant.algos.grid import QuantizedWeight, QuantSpec, all_finite, dequantize, fit_grid, quantize
 from quant.errors import NumericalError
@@ -140,13 +141,7 @@ def gptq(
 def _use_triton(kernel: str, W: torch.Tensor) -> bool:
     if kernel != "auto":
         return kernel == "triton"
-    if not W.is_cuda:
-        return False
-    try:
-        import quant.algos.gptq_triton  # noqa: F401
-    except ImportError:  # no Triton on this machine: the torch loop (CUDA graphs) computes the same thing
-        return False
-    return True
+    return triton_runs(W, "quant.algos.gptq_triton")  # else the torch loop (CUDA graphs) computes the same thing
 
 
 def _order(perm: torch.Tensor | None, B: int, n_in: int, device) -> torch.Tensor:
