@@ -10,7 +10,7 @@ dropped) with fp32 accumulation: 8 bytes per weight and α.
 
 Every rounding step follows ``quant.algos.grid`` (min/max grid, scales rounded to the scale dtype before the
 codes are chosen, round half to even, ``(q − zero) · scale`` rounded to the scale dtype), with the same bit
-arithmetic as ``gptq_triton``; on a CPU (tests) the kernel runs in Triton's interpreter and its deltas equal the
+arithmetic as ``gptq_triton`` (``triton_rounding``); on a CPU (tests) the kernel runs in Triton's interpreter and its deltas equal the
 torch ones bit for bit. On a GPU a division by a constant may be compiled differently by torch and Triton, so a
 grid can differ by one rounding now and then: the deltas only rank the α grid, the shipped codes come from
 ``grid.quantize_weight`` at the chosen α.
@@ -21,33 +21,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from quant.algos.gptq_triton import _MANTISSA_DROP, _interpreted
 from quant.algos.grid import QuantSpec
+from quant.algos.triton_rounding import MANTISSA_DROP, interpreted, rint, round_bits
 
 TILE = 4096  # weights one program handles: BO rows x one group
-
-
-@triton.jit
-def _round_bits(x, DROP: tl.constexpr):
-    """``x`` (fp32) rounded to ``DROP`` fewer mantissa bits, half to even, on its bit pattern (a bf16/fp16 cast
-    for the normal numbers involved; DROP = 0 leaves it)."""
-    if DROP > 0:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & (-(1 << DROP))
-        x = bits.to(tl.float32, bitcast=True)
-    return x
-
-
-@triton.jit
-def _rint(x, LIBDEVICE: tl.constexpr):
-    """Round half to even: libdevice's on the GPU, ``(x + 1.5 · 2^23) − 1.5 · 2^23`` (|x| < 2^22) in the interpreter."""
-    if LIBDEVICE:
-        y = libdevice.rint(x)
-    else:
-        y = (x + 12582912.0) - 12582912.0
-    return y
 
 
 @triton.jit
@@ -72,19 +50,19 @@ def _delta_kernel(w_ptr, s_ptr, a_ptr, n_out, n_in, sw_b, sw_o, ss_b, sa_b, sa_o
     else:
         lo = tl.minimum(tl.min(ws, axis=1), 0.0)
         sc = tl.math.div_rn(tl.maximum(tl.max(ws, axis=1), 0.0) - lo, (QMAX - QMIN) * 1.0)
-    sc = tl.maximum(_round_bits(tl.maximum(sc, 1e-10), DROP), TINY)
+    sc = tl.maximum(round_bits(tl.maximum(sc, 1e-10), DROP), TINY)
     if SYM:
         z = tl.zeros_like(sc)
     else:
-        z = tl.minimum(tl.maximum(_rint(QMIN - tl.math.div_rn(lo, sc), LIBDEVICE), QMIN), QMAX)
+        z = tl.minimum(tl.maximum(rint(QMIN - tl.math.div_rn(lo, sc), LIBDEVICE), QMIN), QMAX)
     sc2 = tl.broadcast_to(sc[:, None], (BO, GP))
     z2 = tl.broadcast_to(z[:, None], (BO, GP))
-    q = _rint(tl.math.div_rn(ws, sc2) + z2, LIBDEVICE)
+    q = rint(tl.math.div_rn(ws, sc2) + z2, LIBDEVICE)
     q = tl.minimum(tl.maximum(q, QMIN), QMAX)
-    deq = _round_bits((q - z2) * sc2, DROP)  # the product is exact in fp32
+    deq = round_bits((q - z2) * sc2, DROP)  # the product is exact in fp32
     d = tl.math.div_rn(deq, s2) - w
-    hi = _round_bits(d, 16)
-    lo_part = _round_bits(d - hi, 16)  # d - hi is exact in fp32
+    hi = round_bits(d, 16)
+    lo_part = round_bits(d - hi, 16)  # d - hi is exact in fp32
     out = a_ptr + b * sa_b + r64 * sa_o + cols[None, :]
     tl.store(out, hi.to(tl.bfloat16), mask=inside)
     tl.store(out + n_in, lo_part.to(tl.bfloat16), mask=inside)
@@ -97,7 +75,7 @@ def trial_deltas(w: torch.Tensor, s: torch.Tensor, spec: QuantSpec, scale_dtype:
     B, n_out, n_in = w.shape
     gs = spec.group_size
     assert n_in % gs == 0 and s.shape[-1] == n_in and s.shape[0] in (1, B), (tuple(w.shape), tuple(s.shape), gs)
-    interpret = _interpreted()
+    interpret = interpreted()
     assert w.is_cuda or interpret, "the fused AWQ kernel runs on a GPU, or on a CPU under TRITON_INTERPRET=1"
     w = w.contiguous()
     s = s.float().contiguous()
@@ -108,7 +86,7 @@ def trial_deltas(w: torch.Tensor, s: torch.Tensor, spec: QuantSpec, scale_dtype:
     _delta_kernel[grid](
         w, s, a, n_out, n_in, w.stride(0), w.stride(1), 0 if s.shape[0] == 1 else s.stride(0), a.stride(0),
         a.stride(1), QMIN=spec.qmin, QMAX=spec.qmax, SYM=spec.symmetric, GS=gs, GP=gp,
-        DROP=_MANTISSA_DROP[scale_dtype], TINY=float(torch.finfo(scale_dtype).tiny), LIBDEVICE=not interpret, BO=bo,
+        DROP=MANTISSA_DROP[scale_dtype], TINY=float(torch.finfo(scale_dtype).tiny), LIBDEVICE=not interpret, BO=bo,
         num_warps=4,
     )
     return a

@@ -26,14 +26,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from quant.algos.grid import QuantSpec, all_finite, fit_grid
+from quant.algos.triton_rounding import MANTISSA_DROP, interpreted, rint, round_bits
 
 BLOCK_COLUMNS = 128  # the widest block one launch handles (the tile's BW)
 ROWS_PER_PROGRAM = 32  # BO: tile rows of one program
 NUM_WARPS = 2
-_MANTISSA_DROP = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 
 
 @triton.jit(do_not_specialize=["i1", "width"])
@@ -45,9 +44,9 @@ def _block_kernel(w_ptr, u_ptr, q_ptr, e_ptr, s_ptr, z_ptr, g_ptr, i1, width, n_
     """Columns ``i1 .. i1 + width - 1`` of ``Wt [B, I, O]`` (fp32, updated in place) for rows ``BO`` of one batch
     element. ``U [B, I, I]``; codes into ``qt [B, I, O]`` (int8); scaled errors into ``err [B, BW, O]``; grids
     ``scale, zero [B, G, O]`` (fp32) are fitted and written at group starts (FIT) or read at group ``gidx [B, I]``.
-    Rounding: ``rint`` is libdevice's on the GPU and ``(x + 1.5 * 2^23) - 1.5 * 2^23`` (half to even for
-    |x| < 2^22) in the interpreter; a value is rounded to the scale dtype on its fp32 bit pattern (``DROP``
-    mantissa bits, half to even; DROP = 0 for fp32 scales)."""
+    Rounding (``triton_rounding``): ``rint`` is libdevice's on the GPU and ``(x + 1.5 * 2^23) - 1.5 * 2^23``
+    (half to even for |x| < 2^22) in the interpreter; a value is rounded to the scale dtype on its fp32 bit pattern
+    (``DROP`` mantissa bits, half to even; DROP = 0 for fp32 scales)."""
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BO + tl.arange(0, BO)
     cols = tl.arange(0, BW)
@@ -68,17 +67,11 @@ def _block_kernel(w_ptr, u_ptr, q_ptr, e_ptr, s_ptr, z_ptr, g_ptr, i1, width, n_
                     lo = tl.min(tl.where(group, w, 0.0), axis=0)
                     s = tl.math.div_rn(tl.max(tl.where(group, w, 0.0), axis=0) - lo, (QMAX - QMIN) * 1.0)
                 s = tl.maximum(s, 1e-10)
-                if DROP > 0:
-                    bits = s.to(tl.int32, bitcast=True)
-                    bits = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & (-(1 << DROP))
-                    s = bits.to(tl.float32, bitcast=True)
-                s = tl.maximum(s, TINY)
+                s = tl.maximum(round_bits(s, DROP), TINY)
                 grid_at = b * ss_b + ((i1 + j) // GS) * ss_g + rows
                 tl.store(s_ptr + grid_at, s, mask=rmask)
                 if not SYM:
-                    z = QMIN - tl.math.div_rn(lo, s)
-                    z = libdevice.rint(z) if LIBDEVICE else (z + 12582912.0) - 12582912.0
-                    z = tl.minimum(tl.maximum(z, QMIN), QMAX)
+                    z = tl.minimum(tl.maximum(rint(QMIN - tl.math.div_rn(lo, s), LIBDEVICE), QMIN), QMAX)
                     tl.store(z_ptr + grid_at, z, mask=rmask)
         else:
             grid_at = b * ss_b + tl.load(g_ptr + b * sg_b + i1 + j).to(tl.int64) * ss_g + rows
@@ -86,25 +79,14 @@ def _block_kernel(w_ptr, u_ptr, q_ptr, e_ptr, s_ptr, z_ptr, g_ptr, i1, width, n_
             if not SYM:
                 z = tl.load(z_ptr + grid_at, mask=rmask, other=0.0)
         wj = tl.sum(tl.where(cols[:, None] == j, w, 0.0), axis=0)
-        x = tl.math.div_rn(wj, s) + z
-        x = libdevice.rint(x) if LIBDEVICE else (x + 12582912.0) - 12582912.0
-        q = tl.minimum(tl.maximum(x, QMIN), QMAX)
-        deq = (q - z) * s  # exact in fp32 (<= 8 + 11 significant bits), then rounded to the scale dtype
-        if DROP > 0:
-            bits = deq.to(tl.int32, bitcast=True)
-            bits = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & (-(1 << DROP))
-            deq = bits.to(tl.float32, bitcast=True)
+        q = tl.minimum(tl.maximum(rint(tl.math.div_rn(wj, s) + z, LIBDEVICE), QMIN), QMAX)
+        deq = round_bits((q - z) * s, DROP)  # the product is exact in fp32 (<= 8 + 11 significant bits)
         e = tl.math.div_rn(wj - deq, tl.load(u_row + j * su_i + j))
         u = tl.load(u_row + j * su_i + cols, mask=cmask & (cols >= j), other=0.0)
         w = w - u[:, None] * e[None, :]
         tl.store(q_ptr + b * sq_b + (i1 + j) * sq_i + rows, q.to(tl.int8), mask=rmask)
         tl.store(e_ptr + b * se_b + j * se_i + rows, e, mask=rmask)
     tl.store(w_tile, w, mask=cmask[:, None] & rmask[None, :])
-
-
-def _interpreted() -> bool:
-    """Triton's interpreter (``TRITON_INTERPRET=1`` when triton was imported) runs the kernel on CPU tensors."""
-    return bool(triton.knobs.runtime.interpret)
 
 
 def column_block(Wt: torch.Tensor, U: torch.Tensor, qt: torch.Tensor, err: torch.Tensor, scale: torch.Tensor,
@@ -124,7 +106,7 @@ def column_block(Wt: torch.Tensor, U: torch.Tensor, qt: torch.Tensor, err: torch
     assert not fit or (i1 % spec.group_size == 0 and (width % spec.group_size == 0 or i2 == n_in))
     if gidx is None:
         gidx = torch.zeros(1, 1, dtype=torch.int32, device=Wt.device)
-    interpret = _interpreted()
+    interpret = interpreted()
     assert Wt.is_cuda or interpret, "the fused GPTQ kernel runs on a GPU, or on a CPU under TRITON_INTERPRET=1"
     grid = (B, triton.cdiv(n_out, ROWS_PER_PROGRAM))
     _block_kernel[grid](
@@ -132,7 +114,7 @@ def column_block(Wt: torch.Tensor, U: torch.Tensor, qt: torch.Tensor, err: torch
         Wt.stride(0), Wt.stride(1), U.stride(0), U.stride(1), qt.stride(0), qt.stride(1), err.stride(0),
         err.stride(1), scale.stride(0), scale.stride(1), gidx.stride(0),
         QMIN=spec.qmin, QMAX=spec.qmax, SYM=spec.symmetric, FIT=fit, GS=spec.group_size,
-        DROP=_MANTISSA_DROP[scale_dtype], TINY=float(torch.finfo(scale_dtype).tiny), LIBDEVICE=not interpret,
+        DROP=MANTISSA_DROP[scale_dtype], TINY=float(torch.finfo(scale_dtype).tiny), LIBDEVICE=not interpret,
         BW=BLOCK_COLUMNS, BO=ROWS_PER_PROGRAM, num_warps=NUM_WARPS,
     )
 
