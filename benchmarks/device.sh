@@ -14,6 +14,8 @@
 #              (profile-qwen3, profile-dsv3: one of them; the DeepSeek-V3 one builds 45 GB of model files, ~150 s,
 #              unless WORK holds them: `profile_stage.py --build-only` builds them beside other work; the 45 GB
 #              fingerprint, a once-per-model cost measured in the sixth session, is left out)
+#   read-dsv3  one DeepSeek-V3 layer's host read (safe_open + pinned copy vs parallel preads into a staging buffer)
+#              and upload (benchmarks/layer_read.py); keeps the model files for a profile-dsv3 after it
 #   dsv3       DeepSeek-V3 layer, 32 x 2048: GPTQ and AWQ, each with the allocator's history at its peak
 #   e2e48      48 virtual Qwen3-30B-A3B layers, 512 x 2048, profile + quantize + export end to end
 #   x2         (2 GPUs) 1 vs 2 ranks on both shapes (Qwen3: ordered and reduce statistics), llm-compressor's
@@ -22,7 +24,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|dsv3|e2e48|x2|x2-awq) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|e2e48|x2|x2-awq) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -56,6 +58,11 @@ for task in "$@"; do
         --layers 2 --samples 512 --workdir "$W"; rm -rf "$W"; }
       [ "$task" = profile-qwen3 ] || run "$task" python3 benchmarks/profile_stage.py --shape deepseek-v3 --layers 2 \
         --virtual-layers 8 --samples 256 --no-kernel-table --no-fingerprint --workdir "$W" ;;
+    read-dsv3)
+      run read-dsv3 python3 benchmarks/profile_stage.py --shape deepseek-v3 --layers 2 --no-fingerprint --build-only \
+        --workdir "$W"
+      run read-dsv3 python3 benchmarks/layer_read.py --shape deepseek-v3 --layers 2 --threads 8 --workdir "$W"
+      continue ;;  # the model files stay for profile-dsv3
     dsv3)
       run dsv3 python3 benchmarks/engine.py --shape deepseek-v3 --layers 1 --samples 32 --seqlen 2048 --algos gptq,awq \
         --error-samples 0 --no-export --memory-trace --workdir "$W" ;;

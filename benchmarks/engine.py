@@ -195,9 +195,9 @@ class TiledSource(ModelSource):
             parts[2] = str(int(parts[2]) % self.n_saved)
         return ".".join(parts)
 
-    def read_tensors(self, keys, device="cpu"):
+    def read_tensors(self, keys, device="cpu", into=None):
         real = {k: self._real(k) for k in keys}
-        loaded = super().read_tensors(sorted(set(real.values())), device)
+        loaded = super().read_tensors(sorted(set(real.values())), device, into)
         return {k: loaded[r] for k, r in real.items()}
 
     def shapes(self):

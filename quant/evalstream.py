@@ -65,7 +65,8 @@ class ShippedCheckpoint(ModelSource):
         self.weight_map = {k: f for k, f in self.raw_map.items() if k not in packed}
         self.weight_map.update({k: self.raw_map[parts[0]] for k, parts in self.parts.items()})
 
-    def read_tensors(self, keys: list[str], device="cpu") -> dict:
+    def read_tensors(self, keys: list[str], device="cpu", into=None) -> dict:
+        """The dense (dequantized) tensors of ``keys``; ``into`` is not used: they are computed, not read."""
         raw = read_safetensors(self.path, self.raw_map, [r for k in keys for r in self.parts.get(k, [k])], device)
         dense = self.dequantizer.process(raw)
         missing = [k for k in keys if k not in dense]

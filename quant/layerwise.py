@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
@@ -114,6 +115,60 @@ def pinned_copy(tensors: dict[str, torch.Tensor], budget: int) -> dict[str, torc
     return out
 
 
+class _Staging:
+    """Page-locked host buffers for read-ahead, reused layer after layer: ``slot(idx % 2)`` holds layer ``idx``, so
+    one is read into while the other uploads. Each is pinned at its exact size with ``cudaHostRegister`` (torch's
+    pinned allocator rounds an allocation up to a power of two: 32 GB for a 23 GB DeepSeek-V3 layer, 64 GB for the
+    pair) and grown when a larger layer comes. A buffer is written again only after the uploads queued from it have
+    finished (``uploaded`` records an event after a layer's copies; ``into`` waits on it)."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.bufs: list[torch.Tensor | None] = [None, None]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.used = [False, False]
+        self._registered: list[torch.Tensor] = []  # unpinned when this object goes (they live until then)
+        weakref.finalize(self, _unregister, self._registered)
+
+    def into(self, slot: int) -> Callable[[int], torch.Tensor | None]:
+        """The ``into`` of ``ModelSource.read_tensors`` for buffer ``slot`` (None: over budget)."""
+
+        def alloc(n_bytes: int) -> torch.Tensor | None:
+            self.used[slot] = False
+            if n_bytes > self.budget:
+                return None
+            if self.events[slot] is not None:
+                self.events[slot].synchronize()
+            buf = self.bufs[slot]
+            if buf is None or buf.numel() < n_bytes:
+                self.bufs[slot] = None
+                buf = torch.empty(n_bytes, dtype=torch.uint8)
+                cudart = torch.cuda.cudart()
+                err = cudart.cudaHostRegister(buf.data_ptr(), n_bytes, 0)
+                if err != cudart.cudaError.success:
+                    log.warning("cudaHostRegister of %d bytes failed (%s); read-ahead copies into torch's pinned "
+                                "memory instead", n_bytes, err)
+                    return None
+                self._registered.append(buf)
+                self.bufs[slot] = buf
+            self.used[slot] = True
+            return buf[:n_bytes]
+
+        return alloc
+
+    def uploaded(self, slot: int) -> None:
+        """Layer uploads from buffer ``slot`` are queued on the current stream: it is free once they finish."""
+        if self.bufs[slot] is not None:
+            self.events[slot] = torch.cuda.Event()
+            self.events[slot].record()
+
+
+def _unregister(bufs: list[torch.Tensor]) -> None:
+    for buf in bufs:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    bufs.clear()
+
+
 class _LayerReader:
     """A decoder layer's on-disk tensors for ``load_layer``: on a GPU read ahead (the next layer, by a thread) and,
     with several NCCL ranks, read in contiguous shares of about equal bytes, one per rank, then broadcast."""
@@ -141,9 +196,22 @@ class _LayerReader:
         return out
 
     def _read(self, idx: int, device) -> dict[str, torch.Tensor]:
-        shares = self.shares(idx)
-        tensors = self.source.read_tensors(shares[self.world.rank if self.shared else 0], device)
-        return pinned_copy(tensors, self.pin_budget) if self.prefetch and str(device) == "cpu" else tensors
+        """This rank's share of layer ``idx`` on ``device``; read-ahead (``device`` cpu on a GPU host) reads straight
+        into staging buffer ``idx % 2`` when the source reads files (else copies what it returns into pinned memory)."""
+        keys = self.shares(idx)[self.world.rank if self.shared else 0]
+        if not (self.prefetch and str(device) == "cpu"):
+            return self.source.read_tensors(keys, device)
+        tensors = self.source.read_tensors(keys, "cpu", into=self.staging.into(idx % 2))
+        return tensors if self.staging.used[idx % 2] else pinned_copy(tensors, self.pin_budget)
+
+    @cached_property
+    def staging(self) -> _Staging:
+        return _Staging(self.pin_budget)
+
+    def uploaded(self, idx: int) -> None:
+        """Layer ``idx`` is on the device (its copies queued): its staging buffer may be reused after them."""
+        if self.prefetch:
+            self.staging.uploaded(idx % 2)
 
     @cached_property
     def pin_budget(self) -> int:
@@ -230,6 +298,7 @@ class Layerwise:
     def layer(self, idx: int) -> Iterator[nn.Module]:
         """Layer ``idx`` materialized on the device for the duration of the block."""
         layer = load_layer(self.source, self.model, idx, self.device, self.dtype, self.reader.take(idx))
+        self.reader.uploaded(idx)
         try:
             yield layer
         finally:

@@ -19,18 +19,31 @@ def test_over_budget_or_without_a_gpu_the_tensors_stay_as_read():
 
 
 @pytest.mark.gpu
-def test_read_ahead_is_page_locked_and_exact():
-    """On a GPU the next layer is read ahead into one page-locked buffer (its uploads then queue without a
-    stream sync); every tensor equal to a direct read, dtypes and shapes kept, each 64-byte aligned."""
+def test_read_ahead_is_page_locked_exact_and_alternates_two_staging_buffers():
+    """On a GPU layer ``idx + 1`` is read ahead into staging buffer ``(idx + 1) % 2`` (pinned at its exact size) while
+    layer ``idx`` uploads from the other: every layer's tensors equal a direct read on the host and after the upload,
+    dtypes and shapes kept, each 64-byte aligned inside its buffer, the buffers reused (not reallocated) from layer
+    2 on. Over the budget the read-ahead stays as read (not page-locked)."""
     src = resolve_model("builtin:qwen3-moe-tiny")
     reader = _LayerReader(src, SINGLE, torch.device("cuda"))
-    reader.take(0)  # starts reading layer 1 ahead
-    got = reader.take(1)
-    full = read_layer_tensors(src, 1)
-    assert sorted(got) == sorted(full)
-    for k, t in full.items():
-        assert got[k].is_pinned() and got[k].dtype == t.dtype and torch.equal(got[k], t), k
-        assert got[k].data_ptr() % 64 == 0, k
+    assert reader.take(0) is None  # nothing read ahead yet; layer 1 is being read
+    reader.uploaded(0)
+    seen = []
+    for idx in range(1, src.n_layers):
+        got = reader.take(idx)
+        on_gpu = {k: t.to("cuda", non_blocking=True) for k, t in got.items()}
+        reader.uploaded(idx)
+        buf = reader.staging.bufs[idx % 2]
+        seen.append(buf.data_ptr())
+        full = read_layer_tensors(src, idx)
+        assert sorted(got) == sorted(full)
+        for k, t in full.items():
+            assert got[k].is_pinned() and got[k].dtype == t.dtype and torch.equal(got[k], t), k
+            assert torch.equal(on_gpu[k].cpu(), t), k
+            assert (got[k].data_ptr() - buf.data_ptr()) % 64 == 0, k
+            assert buf.data_ptr() <= got[k].data_ptr() < buf.data_ptr() + buf.numel(), k
+    assert src.n_layers >= 4 and seen[2:] == seen[:-2] and seen[0] != seen[1]
     reader.pin_budget = 0
-    reader.take(1)
-    assert not any(t.is_pinned() for t in reader.take(2).values())
+    reader.__dict__.pop("staging")
+    reader.take(src.n_layers - 2)
+    assert not any(t.is_pinned() for t in reader.take(src.n_layers - 1).values())

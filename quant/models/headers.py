@@ -10,11 +10,11 @@ seconds on a login node.
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from quant.errors import ModelError
+from quant.models.direct_read import header_table
 from quant.models.source import ModelSource, read_json_object
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -23,19 +23,7 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 
 def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Tensor name -> (dtype, shape) from a safetensors file's header (the data section is never touched)."""
-    if not path.is_file():
-        raise ModelError(f"{path.parent} lacks {path.name}, which its index names; re-download the model")
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ModelError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 1 << 30:
-            raise ModelError(f"{path}: safetensors header of {n} bytes is not plausible; is the file corrupt?")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelError(f"{path}: unreadable safetensors header ({e})") from None
+    _, header = header_table(path)
     try:
         return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
     except (AttributeError, KeyError, TypeError):
@@ -58,7 +46,7 @@ class HeaderSource(ModelSource):
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: shape for k, (_, shape) in self.tensors.items()}
 
-    def read_tensors(self, keys, device="cpu"):
+    def read_tensors(self, keys, device="cpu", into=None):
         raise ModelError(f"{self.display_name}: only tensor shapes are known here (quant estimate), not weights")
 
 

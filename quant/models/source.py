@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 
 from quant.errors import ModelError
+from quant.models.direct_read import read_into
 from quant.models.families import FAMILIES, FamilySpec, expert_of, family_for, layer_of, module_kind
 from quant.storage import file_sha256
 
@@ -167,8 +170,15 @@ class ModelSource:
             reason = (str(e).strip().splitlines() or [""])[0]
             raise ModelError(f"cannot load the tokenizer of {self.path}: {reason}") from None
 
-    def read_tensors(self, keys: list[str], device="cpu") -> dict:
-        """Named tensors from the safetensors shards (one open per shard), on ``device``."""
+    def read_tensors(self, keys: list[str], device="cpu", into: Callable[[int], torch.Tensor | None] | None = None
+                     ) -> dict:
+        """Named tensors from the safetensors shards (one open per shard), on ``device``. ``into``: ``n_bytes`` -> a
+        CPU ``uint8`` buffer (or None to decline) that the tensors are read into, by parallel preads, as its views
+        (``direct_read``; ``device`` is then ignored)."""
+        if into is not None:
+            tensors = read_into(self.path, self.weight_map, keys, into, threads=min(8, os.cpu_count() or 1))
+            if tensors is not None:
+                return tensors
         return read_safetensors(self.path, self.weight_map, keys, device)
 
     def _read_headers(self) -> dict[str, tuple[int, ...]]:
