@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--fingerprint", action=argparse.BooleanOptionalAction, default=True,
                     help="time the model fingerprint before the runs (a once-per-model cost, not the profile's: "
                          "SHA-256 of every shard, cached by stat); --no-fingerprint sets a placeholder instead")
+    ap.add_argument("--runs", type=int, default=2, help="profile runs (each a fresh Layerwise, as a stage is)")
+    ap.add_argument("--forward-alone", action=argparse.BooleanOptionalAction, default=True,
+                    help="first the layers' load and forward without the profile's hooks")
     ap.add_argument("--kernel-table", action=argparse.BooleanOptionalAction, default=True,
                     help="a third, short profile (64 samples) under torch.profiler, its top CUDA kernels printed")
     a = ap.parse_args()
@@ -69,13 +72,15 @@ def main() -> None:
     import quant.layerwise
 
     time_calls(quant.layerwise, "load_layer", "load_s")
+    time_calls(quant.layerwise._LayerReader, "take", "take_s", device_sync=False)  # read-ahead waits, layer 0's read
+    time_calls(quant.layerwise, "page_locked", "pin_s", device_sync=False)  # on the read-ahead thread too
     calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     lw = Layerwise(src, "bfloat16", a.device, a.batch)
     sync()
     t0 = time.perf_counter()
     hidden = lw.embed(calib.tokens)
     load = fwd = 0.0
-    for idx in range(src.n_layers):  # the same layers without the profile's hooks: load + forward alone
+    for idx in range(src.n_layers if a.forward_alone else 0):  # the layers without the profile's hooks
         sync()
         t1 = time.perf_counter()
         with lw.layer(idx) as layer:
@@ -85,12 +90,13 @@ def main() -> None:
             sync()
             t3 = time.perf_counter()
         load, fwd = load + t2 - t1, fwd + t3 - t2
-    print(f"forward alone: {time.perf_counter() - t0:.2f} s (loads {load:.2f} s, forward {fwd:.2f} s = "
-          f"{calib.tokens.numel() * src.n_layers / fwd:.0f} tokens/s per layer)", flush=True)
+    if a.forward_alone:
+        print(f"forward alone: {time.perf_counter() - t0:.2f} s (loads {load:.2f} s, forward {fwd:.2f} s = "
+              f"{calib.tokens.numel() * src.n_layers / fwd:.0f} tokens/s per layer)", flush=True)
     del hidden
     from torch.profiler import ProfilerActivity, profile
 
-    for rep in range(2):
+    for rep in range(a.runs):
         sync()
         TIMERS.clear()
         t0 = time.perf_counter()
@@ -112,7 +118,8 @@ def main() -> None:
         n_tok, load_s = calib.tokens.numel() * src.n_layers, TIMERS.get("load_s", 0.0)
         print(f"profile run {rep}: {src.n_layers} layers x {a.samples}x{a.seqlen} tokens: {s:.2f} s = "
               f"{s / src.n_layers:.2f} s/layer, {n_tok / s:.0f} tokens/s per layer ({n_tok / max(s - load_s, 1e-9):.0f} "
-              f"without the {load_s:.2f} s of layer loads)", flush=True)
+              f"without the {load_s:.2f} s of layer loads); waits for reads {TIMERS.get('take_s', 0.0):.2f} s, "
+              f"page-locking staging buffers {TIMERS.get('pin_s', 0.0):.2f} s", flush=True)
     if not a.kernel_table:
         return
     short = calibration(min(64, a.samples), a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)

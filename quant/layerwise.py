@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import mmap
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -142,12 +143,8 @@ class _Staging:
             buf = self.bufs[slot]
             if buf is None or buf.numel() < n_bytes:
                 self.bufs[slot] = None
-                buf = torch.empty(n_bytes, dtype=torch.uint8)
-                cudart = torch.cuda.cudart()
-                err = cudart.cudaHostRegister(buf.data_ptr(), n_bytes, 0)
-                if err != cudart.cudaError.success:
-                    log.warning("cudaHostRegister of %d bytes failed (%s); read-ahead copies into torch's pinned "
-                                "memory instead", n_bytes, err)
+                buf = page_locked(n_bytes)
+                if buf is None:
                     return None
                 self._registered.append(buf)
                 self.bufs[slot] = buf
@@ -161,6 +158,25 @@ class _Staging:
         if self.bufs[slot] is not None:
             self.events[slot] = torch.cuda.Event()
             self.events[slot].record()
+
+
+def page_locked(n_bytes: int) -> torch.Tensor | None:
+    """A CPU ``uint8`` buffer of at least ``n_bytes`` on pages of its own, page-locked by ``cudaHostRegister`` (None,
+    with a warning, when CUDA refuses). Registration is per page, so a buffer sharing a page with another registered
+    one would be refused: the buffer is page-aligned inside a slightly larger allocation. Its pages are faulted in
+    first by a fill that runs on every core (the registration would fault them one by one on one core)."""
+    page = mmap.PAGESIZE
+    size = -(-n_bytes // page) * page
+    raw = torch.empty(size + page, dtype=torch.uint8)
+    buf = raw[-raw.data_ptr() % page :][:size]
+    buf.zero_()
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(buf.data_ptr(), size, 0)
+    if err != cudart.cudaError.success:
+        log.warning("cudaHostRegister of %d bytes failed (%s); read-ahead copies into torch's pinned memory instead",
+                    size, err)
+        return None
+    return buf
 
 
 def _unregister(bufs: list[torch.Tensor]) -> None:
@@ -222,12 +238,18 @@ class _LayerReader:
         return device_memory_bytes(torch.device("cpu")) // (4 * local)
 
     def take(self, idx: int) -> dict[str, torch.Tensor] | None:
-        """Layer ``idx``'s tensors (None: ``load_layer`` reads them itself), and start reading ``idx + 1``."""
+        """Layer ``idx``'s tensors (None: ``load_layer`` reads them itself), and start reading ``idx + 1``. On a GPU a
+        layer not read ahead (the first) is read here, into its staging buffer: far faster than a read to the device."""
         mine = None
         if self._ahead is not None:
             ahead_idx, fut = self._ahead
             self._ahead = None
-            mine = fut.result() if ahead_idx == idx else (fut.cancel() and None)
+            if ahead_idx == idx:
+                mine = fut.result()
+            elif not fut.cancel():
+                fut.exception()  # a read still running into a staging buffer ends before that buffer is reused
+        if mine is None and self.prefetch and not self.shared:
+            mine = self._read(idx, "cpu")
         if self.prefetch and idx + 1 < self.source.n_layers:
             self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="quant-prefetch")
             self._ahead = (idx + 1, self._pool.submit(self._read, idx + 1, "cpu"))

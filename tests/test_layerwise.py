@@ -1,5 +1,7 @@
 """quant.layerwise's layer reader: the read-ahead copy in page-locked memory on a GPU."""
 
+import mmap
+
 import pytest
 import torch
 
@@ -20,16 +22,14 @@ def test_over_budget_or_without_a_gpu_the_tensors_stay_as_read():
 
 @pytest.mark.gpu
 def test_read_ahead_is_page_locked_exact_and_alternates_two_staging_buffers():
-    """On a GPU layer ``idx + 1`` is read ahead into staging buffer ``(idx + 1) % 2`` (pinned at its exact size) while
-    layer ``idx`` uploads from the other: every layer's tensors equal a direct read on the host and after the upload,
-    dtypes and shapes kept, each 64-byte aligned inside its buffer, the buffers reused (not reallocated) from layer
-    2 on. Over the budget the read-ahead stays as read (not page-locked)."""
+    """On a GPU layer ``idx + 1`` is read ahead into staging buffer ``(idx + 1) % 2`` (page-locked, page-aligned: no
+    page shared with another registered buffer) while layer ``idx`` uploads from the other: every layer's tensors
+    equal a direct read on the host and after the upload, dtypes and shapes kept, each 64-byte aligned inside its
+    buffer, the buffers reused (not reallocated) from layer 2 on. Over the budget the read-ahead stays as read."""
     src = resolve_model("builtin:qwen3-moe-tiny")
     reader = _LayerReader(src, SINGLE, torch.device("cuda"))
-    assert reader.take(0) is None  # nothing read ahead yet; layer 1 is being read
-    reader.uploaded(0)
     seen = []
-    for idx in range(1, src.n_layers):
+    for idx in range(src.n_layers):  # layer 0 is read by take itself, each later one ahead
         got = reader.take(idx)
         on_gpu = {k: t.to("cuda", non_blocking=True) for k, t in got.items()}
         reader.uploaded(idx)
@@ -43,6 +43,7 @@ def test_read_ahead_is_page_locked_exact_and_alternates_two_staging_buffers():
             assert (got[k].data_ptr() - buf.data_ptr()) % 64 == 0, k
             assert buf.data_ptr() <= got[k].data_ptr() < buf.data_ptr() + buf.numel(), k
     assert src.n_layers >= 4 and seen[2:] == seen[:-2] and seen[0] != seen[1]
+    assert all(p % mmap.PAGESIZE == 0 for p in seen)
     reader.pin_budget = 0
     reader.__dict__.pop("staging")
     reader.take(src.n_layers - 2)
