@@ -3,7 +3,7 @@
 On a model built by ``engine.py`` / ``profile_stage.py`` under ``--workdir`` (e.g. ``--build-only``), for each saved
 layer twice (the files then sit in the page cache, as in a tiled run):
   safe_open+pin   ``read_tensors`` (safetensors' mmap) then ``pinned_copy`` into torch's pinned allocator
-  direct Nt       ``direct_read.read_into`` with N threads into one ``_Staging`` buffer (cudaHostRegister'd)
+  direct Nt       ``direct_read.read_into`` with N threads into one ``Staging`` buffer (cudaHostRegister'd)
   direct pageable the same into ordinary memory (the read alone, no pinning)
 and the upload of the staged layer (``.to('cuda', non_blocking=True)`` then a sync). Prints GB/s per row.
 Usage (GPU): python benchmarks/layer_read.py --workdir /tmp/quant-device --shape deepseek-v3 --layers 2
@@ -21,9 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quant.dist import SINGLE  # noqa: E402
-from quant.layerwise import _LayerReader, pinned_copy  # noqa: E402
+from quant.layerwise import _LayerReader
 from quant.models import ModelSource  # noqa: E402
 from quant.models.direct_read import read_into  # noqa: E402
+from quant.staging import pinned_copy  # noqa: E402
 
 
 def meminfo() -> str:

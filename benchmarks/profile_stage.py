@@ -70,10 +70,11 @@ def main() -> None:
     if a.build_only:
         return
     import quant.layerwise
+    import quant.staging
 
     time_calls(quant.layerwise, "load_layer", "load_s")
     time_calls(quant.layerwise._LayerReader, "take", "take_s", device_sync=False)  # read-ahead waits, layer 0's read
-    time_calls(quant.layerwise, "page_locked", "pin_s", device_sync=False)  # on the read-ahead thread too
+    time_calls(quant.staging, "page_locked", "pin_s", device_sync=False)  # on the read-ahead thread too
     calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     lw = Layerwise(src, "bfloat16", a.device, a.batch)
     sync()

@@ -19,9 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import mmap
 import os
-import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
@@ -41,6 +39,7 @@ from quant.models.layers import (
     load_layer,
     release,
 )
+from quant.staging import Staging, pinned_copy
 
 log = logging.getLogger(__name__)
 
@@ -93,98 +92,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def pinned_copy(tensors: dict[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
-    """``tensors`` (CPU) copied into one page-locked buffer, when their bytes fit ``budget``; else as they are.
-
-    A copy to the GPU from pageable memory makes the host wait for every kernel queued before it (CUDA syncs the
-    stream first), and a layer is hundreds of tensors: each upload drained the GPU's queue. From page-locked memory
-    the uploads are asynchronous and run at the link's speed. The buffer comes from torch's caching host
-    allocator, which keeps a freed buffer until the copies that read it have finished."""
-    align = 64
-    sizes = {k: -(-t.numel() * t.element_size() // align) * align for k, t in tensors.items()}
-    total = sum(sizes.values())
-    if not tensors or total > budget or not torch.cuda.is_available():
-        return tensors
-    buf = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-    out, offset = {}, 0
-    for key, t in tensors.items():
-        n = t.numel() * t.element_size()
-        dst = buf[offset : offset + n].view(t.dtype).view(t.shape)
-        dst.copy_(t)
-        out[key] = dst
-        offset += sizes[key]
-    return out
-
-
-class _Staging:
-    """Page-locked host buffers for read-ahead, reused layer after layer: ``slot(idx % 2)`` holds layer ``idx``, so
-    one is read into while the other uploads. Each is pinned at its exact size with ``cudaHostRegister`` (torch's
-    pinned allocator rounds an allocation up to a power of two: 32 GB for a 23 GB DeepSeek-V3 layer, 64 GB for the
-    pair) and grown when a larger layer comes. A buffer is written again only after the uploads queued from it have
-    finished (``uploaded`` records an event after a layer's copies; ``into`` waits on it)."""
-
-    def __init__(self, budget_bytes: int):
-        self.budget = budget_bytes
-        self.bufs: list[torch.Tensor | None] = [None, None]
-        self.events: list[torch.cuda.Event | None] = [None, None]
-        self.used = [False, False]
-        self._registered: list[torch.Tensor] = []  # unpinned when this object goes (they live until then)
-        weakref.finalize(self, _unregister, self._registered)
-
-    def into(self, slot: int) -> Callable[[int], torch.Tensor | None]:
-        """The ``into`` of ``ModelSource.read_tensors`` for buffer ``slot`` (None: over budget)."""
-
-        def alloc(n_bytes: int) -> torch.Tensor | None:
-            self.used[slot] = False
-            if n_bytes > self.budget:
-                return None
-            if self.events[slot] is not None:
-                self.events[slot].synchronize()
-            buf = self.bufs[slot]
-            if buf is None or buf.numel() < n_bytes:
-                self.bufs[slot] = None
-                buf = page_locked(n_bytes)
-                if buf is None:
-                    return None
-                self._registered.append(buf)
-                self.bufs[slot] = buf
-            self.used[slot] = True
-            return buf[:n_bytes]
-
-        return alloc
-
-    def uploaded(self, slot: int) -> None:
-        """Layer uploads from buffer ``slot`` are queued on the current stream: it is free once they finish."""
-        if self.bufs[slot] is not None:
-            self.events[slot] = torch.cuda.Event()
-            self.events[slot].record()
-
-
-def page_locked(n_bytes: int) -> torch.Tensor | None:
-    """A CPU ``uint8`` buffer of at least ``n_bytes`` on pages of its own, page-locked by ``cudaHostRegister`` (None,
-    with a warning, when CUDA refuses). Registration is per page, so a buffer sharing a page with another registered
-    one would be refused: the buffer is page-aligned inside a slightly larger allocation. Its pages are faulted in
-    first by a fill that runs on every core (the registration would fault them one by one on one core)."""
-    page = mmap.PAGESIZE
-    size = -(-n_bytes // page) * page
-    raw = torch.empty(size + page, dtype=torch.uint8)
-    buf = raw[-raw.data_ptr() % page :][:size]
-    buf.zero_()
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(buf.data_ptr(), size, 0)
-    if err != cudart.cudaError.success:
-        log.warning("cudaHostRegister of %d bytes failed (%s); read-ahead copies into torch's pinned memory instead",
-                    size, err)
-        return None
-    return buf
-
-
-def _unregister(bufs: list[torch.Tensor]) -> None:
-    for buf in bufs:
-        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-    bufs.clear()
-
-
 class _LayerReader:
     """A decoder layer's on-disk tensors for ``load_layer``: on a GPU read ahead (the next layer, by a thread) and,
     with several NCCL ranks, read in contiguous shares of about equal bytes, one per rank, then broadcast."""
@@ -217,12 +124,13 @@ class _LayerReader:
         keys = self.shares(idx)[self.world.rank if self.shared else 0]
         if not (self.prefetch and str(device) == "cpu"):
             return self.source.read_tensors(keys, device)
-        tensors = self.source.read_tensors(keys, "cpu", into=self.staging.into(idx % 2))
-        return tensors if self.staging.used[idx % 2] else pinned_copy(tensors, self.pin_budget)
+        with torch.cuda.device(self.device):  # this thread's CUDA calls on the rank's GPU, not on GPU 0
+            tensors = self.source.read_tensors(keys, "cpu", into=self.staging.into(idx % 2))
+            return tensors if self.staging.used[idx % 2] else pinned_copy(tensors, self.pin_budget)
 
     @cached_property
-    def staging(self) -> _Staging:
-        return _Staging(self.pin_budget)
+    def staging(self) -> Staging:
+        return Staging(self.pin_budget)
 
     def uploaded(self, idx: int) -> None:
         """Layer ``idx`` is on the device (its copies queued): its staging buffer may be reused after them."""
@@ -248,10 +156,11 @@ class _LayerReader:
                 mine = fut.result()
             elif not fut.cancel():
                 fut.exception()  # a read still running into a staging buffer ends before that buffer is reused
-        if mine is None and self.prefetch and not self.shared:
-            mine = self._read(idx, "cpu")
-        if self.prefetch and idx + 1 < self.source.n_layers:
+        if self.prefetch:
             self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="quant-prefetch")
+        if mine is None and self.prefetch and not self.shared:  # on the read thread: CUDA's last error is per
+            mine = self._pool.submit(self._read, idx, "cpu").result()  # thread, a refused registration stays there
+        if self.prefetch and idx + 1 < self.source.n_layers:
             self._ahead = (idx + 1, self._pool.submit(self._read, idx + 1, "cpu"))
         if not self.shared:
             return mine

@@ -18,7 +18,7 @@ LAYERS = [
     {"sandbox", "routing", "models", "rundir", "dist", "progress"},
     {"algos"},
     {"recipe", "throughputs"},
-    {"strict_yaml", "storage", "memtrace", "hostsync"},
+    {"strict_yaml", "storage", "memtrace", "hostsync", "staging"},
     {"errors"},
 ]
 

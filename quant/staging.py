@@ -1,0 +1,113 @@
+"""Host memory for uploads to the GPU: page-locked staging buffers that a layer is read into ahead of its use.
+
+A copy to the GPU from pageable memory makes the host wait for the queued kernels and runs at a fraction of the
+link's speed; from page-locked memory it is asynchronous and runs at ~55 GB/s on an H200 host. ``Staging`` holds
+two buffers (one being read into while the other uploads), ``pinned_copy`` copies tensors that were not read into
+one (computed ones, e.g. dequantized). Owned and used by ``quant.layerwise``.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import weakref
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def pinned_copy(tensors: dict[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
+    """``tensors`` (CPU) copied into one page-locked buffer, when their bytes fit ``budget``; else as they are.
+
+    A copy to the GPU from pageable memory makes the host wait for every kernel queued before it (CUDA syncs the
+    stream first), and a layer is hundreds of tensors: each upload drained the GPU's queue. From page-locked memory
+    the uploads are asynchronous and run at the link's speed. The buffer comes from torch's caching host
+    allocator, which keeps a freed buffer until the copies that read it have finished."""
+    align = 64
+    sizes = {k: -(-t.numel() * t.element_size() // align) * align for k, t in tensors.items()}
+    total = sum(sizes.values())
+    if not tensors or total > budget or not torch.cuda.is_available():
+        return tensors
+    buf = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    out, offset = {}, 0
+    for key, t in tensors.items():
+        n = t.numel() * t.element_size()
+        dst = buf[offset : offset + n].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        out[key] = dst
+        offset += sizes[key]
+    return out
+
+
+class Staging:
+    """Page-locked host buffers for read-ahead, reused layer after layer: ``slot(idx % 2)`` holds layer ``idx``, so
+    one is read into while the other uploads. Each is pinned at its size in whole pages with ``cudaHostRegister``
+    (torch's pinned allocator rounds an allocation up to a power of two: 32 GB for a 23 GB DeepSeek-V3 layer, 64 GB
+    for the pair) and replaced by a larger one when a larger layer comes. A buffer is written again only after the uploads queued from it have
+    finished (``uploaded`` records an event after a layer's copies; ``into`` waits on it)."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.bufs: list[torch.Tensor | None] = [None, None]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.used = [False, False]
+        self._registered: list[torch.Tensor] = []  # unpinned when this object goes (they live until then)
+        weakref.finalize(self, _unregister, self._registered)
+
+    def into(self, slot: int) -> Callable[[int], torch.Tensor | None]:
+        """The ``into`` of ``ModelSource.read_tensors`` for buffer ``slot`` (None: over budget)."""
+
+        def alloc(n_bytes: int) -> torch.Tensor | None:
+            self.used[slot] = False
+            if n_bytes > self.budget:
+                return None
+            if self.events[slot] is not None:
+                self.events[slot].synchronize()
+            buf = self.bufs[slot]
+            if buf is None or buf.numel() < n_bytes:
+                if buf is not None:  # its uploads are done (above): unpinned, freed with its last view
+                    self._registered[:] = [b for b in self._registered if b is not buf]  # (no tensor ==)
+                    _unregister([buf])
+                self.bufs[slot] = None
+                buf = page_locked(n_bytes)
+                if buf is None:
+                    return None
+                self._registered.append(buf)
+                self.bufs[slot] = buf
+            self.used[slot] = True
+            return buf[:n_bytes]
+
+        return alloc
+
+    def uploaded(self, slot: int) -> None:
+        """Layer uploads from buffer ``slot`` are queued on the current stream: it is free once they finish."""
+        if self.bufs[slot] is not None:
+            self.events[slot] = torch.cuda.Event()
+            self.events[slot].record()
+
+
+def page_locked(n_bytes: int) -> torch.Tensor | None:
+    """A CPU ``uint8`` buffer of at least ``n_bytes`` on pages of its own, page-locked by ``cudaHostRegister`` (None,
+    with a warning, when CUDA refuses). Registration is per page, so a buffer sharing a page with another registered
+    one would be refused: the buffer is page-aligned inside a slightly larger allocation. Its pages are faulted in
+    first by a fill that runs on every core (the registration would fault them one by one on one core)."""
+    page = mmap.PAGESIZE
+    size = -(-n_bytes // page) * page
+    raw = torch.empty(size + page, dtype=torch.uint8)
+    buf = raw[-raw.data_ptr() % page :][:size]
+    buf.zero_()
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(buf.data_ptr(), size, 1)  # cudaHostRegisterPortable: pinned for every context
+    if err != cudart.cudaError.success:
+        log.warning("cudaHostRegister of %d bytes failed (%s); read-ahead copies into torch's pinned memory instead",
+                    size, err)
+        return None
+    return buf
+
+
+def _unregister(bufs: list[torch.Tensor]) -> None:
+    for buf in bufs:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    bufs.clear()
