@@ -363,9 +363,12 @@ def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Run,
 
 
 def _host(layers: list[LayerShape], run: Run, d: Dims) -> float:
-    """Process baseline, one layer read from safetensors and its codes copied out, activations kept on the CPU."""
+    """Process baseline; the read-ahead's two page-locked staging buffers, each this rank's share of a layer
+    (``quant.staging``: one uploading, the next being read); a layer's codes copied out; activations kept on the
+    CPU when they exceed the activation budget."""
     acts = run.tokens * d.hidden * run.dtype_bytes
-    layer = max(L.weight_bytes + L.n_experts * L.expert_code_bytes + L.linear_code_bytes for L in layers)
+    layer = max(2 * L.weight_bytes / run.gpus + L.n_experts * L.expert_code_bytes + L.linear_code_bytes
+                for L in layers)
     return HOST_BASE + layer + (acts if acts > ACTIVATION_BUDGET else 0.0)
 
 

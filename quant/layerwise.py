@@ -4,8 +4,9 @@
 the device, runs the cached hidden states through it in batches (stages hook in with callbacks), and hands
 back the layer's outputs as the next layer's inputs. Activations live on the device when they fit in
 ``activation_budget_bytes``, else in (pinned) CPU memory, moved batch by batch. On a GPU the next layer's
-tensors are read from disk into CPU memory by a background thread while the current layer computes
-(one layer of host memory), so loading leaves the critical path; with several NCCL ranks each rank reads only
+tensors are read from disk by a background thread, with parallel reads straight into a page-locked staging
+buffer (``quant.staging``; two of them: one uploading, one being read), while the current layer computes, so
+loading leaves the critical path; with several NCCL ranks each rank reads only
 its share of a layer's bytes and broadcasts it, so the disk (or page cache) is read once per node, not per GPU.
 
 In a world of several ranks the batches are dealt out round-robin: batch ``b`` (rows ``b * batch_size ..``)
