@@ -159,10 +159,10 @@ class _LayerReader:
                 fut.exception()  # a read still running into a staging buffer ends before that buffer is reused
         if self.prefetch:
             self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="quant-prefetch")
-        if mine is None and self.prefetch and not self.shared:  # on the read thread: CUDA's last error is per
-            mine = self._pool.submit(self._read, idx, "cpu").result()  # thread, a refused registration stays there
-        if self.prefetch and idx + 1 < self.source.n_layers:
-            self._ahead = (idx + 1, self._pool.submit(self._read, idx + 1, "cpu"))
+            if mine is None:  # on the read thread: CUDA's last error is per thread, a refused registration stays there
+                mine = self._pool.submit(self._read, idx, "cpu").result()
+            if idx + 1 < self.source.n_layers:
+                self._ahead = (idx + 1, self._pool.submit(self._read, idx + 1, "cpu"))
         if not self.shared:
             return mine
         return self._gather(idx, mine if mine is not None else self._read(idx, self.device))
