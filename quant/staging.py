@@ -54,13 +54,14 @@ class Staging:
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.used = [False, False]
         self._registered: list[torch.Tensor] = []  # unpinned when this object goes (they live until then)
-        weakref.finalize(self, _unregister, self._registered)
+        weakref.finalize(self, _unregister, self._registered).atexit = False  # at exit the process frees them
 
     def into(self, slot: int) -> Callable[[int], torch.Tensor | None]:
-        """The ``into`` of ``ModelSource.read_tensors`` for buffer ``slot`` (None: over budget)."""
+        """The ``into`` of ``ModelSource.read_tensors`` for buffer ``slot`` (None: over budget). ``used[slot]`` says
+        afterwards whether the read went into the buffer (a source that computes its tensors never calls it)."""
+        self.used[slot] = False
 
         def alloc(n_bytes: int) -> torch.Tensor | None:
-            self.used[slot] = False
             if n_bytes > self.budget:
                 return None
             if self.events[slot] is not None:
