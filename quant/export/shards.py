@@ -25,13 +25,12 @@ from quant.algos.grid import QuantizedWeight, QuantSpec
 from quant.dist import assign
 from quant.errors import CheckpointError, NumericalError
 from quant.models import ModelSource
+from quant.models.direct_read import TORCH_DTYPES
 from quant.models.headers import DTYPE_BYTES
 from quant.plan import BitPlan
 from quant.qstore import layer_file, read_layer, read_layout, read_params
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+DTYPES = TORCH_DTYPES
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 

@@ -24,7 +24,9 @@ from quant.errors import ModelError
 
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+                "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+                "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
+# safetensors dtype name -> torch dtype; a shard holding another (e.g. packed 4-bit types) is read by safe_open
 READ_CHUNK_BYTES = 64 << 20  # one pread: large enough for the disk's sequential speed, small enough to spread
 ALIGN_BYTES = 64  # each tensor's offset in the buffer (any dtype's alignment)
 
@@ -49,8 +51,9 @@ def header_table(path: Path) -> tuple[int, dict]:
     return 8 + n, table
 
 
-def _entries(root: Path, weight_map: dict[str, str], keys: list[str]) -> list[tuple]:
-    """(file, absolute begin, n_bytes, key, dtype, shape) of ``keys``, in file order."""
+def _entries(root: Path, weight_map: dict[str, str], keys: list[str]) -> list[tuple] | None:
+    """(file, absolute begin, n_bytes, key, dtype, shape) of ``keys``, in file order; None when one has a dtype
+    outside ``TORCH_DTYPES``."""
     by_file: dict[str, list[str]] = {}
     for key in keys:
         by_file.setdefault(weight_map[key], []).append(key)
@@ -60,6 +63,8 @@ def _entries(root: Path, weight_map: dict[str, str], keys: list[str]) -> list[tu
         for key in file_keys:
             try:
                 info = table[key]
+                if info["dtype"] not in TORCH_DTYPES:
+                    return None
                 dtype, shape = TORCH_DTYPES[info["dtype"]], tuple(int(s) for s in info["shape"])
                 begin, end = (int(x) for x in info["data_offsets"])
             except (KeyError, TypeError, ValueError):
@@ -89,8 +94,11 @@ def _runs(entries: list[tuple], offsets: list[int]) -> list[tuple[str, int, int,
 def read_into(root: Path, weight_map: dict[str, str], keys: list[str], into: Callable[[int], torch.Tensor | None],
               threads: int) -> dict[str, torch.Tensor] | None:
     """``keys`` read into ``into(n_bytes)`` (a CPU ``uint8`` tensor, or None to decline: then None is returned),
-    as views of it, by ``threads`` parallel preads. A shard shorter than its header says is a ModelError."""
+    as views of it, by ``threads`` parallel preads; None as well when a tensor's dtype is not in ``TORCH_DTYPES``
+    (the caller reads with safe_open). A shard shorter than its header says is a ModelError."""
     entries = _entries(root, weight_map, keys)
+    if entries is None:
+        return None
     offsets, total = [], 0
     for entry in entries:
         offsets.append(total)

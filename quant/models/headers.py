@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quant.errors import ModelError
-from quant.models.direct_read import header_table
+from quant.models.direct_read import TORCH_DTYPES, header_table
 from quant.models.source import ModelSource, read_json_object
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
 
 
 def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:

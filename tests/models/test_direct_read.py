@@ -93,3 +93,15 @@ def test_a_truncated_shard_or_a_lying_header_is_one_model_error_naming_file_and_
                   lambda n: torch.empty(n, dtype=torch.uint8), threads=2)
     with pytest.raises(ModelError, match=r"lacks c\.safetensors"):
         read_into(tmp_path, {"x": "c.safetensors"}, ["x"], lambda n: torch.empty(n, dtype=torch.uint8), threads=1)
+
+
+def test_a_dtype_outside_the_table_declines_before_any_buffer_is_asked_for(tmp_path, monkeypatch):
+    """A shard holding a dtype the table lacks (here: BF16 taken out of it) is left to safe_open: read_into returns
+    None without calling ``into``, and ModelSource.read_tensors still returns the tensors."""
+    weight_map, saved = _shards(tmp_path)
+    monkeypatch.delitem(direct_read.TORCH_DTYPES, "BF16")
+    asked = []
+    assert read_into(tmp_path, weight_map, ["w.f32", "w.bf16"], lambda n: asked.append(n), threads=2) is None
+    assert asked == []
+    got = read_into(tmp_path, weight_map, ["w.f32"], lambda n: torch.empty(n, dtype=torch.uint8), threads=2)
+    assert torch.equal(got["w.f32"], saved["w.f32"])
