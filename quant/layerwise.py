@@ -6,8 +6,8 @@ back the layer's outputs as the next layer's inputs. Activations live on the dev
 ``activation_budget_bytes``, else in (pinned) CPU memory, moved batch by batch. On a GPU the next layer's
 tensors are read from disk by a background thread, with parallel reads straight into a page-locked staging
 buffer (``quant.staging``; two of them: one uploading, one being read), while the current layer computes, so
-loading leaves the critical path; with several NCCL ranks each rank reads only
-its share of a layer's bytes and broadcasts it, so the disk (or page cache) is read once per node, not per GPU.
+loading leaves the critical path; with several NCCL ranks each rank reads only its share of a layer's bytes and
+broadcasts it, so the disk (or page cache) is read once per node, not per GPU.
 
 In a world of several ranks the batches are dealt out round-robin: batch ``b`` (rows ``b * batch_size ..``)
 runs on rank ``b % size``, and a rank holds the activations of its own batches only (``embed`` keeps those
