@@ -2,7 +2,7 @@
 
 On a model built by ``engine.py`` / ``profile_stage.py`` under ``--workdir`` (e.g. ``--build-only``), for each saved
 layer twice (the files then sit in the page cache, as in a tiled run):
-  safe_open+pin   ``read_tensors`` (safetensors' mmap) then ``pinned_copy`` into torch's pinned allocator
+  safe_open+pin   ``read_tensors`` (safetensors' mmap) then ``copy_into`` torch's pinned allocator
   direct Nt       ``direct_read.read_into`` with N threads into one ``Staging`` buffer (cudaHostRegister'd)
   direct pageable the same into ordinary memory (the read alone, no pinning)
 and the upload of the staged layer (``.to('cuda', non_blocking=True)`` then a sync). Prints GB/s per row.
@@ -24,7 +24,7 @@ from quant.dist import SINGLE  # noqa: E402
 from quant.layerwise import _LayerReader
 from quant.models import ModelSource  # noqa: E402
 from quant.models.direct_read import read_into  # noqa: E402
-from quant.staging import pinned_copy  # noqa: E402
+from quant.staging import copy_into  # noqa: E402
 
 
 def meminfo() -> str:
@@ -59,13 +59,16 @@ def main() -> None:
     def upload(tensors: dict) -> dict:
         return {k: v.to("cuda", non_blocking=True) for k, v in tensors.items()}
 
+    def torch_pinned(n_bytes: int) -> torch.Tensor:  # the read-ahead before this session: torch's pinned allocator
+        return torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
+
     def pageable(n_bytes: int) -> torch.Tensor:
         return torch.empty(n_bytes, dtype=torch.uint8)
 
     for rep in range(2):
         for idx in range(src.n_layers):
             keys = reader.shares(idx)[0]
-            old = timed("safe_open+pin", idx, lambda k: pinned_copy(src.read_tensors(k), reader.pin_budget), keys)
+            old = timed("safe_open+pin", idx, lambda k: copy_into(src.read_tensors(k), torch_pinned), keys)
             timed("upload (old)", idx, upload, old)
             old = None
             getattr(torch._C, "_host_emptyCache", lambda: None)()  # torch's pinned block back to the host

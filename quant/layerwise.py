@@ -40,7 +40,7 @@ from quant.models.layers import (
     load_layer,
     release,
 )
-from quant.staging import Staging, pinned_copy
+from quant.staging import Staging, copy_into
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +121,13 @@ class _LayerReader:
 
     def _read(self, idx: int, device) -> dict[str, torch.Tensor]:
         """This rank's share of layer ``idx`` on ``device``; read-ahead (``device`` cpu on a GPU host) reads straight
-        into staging buffer ``idx % 2`` when the source reads files (else copies what it returns into pinned memory)."""
+        into staging buffer ``idx % 2`` when the source reads files (else copies what it returns into that buffer)."""
         keys = self.shares(idx)[self.world.rank if self.shared else 0]
         if not (self.prefetch and str(device) == "cpu"):
             return self.source.read_tensors(keys, device)
         with torch.cuda.device(self.device):  # this thread's CUDA calls on the rank's GPU, not on GPU 0
             tensors = self.source.read_tensors(keys, "cpu", into=self.staging.into(idx % 2))
-            return tensors if self.staging.used[idx % 2] else pinned_copy(tensors, self.pin_budget)
+            return tensors if self.staging.used[idx % 2] else copy_into(tensors, self.staging.into(idx % 2))
 
     @cached_property
     def staging(self) -> Staging:

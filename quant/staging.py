@@ -2,8 +2,8 @@
 
 A copy to the GPU from pageable memory makes the host wait for the queued kernels and runs at a fraction of the
 link's speed; from page-locked memory it is asynchronous and runs at ~55 GB/s on an H200 host. ``Staging`` holds
-two buffers (one being read into while the other uploads), ``pinned_copy`` copies tensors that were not read into
-one (computed ones, e.g. dequantized). Owned and used by ``quant.layerwise``.
+two buffers (one being read into while the other uploads); ``copy_into`` puts tensors that were computed rather
+than read (e.g. dequantized) into one. Owned and used by ``quant.layerwise``.
 """
 
 from __future__ import annotations
@@ -18,23 +18,18 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def pinned_copy(tensors: dict[str, torch.Tensor], budget: int) -> dict[str, torch.Tensor]:
-    """``tensors`` (CPU) copied into one page-locked buffer, when their bytes fit ``budget``; else as they are.
-
-    A copy to the GPU from pageable memory makes the host wait for every kernel queued before it (CUDA syncs the
-    stream first), and a layer is hundreds of tensors: each upload drained the GPU's queue. From page-locked memory
-    the uploads are asynchronous and run at the link's speed. The buffer comes from torch's caching host
-    allocator, which keeps a freed buffer until the copies that read it have finished."""
+def copy_into(tensors: dict[str, torch.Tensor], into: Callable[[int], torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """``tensors`` (CPU) copied into one ``uint8`` buffer from ``into(total bytes)`` (each 64-byte aligned), returned
+    as its views; as they are when ``into`` declines (None). For tensors a source computes rather than reads (e.g.
+    dequantized ones) into a staging buffer, so that their upload is asynchronous too."""
     align = 64
     sizes = {k: -(-t.numel() * t.element_size() // align) * align for k, t in tensors.items()}
-    total = sum(sizes.values())
-    if not tensors or total > budget or not torch.cuda.is_available():
+    buf = into(sum(sizes.values())) if tensors else None
+    if buf is None:
         return tensors
-    buf = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     out, offset = {}, 0
     for key, t in tensors.items():
-        n = t.numel() * t.element_size()
-        dst = buf[offset : offset + n].view(t.dtype).view(t.shape)
+        dst = buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         dst.copy_(t)
         out[key] = dst
         offset += sizes[key]

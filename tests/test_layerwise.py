@@ -10,16 +10,22 @@ from quant.dist import SINGLE
 from quant.layerwise import _LayerReader
 from quant.models import resolve_model
 from quant.models.layers import read_layer_tensors
-from quant.staging import pinned_copy
+from quant.staging import copy_into
 
 
-def test_over_budget_or_without_a_gpu_the_tensors_stay_as_read():
+def test_copy_into_lays_tensors_out_aligned_in_one_buffer_or_leaves_them_when_declined():
+    """Computed tensors (a dequantizing source) go into one staging buffer as 64-byte aligned views, values, dtypes
+    and shapes kept; a declined buffer (over budget) leaves them as they are."""
     src = resolve_model("builtin:qwen3-moe-tiny")
     full = read_layer_tensors(src, 1)
-    kept = pinned_copy(full, budget=0)
-    assert all(kept[k] is full[k] for k in full)
-    if not torch.cuda.is_available():
-        assert all(pinned_copy(full, budget=1 << 40)[k] is full[k] for k in full)
+    kept = copy_into(full, lambda n: None)
+    assert all(kept[k] is full[k] for k in full) and copy_into({}, lambda n: 1 / 0) == {}
+    bufs = []
+    got = copy_into(full, lambda n: bufs.append(torch.empty(n, dtype=torch.uint8)) or bufs[-1])
+    lo = bufs[0].data_ptr()
+    for k, t in full.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t) and got[k] is not t, k
+        assert (got[k].data_ptr() - lo) % 64 == 0 and lo <= got[k].data_ptr() < lo + bufs[0].numel(), k
 
 
 @pytest.mark.gpu

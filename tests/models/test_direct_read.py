@@ -105,3 +105,14 @@ def test_a_dtype_outside_the_table_declines_before_any_buffer_is_asked_for(tmp_p
     assert asked == []
     got = read_into(tmp_path, weight_map, ["w.f32"], lambda n: torch.empty(n, dtype=torch.uint8), threads=2)
     assert torch.equal(got["w.f32"], saved["w.f32"])
+
+
+def test_symlinked_shards_as_in_the_hub_cache_read_through_their_links(tmp_path):
+    """huggingface_hub's cache keeps shards as symlinks into blobs/: the reads follow them."""
+    weight_map, saved = _shards(tmp_path / "blobs" if (tmp_path / "blobs").mkdir() is None else tmp_path)
+    snap = tmp_path / "snapshot"
+    snap.mkdir()
+    for f in set(weight_map.values()):
+        (snap / f).symlink_to(tmp_path / "blobs" / f)
+    got = read_into(snap, weight_map, list(saved), lambda n: torch.empty(n, dtype=torch.uint8), threads=3)
+    assert all(torch.equal(got[k].view(torch.uint8), saved[k].view(torch.uint8)) for k in saved)
