@@ -109,7 +109,8 @@ def test_a_dtype_outside_the_table_declines_before_any_buffer_is_asked_for(tmp_p
 
 def test_symlinked_shards_as_in_the_hub_cache_read_through_their_links(tmp_path):
     """huggingface_hub's cache keeps shards as symlinks into blobs/: the reads follow them."""
-    weight_map, saved = _shards(tmp_path / "blobs" if (tmp_path / "blobs").mkdir() is None else tmp_path)
+    (tmp_path / "blobs").mkdir()
+    weight_map, saved = _shards(tmp_path / "blobs")
     snap = tmp_path / "snapshot"
     snap.mkdir()
     for f in set(weight_map.values()):
