@@ -53,7 +53,7 @@ from quant.throughputs import THROUGHPUTS, awq_search_seconds, gptq_solve_second
 GB = 1e9
 ACTIVATION_BUDGET = 8 << 30  # layerwise.Layerwise's default activation_budget_bytes
 STATS_BLOCK = 1 << 28  # routing.chunk_budget on a GPU: elements of one padded [n, C, .] block
-SOLVE_FACTOR = 2.8  # allocated / sub_batches' estimate, fit to the Qwen3-30B-A3B GPTQ record (14.8 GB)
+SOLVE_FACTOR = 1.4  # allocated / sub_batches' estimate, fit to the Qwen3-30B-A3B GPTQ peak of the fused solve (10.6 GB)
 # allocated / search_bytes at the peak of a trial (rows, x / s, x Wᵀ, Q(W · s), y, y - x Wᵀ and its square), counted
 # from smooth's code (DeepSeek-V3 gate/up 1.13, down 1.22) with room for the quantizer's temporaries; not yet measured
 AWQ_FACTOR = 1.4
@@ -188,14 +188,13 @@ def _activations(run: Run, d: Dims) -> float:
 
 
 def forward_transient(layer: LayerShape, run: Run, d: Dims, stats_blocks: int) -> float:
-    """One batch through the layer: routed expert activations, hidden copies, attention (scores materialized when
-    SDPA has no fused kernel for unequal query/value head dims), plus ``stats_blocks`` padded statistics blocks."""
+    """One batch through the layer: routed expert activations, hidden copies, attention's q/k/v and output (no
+    ``[S, S]`` scores: SDPA's fused kernels, the memory-efficient one also for MLA's unequal query/value head dims;
+    the DeepSeek-V3 layer's measured peaks leave no room for 17 GB of scores), plus ``stats_blocks`` padded
+    statistics blocks."""
     tokens = run.batch * run.seq_len
     routed = tokens * min(d.top_k, max(layer.n_experts, 1)) * 2 * layer.expert_in[1] * run.dtype_bytes * 2
-    if d.qk_head_dim != d.v_head_dim:
-        attention = run.batch * d.heads * run.seq_len**2 * run.dtype_bytes * 2
-    else:
-        attention = tokens * d.heads * (2 * d.qk_head_dim + 2 * d.v_head_dim) * run.dtype_bytes
+    attention = tokens * d.heads * (2 * d.qk_head_dim + 2 * d.v_head_dim) * run.dtype_bytes
     block = min(STATS_BLOCK, tokens * d.top_k * max(d.hidden, 2 * layer.expert_in[1]))  # padded rows, capped
     return routed + attention + tokens * d.hidden * run.dtype_bytes * 4 + stats_blocks * block * run.dtype_bytes
 

@@ -41,29 +41,40 @@ def _text(pattern: str) -> float:
 # GPTQ column loop the record ran: the second session's records ran the CUDA-graph loop, which the fused Triton loop
 # has since replaced, so their times are reproduced with the kernel they measured; the current engine's solve time
 # is checked against the fused loop's own measurements (test_fused_solve_model_matches_the_sub_batch_table))
+# Peaks measured before the fused solve, packed codes and the in-place Hessian normalization (second to fourth
+# sessions) are retired as peak checks: the forecast models today's engine, whose peaks are the eleventh and tenth
+# sessions' records below; their times stay checked with the kernel they ran.
 RECORDS = [
-    ("Qwen3-30B-A3B GPTQ at defaults", "qwen3-30b-a3b", 2, 256, "gptq", 3.0,
-     _cell("| quant GPTQ (act-order, static groups)", 5), _cell("| quant GPTQ (act-order, static groups)", 1),
-     "cuda-graph"),
+    ("Qwen3-30B-A3B GPTQ at defaults (second session)", "qwen3-30b-a3b", 2, 256, "gptq", 3.0,
+     None, _cell("| quant GPTQ (act-order, static groups)", 1), "cuda-graph"),
+    ("Qwen3-30B-A3B GPTQ, eleventh session", "qwen3-30b-a3b", 2, 256, "gptq", 3.0,
+     _text(r"\| quant GPTQ \| \*\*[\d.]+\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* \| \*\*0"),
+     _text(r"\| quant GPTQ \| \*\*([\d.]+)\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*[\d.]+\*\* \| \*\*0"),
+     "fused"),
+    ("DeepSeek-V3 layer GPTQ, tenth session", "deepseek-v3", 1, 32, "gptq", 3.0,
+     _text(r"\| quant GPTQ \| \*\*[\d.]+\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* \|\n"),
+     _text(r"\| quant GPTQ \| \*\*([\d.]+)\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*[\d.]+\*\* \|\n"),
+     "fused"),
+    # AWQ's DeepSeek-V3 time was measured before its fused trial kernel (37.3 s): the peak only
+    ("DeepSeek-V3 layer AWQ, tenth session", "deepseek-v3", 1, 32, "awq", 3.0,
+     _text(r"\| quant AWQ \| \*\*[\d.]+\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* \|\n"),
+     None, "fused"),
     # AWQ's peak (15.6 GB) was measured before its statistics came in expert chunks and its searches took their rows
     # a few experts at a time (whole-group copies then): the engine now holds less; its time is unchanged
     ("Qwen3-30B-A3B AWQ at defaults", "qwen3-30b-a3b", 2, 256, "awq", 3.0,
      None, _text(r"then measured ([\d.]+) s/layer \(solve [\d.]+\), \*\*[\d.]+ GB\*\* peak"), "fused"),
-    ("Qwen3-30B-A3B GPTQ, solve_budget_gb 6", "qwen3-30b-a3b", 2, 256, "gptq", 6.0,
-     _text(r"`solve_budget_gb: 6`: [\d.]+ s/layer at ([\d.]+) GB"), None, "cuda-graph"),
-    ("Qwen3-30B-A3B GPTQ, 48 layers, 1 M tokens", "qwen3-30b-a3b", 48, 512, "gptq", 3.0,
-     _text(r"Peak GPU memory ([\d.]+) GB\."), None, "cuda-graph"),
+    # its time (2.01 s/layer) is over-forecast by half: the time rates predate the read-ahead and the warm fused
+    # solve (throughputs.py says where each comes from); the peak is today's
+    ("Qwen3-30B-A3B GPTQ, 48 layers, 1 M tokens, tenth session", "qwen3-30b-a3b", 48, 512, "gptq", 3.0,
+     _text(r"export [\d.]+ s; peak ([\d.]+) GB\. Per-layer"), None, "fused"),
     ("DeepSeek-V3 layer GPTQ at defaults", "deepseek-v3", 1, 32, "gptq", 3.0,
-     _cell("| quant GPTQ, second session at defaults", 4), _cell("| quant GPTQ, second session at defaults", 1),
-     "cuda-graph"),
-    ("DeepSeek-V3 layer GPTQ, solve_budget_gb 6", "deepseek-v3", 1, 32, "gptq", 6.0,
-     _cell("| quant GPTQ (CUDA-graph column loop, `solve_budget_gb: 6`)", 4), None, "cuda-graph"),
+     None, _cell("| quant GPTQ, second session at defaults", 1), "cuda-graph"),
     # the fourth session's device run, after the forecasts were written (out of sample: the fused loop's layer time
     # and AWQ's chunked statistics had not been measured in a layer run before)
     ("DeepSeek-V3 layer GPTQ, fused loop", "deepseek-v3", 1, 32, "gptq", 3.0,
-     _cell("| GPTQ, 1 GPU |", 7), _cell("| GPTQ, 1 GPU |", 2), "fused"),
+     None, _cell("| GPTQ, 1 GPU |", 2), "fused"),
     ("DeepSeek-V3 layer AWQ in expert chunks", "deepseek-v3", 1, 32, "awq", 3.0,
-     _cell("| AWQ, 1 GPU (beside the suite) |", 7), _cell("| AWQ, 1 GPU (beside the suite) |", 1), "fused"),
+     None, _cell("| AWQ, 1 GPU (beside the suite) |", 1), "fused"),
     # the sixth session's new shape, forecast before it was run; its time is right in total only by compensation
     # (BENCHMARKS.md says which rates miss), so the record checks the peak
     ("Mixtral-8x7B layer GPTQ, a new shape", "mixtral-8x7b", 1, 256, "gptq", 3.0,
@@ -281,15 +292,15 @@ def test_more_gpus_divide_awq_searches_not_its_statistics(shapes_dir):
 def test_refuses_what_cannot_fit_and_names_budgets_that_do(shapes_dir):
     path = shapes_dir("deepseek-v3", 1)
     src = load_headers(str(path))
-    # 60 GB cards: quantize needs ~73 GB at the recipe's budgets; smaller Hessian chunks make it fit
+    # 48 GB cards: quantize needs ~49 GB at the recipe's budgets; smaller Hessian chunks make it fit
     recipe = _bench_recipe(path, 32, "gptq", 3.0, "quantize.hessian_budget_gb=32")
-    f = forecast(recipe, src, gpus=4, gpu_memory_gb=60)
+    f = forecast(recipe, src, gpus=4, gpu_memory_gb=48)
     assert f.too_big() is not None and f.too_big().stage == "quantize"
     with pytest.raises(PlanError) as e:
         check_fits(f, recipe)
     h, s = f.fitting_budgets
     assert f"quantize.hessian_budget_gb: {h:g} and quantize.solve_budget_gb: {s:g}" in str(e.value)
-    refit = forecast(_bench_recipe(path, 32, "gptq", s, f"quantize.hessian_budget_gb={h}"), src, gpus=4, gpu_memory_gb=60)
+    refit = forecast(_bench_recipe(path, 32, "gptq", s, f"quantize.hessian_budget_gb={h}"), src, gpus=4, gpu_memory_gb=48)
     assert refit.too_big() is None and "fit the card" in render(refit, recipe)
     # a card smaller than one layer: nothing to tune
     with pytest.raises(PlanError, match="use more or larger GPUs"):
