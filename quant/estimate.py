@@ -179,11 +179,16 @@ class Run:
         return 1 if self.algorithm == "awq" else self.gpus
 
 
-def _activations(run: Run, d: Dims) -> float:
-    """This rank's cached hidden states on the GPU (its batches: layerwise deals batches out round-robin, and keeps
-    them on the GPU when they fit its budget)."""
+def _rank_activation_bytes(run: Run, d: Dims) -> float:
+    """This rank's cached hidden states (its batches: layerwise deals batches out round-robin)."""
     rows = min(run.n_samples, math.ceil(math.ceil(run.n_samples / run.batch) / run.gpus) * run.batch)
-    full = rows * run.seq_len * d.hidden * run.dtype_bytes
+    return rows * run.seq_len * d.hidden * run.dtype_bytes
+
+
+def _activations(run: Run, d: Dims) -> float:
+    """This rank's cached hidden states on the GPU: all of them when they fit the activation budget, else the two
+    batches moved in and out of host memory."""
+    full = _rank_activation_bytes(run, d)
     return full if full <= ACTIVATION_BUDGET else 2 * run.batch * run.seq_len * d.hidden * run.dtype_bytes
 
 
@@ -364,8 +369,8 @@ def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Run,
 def _host(layers: list[LayerShape], run: Run, d: Dims) -> float:
     """Process baseline; the read-ahead's two page-locked staging buffers, each this rank's share of a layer
     (``quant.staging``: one uploading, the next being read); a layer's codes copied out; activations kept on the
-    CPU when they exceed the activation budget."""
-    acts = run.tokens * d.hidden * run.dtype_bytes
+    CPU when this rank's exceed the activation budget."""
+    acts = _rank_activation_bytes(run, d)
     layer = max(2 * L.weight_bytes / run.gpus + L.n_experts * L.expert_code_bytes + L.linear_code_bytes
                 for L in layers)
     return HOST_BASE + layer + (acts if acts > ACTIVATION_BUDGET else 0.0)

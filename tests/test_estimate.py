@@ -224,6 +224,18 @@ def test_more_gpus_split_expert_work_and_activations_not_the_layer(shapes_dir):
     assert q4.seconds < q1.seconds and q4.gpu_bytes < q1.gpu_bytes
 
 
+def test_host_memory_counts_only_the_activations_of_the_ranks_own_batches(shapes_dir):
+    """512 x 2048 tokens of DeepSeek-V3 hidden states are 15 GB: over the 8 GiB activation budget on one GPU (kept on
+    the host), 1.9 GB per rank on 8 (kept on the GPU): the host forecast must not hold them on every rank."""
+    path = shapes_dir("deepseek-v3", 1)
+    recipe, src = _bench_recipe(path, 512, "gptq", 3.0), load_headers(str(path))
+    layer = sum(math.prod(s) * 2 for k, s in src.shapes().items() if k.startswith("model.layers.0."))
+    acts = 512 * 2048 * 7168 * 2
+    h1, h8 = (next(s for s in forecast(recipe, src, gpus=n, gpu_memory_gb=143).stages if s.stage == "quantize").host_bytes
+              for n in (1, 8))
+    assert h1 - h8 == pytest.approx(acts + 2 * layer * 7 / 8, rel=0.02)
+
+
 def test_host_memory_holds_two_staged_shares_of_the_layer(shapes_dir):
     """The read-ahead pins two buffers, each a rank's share of a layer (one uploading, one being read): on 8 ranks
     the host forecast drops by 2 x 7/8 of the 23 GB DeepSeek-V3 layer, nothing else changes at these tokens."""
