@@ -26,7 +26,7 @@ cd "$(dirname "$0")/.."
 for task in "$@"; do
   case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|e2e48|x2|x2-awq) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
-[ $# -gt 0 ] || { sed -n 2,18p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

@@ -53,9 +53,10 @@ from quant.throughputs import THROUGHPUTS, awq_search_seconds, gptq_solve_second
 GB = 1e9
 ACTIVATION_BUDGET = 8 << 30  # layerwise.Layerwise's default activation_budget_bytes
 STATS_BLOCK = 1 << 28  # routing.chunk_budget on a GPU: elements of one padded [n, C, .] block
-SOLVE_FACTOR = 1.4  # allocated / sub_batches' estimate, fit to the Qwen3-30B-A3B GPTQ peak of the fused solve (10.6 GB)
+SOLVE_FACTOR = 1.4  # allocated / sub_batches' estimate, fit to the fused solve's Qwen3-30B-A3B GPTQ peak (10.6 GB)
 # allocated / search_bytes at the peak of a trial (rows, x / s, x Wᵀ, Q(W · s), y, y - x Wᵀ and its square), counted
-# from smooth's code (DeepSeek-V3 gate/up 1.13, down 1.22) with room for the quantizer's temporaries; not yet measured
+# from smooth's code (DeepSeek-V3 gate/up 1.13, down 1.22) with room for the quantizer's temporaries; the measured
+# peaks it forecasts: Qwen3-30B-A3B 10.7 GB (8.7 measured), DeepSeek-V3 58.2 GB (54.1)
 AWQ_FACTOR = 1.4
 HOST_BASE = 3 * GB  # python, torch, CUDA host state
 HEADROOM = 0.95  # share of the card a forecast may fill

@@ -37,11 +37,12 @@ def copy_into(tensors: dict[str, torch.Tensor], into: Callable[[int], torch.Tens
 
 
 class Staging:
-    """Page-locked host buffers for read-ahead, reused layer after layer: ``slot(idx % 2)`` holds layer ``idx``, so
+    """Page-locked host buffers for read-ahead, reused layer after layer: buffer ``idx % 2`` holds layer ``idx``, so
     one is read into while the other uploads. Each is pinned at its size in whole pages with ``cudaHostRegister``
     (torch's pinned allocator rounds an allocation up to a power of two: 32 GB for a 23 GB DeepSeek-V3 layer, 64 GB
-    for the pair) and replaced by a larger one when a larger layer comes. A buffer is written again only after the uploads queued from it have
-    finished (``uploaded`` records an event after a layer's copies; ``into`` waits on it)."""
+    for the pair) and replaced by a larger one when a larger layer comes. A buffer is written again only after the
+    uploads queued from it have finished (``uploaded`` records an event after a layer's copies; ``into`` waits on
+    it)."""
 
     def __init__(self, budget_bytes: int):
         self.budget = budget_bytes

@@ -9,9 +9,9 @@ single bf16 product with ``[Xᵀ_hi; Xᵀ_hi; Xᵀ_lo]`` gives ``Δ Xᵀ`` to ~1
 dropped) with fp32 accumulation: 8 bytes per weight and α.
 
 Every rounding step follows ``quant.algos.grid`` (min/max grid, scales rounded to the scale dtype before the
-codes are chosen, round half to even, ``(q − zero) · scale`` rounded to the scale dtype), with the same bit
-arithmetic as ``gptq_triton`` (``triton_rounding``); on a CPU (tests) the kernel runs in Triton's interpreter and its deltas equal the
-torch ones bit for bit. On a GPU a division by a constant may be compiled differently by torch and Triton, so a
+codes are chosen, round half to even, ``(q − zero) · scale`` rounded to the scale dtype), with the bit arithmetic
+it shares with ``gptq_triton`` (``triton_rounding``); on a CPU (tests) the kernel runs in Triton's interpreter and
+its deltas equal the torch ones bit for bit. On a GPU a division by a constant may be compiled differently by torch and Triton, so a
 grid can differ by one rounding now and then: the deltas only rank the α grid, the shipped codes come from
 ``grid.quantize_weight`` at the chosen α.
 """

@@ -30,8 +30,7 @@ from quant.models.headers import DTYPE_BYTES
 from quant.plan import BitPlan
 from quant.qstore import layer_file, read_layer, read_layout, read_params
 
-DTYPES = TORCH_DTYPES
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ def plan_tensors(source: ModelSource, plan: BitPlan, qdir: Path, module_tensors:
 def _probe(layout: tuple[QuantSpec, tuple], module_tensors: Callable) -> list[tuple[str, tuple[int, ...], str]]:
     """(part, shape, dtype) of what ``module_tensors`` makes of a stored module of this layout (a zero module)."""
     spec, parts = layout
-    q, scale, zero = (None if p is None else torch.zeros(p[0], dtype=DTYPES[p[1]]) for p in parts)
+    q, scale, zero = (None if p is None else torch.zeros(p[0], dtype=TORCH_DTYPES[p[1]]) for p in parts)
     packed = module_tensors(QuantizedWeight(q, scale, zero, spec))
     return [(part, tuple(t.shape), DTYPE_NAMES[t.dtype]) for part, t in packed.items()]
 
@@ -166,7 +165,7 @@ def _layer_tensors(planned: list[Planned], layer: int | None, source: ModelSourc
                 packed[t.module] = module_tensors(stored[t.module])
             tensor = packed[t.module][t.part]
         elif t.key in params:
-            tensor = params[t.key].to(DTYPES[t.dtype])
+            tensor = params[t.key].to(TORCH_DTYPES[t.dtype])
         else:
             tensor = from_source[t.key]
         out[t.name] = _checked(t, tensor)
