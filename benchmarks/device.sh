@@ -21,10 +21,15 @@
 #   x2         (2 GPUs) 1 vs 2 ranks on both shapes (Qwen3: ordered and reduce statistics), llm-compressor's
 #              distributed oneshot on 2 GPUs
 #   x2-awq     (2 GPUs) AWQ at 1 vs 2 ranks on both shapes (its searches divided over ranks)
+#   node1      the whole pipeline (`quant run`, benchmarks/node.py) on one GPU: a DeepSeek-V3 layer tiled to 3 for
+#              profile + quantize, the real layer through every stage with streamed eval, 32 x 2048 (~6 min)
+#   x8-build, x8-depth, x8-breadth   (8 GPUs; one a call, the 10-minute limit) the 8-GPU issue's run: 2 DeepSeek-V3
+#              layers (47 GB, kept in $WORK-node between calls), tiled to $X8_LAYERS (default 32) at 512 x 2048 on
+#              8 ranks, then every stage on the 2 saved layers; projected to 61 layers
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|e2e48|x2|x2-awq) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|e2e48|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -40,7 +45,7 @@ run() {  # run TASK COMMAND...: log, time, and free the scratch disk after
   local task=$1; shift
   local t0; t0=$(date +%s)
   echo "== $task: $*" | tee -a "$OUT/$task.log"
-  "$@" 2>&1 | grep --line-buffered -v -E "Warning|warn\(" | tee -a "$OUT/$task.log" | grep --line-buffered -E '^\{|^ *[0-9]|GPU|engine|passed|failed' | tail -40
+  "$@" 2>&1 | grep --line-buffered -v -E "Warning|warn\(" | tee -a "$OUT/$task.log" | grep --line-buffered -E '^\{|^ *[0-9]|GPU|engine|passed|failed|^(stage|calibrate|profile|plan|quantize|export|eval|report) |projection|per rank' | tail -40
   echo "== $task: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$task.log"
 }
 
@@ -80,6 +85,13 @@ for task in "$@"; do
       rm -rf "$W"
       run x2-awq python3 benchmarks/distributed.py --algo awq --shape deepseek-v3 --layers 1 --samples 32 \
         --seqlen 2048 --ranks 1,2 --error-samples 0 --memory-trace --workdir "$W" ;;
+    node1) run node1 python3 benchmarks/node.py --shape deepseek-v3 --layers 1 --virtual-layers 3 --samples 32 \
+             --seqlen 2048 --eval-samples 16 --ranks 1 --workdir "$W" ;;
+    x8-build|x8-depth|x8-breadth)
+      run "$task" python3 benchmarks/node.py --shape deepseek-v3 --layers 2 --virtual-layers "${X8_LAYERS:-32}" \
+        --project-layers 61 --samples 512 --seqlen 2048 --eval-samples 64 --ranks 8 --part "${task#x8-}" \
+        --workdir "$W-node"
+      continue ;;  # the model and the parts' results stay for the next part
     *) echo "unknown task: $task" >&2; exit 2 ;;
   esac
   rm -rf "$W"  # the machine's disk is 64 GB: one model at a time

@@ -105,8 +105,8 @@ def reset_peak() -> None:
 
 
 def build_model(shape: str, n_layers: int, path: Path, seed: int) -> None:
-    """Random-weight model (transformers' own init, seeded) saved as bf16 safetensors + a trivial tokenizer."""
-    from tokenizers import Tokenizer, models
+    """Random-weight model (transformers' own init, seeded) saved as bf16 safetensors + a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     kw = dict(SHAPES[shape])
@@ -122,8 +122,12 @@ def build_model(shape: str, n_layers: int, path: Path, seed: int) -> None:
                 ex.gate_up_proj.normal_(0, cfg.initializer_range)
                 ex.down_proj.normal_(0, cfg.initializer_range)
     model.save_pretrained(path, max_shard_size="50GB")
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")),
-                                  unk_token="[UNK]", pad_token="[UNK]", eos_token="[UNK]")
+    # word-level over the whole vocabulary (word tN is token N), so text of random words (random_words) is random
+    # tokens through quant's own calibration path (benchmarks/node.py)
+    vocab = {"[UNK]": 0} | {f"t{i}": i for i in range(1, cfg.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[UNK]", eos_token="[UNK]")
     tok.save_pretrained(path)
     del model
     reset_peak()
@@ -207,6 +211,12 @@ class TiledSource(ModelSource):
     def dtypes(self):
         real = super().dtypes()
         return {k: real[self._real(k)] for k in self.weight_map}
+
+
+def random_words(n_tokens: int, vocab: int, seed: int) -> str:
+    """Text of ``n_tokens`` seeded random words of build_model's tokenizer (never [UNK])."""
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(f"t{i}" for i in torch.randint(1, vocab, (n_tokens,), generator=g).tolist())
 
 
 def calibration(n: int, seqlen: int, vocab: int, seed: int) -> CalibrationSet:

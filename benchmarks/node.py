@@ -1,0 +1,261 @@
+"""One node, the whole pipeline (GPUs): `quant run` under torchrun on a model of real layer shapes, to full depth.
+
+Builds (once) the random-weight model of ``benchmarks/engine.py`` with ``--layers K`` saved layers, a word-level
+tokenizer over its vocabulary and two local text sets of seeded random words (calibration and held-out), writes a
+recipe (the headline recipe's plan: top 20 % of experts per layer at INT8, the rest INT4, g128; GPTQ; compressed-
+tensors; streamed eval proxies; no gates, no layer-sensitivity pass) and runs it twice under
+``torchrun --standalone --nproc-per-node N``:
+
+- **depth**: calibrate, profile, plan and quantize with the K saved layers tiled to ``--virtual-layers V``
+  (engine.py's ``TiledSource``: layer i reads saved layer i mod K through the normal safetensors path), through
+  ``quant.pipeline.Run`` itself. The writer rank deletes a virtual layer's file from the quantized store as soon as
+  it is written (every byte is still written): 61 DeepSeek-V3 layers' codes are ~420 GB, more than a lent 8-GPU
+  machine's disk. For the same reason quant's free-disk check, which counts all V layers, is skipped in this run.
+- **breadth**: the CLI itself (``torchrun ... -m quant.cli run RECIPE``) on the K saved layers: every stage,
+  export and streamed eval included, the checkpoint real and complete.
+
+Per stage wall time and peak GPU memory (largest rank) come from each run's ``manifest.json``; the depth run also
+gathers every rank's quantize peak. The model fingerprint (once per model and machine) is timed on its own before
+the runs, which find it cached. ``--project-layers P`` (default V) projects a P-layer run from the measured parts
+(``project``): a machine whose commands are cut at 10 minutes times V < 61 tiled layers and projects 61. Prints
+JSON lines, then a table.
+
+  python benchmarks/node.py --shape deepseek-v3 --layers 2 --virtual-layers 61 --samples 512 --seqlen 2048 \\
+      --ranks 8 --workdir /data/quant-node          # issue 14: one 8-GPU node, the whole depth
+  python benchmarks/node.py ... --part build; ... --part depth; ... --part breadth   # one part a call
+  python benchmarks/node.py --shape tiny --layers 1 --virtual-layers 3 --samples 8 --seqlen 64 --ranks 2  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from engine import SHAPES, TiledSource, build_model, random_words, say  # noqa: E402
+
+STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "report")
+DEPTH_STAGES = STAGES[:4]
+
+
+def write_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
+    """The model (built once), the two text sets with their manifests, the recipe: (model folder, recipe)."""
+    model_dir = work / f"model-{a.shape}-{a.layers}"
+    if not (model_dir / "config.json").is_file():
+        t0 = time.perf_counter()
+        build_model(a.shape, a.layers, model_dir, seed=0)
+        say(step="build", s=round(time.perf_counter() - t0, 1))
+    if not (work / "fingerprint.json").is_file():  # once per model and machine; the runs find it cached
+        from quant.models import ModelSource
+
+        t0 = time.perf_counter()
+        ModelSource(model_dir).fingerprint
+        (work / "fingerprint.json").write_text(json.dumps({"s": time.perf_counter() - t0}))
+    vocab = SHAPES[a.shape]["vocab_size"]
+    data = work / "data"
+    data.mkdir(exist_ok=True)
+    # enough words for non-overlapping windows; the held-out set has its own seed
+    for name, n_tokens, seed in (("calibration", (a.samples + 1) * a.seqlen, 0),
+                                 ("heldout", (a.eval_samples + 1) * a.seqlen, 1)):
+        (data / f"{name}.txt").write_text(random_words(n_tokens, vocab, seed))
+        (data / f"{name}.yaml").write_text(yaml.safe_dump(
+            {"name": f"random-{name}", "sources": [{"name": name, "kind": "text", "path": f"{name}.txt"}]}))
+    recipe = yaml.safe_load((ROOT / "recipes" / "mixed_int8_int4.yaml").read_text())
+    recipe.update(name=f"node-{a.shape}", description="benchmarks/node.py: the headline plan with GPTQ, streamed eval")
+    recipe["model"]["path"] = str(model_dir)
+    recipe["calibration"].update(dataset=str(data / "calibration.yaml"), n_samples=a.samples, seq_len=a.seqlen)
+    recipe.pop("profile", None)  # the layer-sensitivity pass prices other plans; not part of this run
+    recipe["quantize"] = {"algorithm": "gptq", "batch_size": a.batch}
+    recipe["eval"] = {"perplexity": {"dataset": str(data / "heldout.yaml"), "n_samples": a.eval_samples,
+                                     "seq_len": a.seqlen}, "mode": "streamed", "batch_size": a.batch}
+    path = work / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return model_dir, path
+
+
+def _prune(store: list[Path], keep: int, done: threading.Event) -> None:
+    """Delete the store's layer files of index >= ``keep`` as they land (written atomically: only whole files
+    carry the final name), until ``done``; one last sweep after it."""
+    while True:
+        last = done.wait(0.5)
+        for folder in store:
+            for f in folder.glob("layer_*.safetensors"):
+                if f.stem != "layer_head" and int(f.stem.split("_")[1]) >= keep:
+                    f.unlink(missing_ok=True)
+        if last:
+            return
+
+
+def depth_worker(a: argparse.Namespace) -> None:
+    """One rank of the depth run: the pipeline up to quantize on the tiled source; rank 0 writes the result."""
+    from quant import stages
+    from quant.dist import close_world, exit_process, init_world
+    from quant.layerwise import pick_device
+    from quant.pipeline import Run
+    from quant.recipe import load_recipe
+
+    recipe = load_recipe(a.recipe)
+    device = pick_device(recipe.quantize.device)
+    world = init_world(device.type)
+    run_dir = Path(a.run_dir)
+    run = Run(recipe, run_dir, world)
+    run.__dict__["source"] = TiledSource(Path(recipe.model.path), a.virtual_layers)  # the cached_property's slot
+    # the check counts V layers of codes and checkpoints; this run keeps K layers' codes and writes no checkpoint
+    stages.check_disk = lambda *args, **kwargs: None
+    done = threading.Event()
+    pruner = threading.Thread(target=_prune, args=([run_dir / "quantize.partial", run_dir / "quantized"],
+                                                   a.layers, done), daemon=True)
+    if world.is_writer:
+        pruner.start()
+    t0 = time.perf_counter()
+    try:
+        run.execute(until="quantize")
+    finally:
+        done.set()
+        if world.is_writer:
+            pruner.join()
+    wall = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0  # reset when quantize began
+    peaks = world.all_gather_object(round(peak / 1e9, 2))
+    if world.is_writer:
+        Path(a.result).write_text(json.dumps({"wall_s": wall, "quantize_peak_gb_per_rank": peaks}))
+    close_world(world)
+    exit_process(0)
+
+
+def torchrun(n: int, args: list[str]) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *args]
+    env = dict(os.environ)
+    if torch.cuda.is_available():
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
+    subprocess.run(cmd, env=env, check=True)
+
+
+def stage_table(run_dir: Path) -> dict[str, dict]:
+    """stage -> wall_s, peak GB (largest rank), ranks, from the run's manifest."""
+    m = json.loads((run_dir / "manifest.json").read_text())["stages"]
+    return {s: {"wall_s": m[s]["wall_s"], "peak_gb": round((m[s].get("peak_memory_bytes") or 0) / 1e9, 2),
+                "ranks": m[s].get("ranks", 1)} for s in STAGES if m.get(s, {}).get("status") == "done"}
+
+
+def project(depth: dict, breadth: dict, fingerprint_s: float, k: int, v: int, p: int) -> dict:
+    """Seconds for a P-layer model: the depth run's profile and quantize x P / V; the breadth run's export and eval
+    and the fingerprint x P / K (each goes layer by layer or byte by byte; their fixed parts, embeddings and the LM
+    head, are scaled with them, so the projection errs long); calibrate, plan, report and the depth run's time
+    outside its stages (process start, the run directory, the cached fingerprint) as measured."""
+    outside = depth["wall_s"] - sum(depth["stages"][s]["wall_s"] for s in DEPTH_STAGES)
+    d, b = depth["stages"], breadth["stages"]
+    parts = {"fingerprint": fingerprint_s * p / k, "setup": outside, "calibrate": d["calibrate"]["wall_s"],
+             "profile": d["profile"]["wall_s"] * p / v, "plan": d["plan"]["wall_s"],
+             "quantize": d["quantize"]["wall_s"] * p / v, "export": b["export"]["wall_s"] * p / k,
+             "eval": b["eval"]["wall_s"] * p / k, "report": b["report"]["wall_s"]}
+    return {"layers": p, "parts_s": parts, "total_s": sum(parts.values())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="deepseek-v3", choices=list(SHAPES))
+    ap.add_argument("--layers", type=int, default=2, help="K: layers saved on disk")
+    ap.add_argument("--virtual-layers", type=int, default=61, help="V: the depth run's layers (saved ones tiled)")
+    ap.add_argument("--samples", type=int, default=512)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--eval-samples", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--keep", action="store_true", help="keep both run directories (default: delete each after use)")
+    ap.add_argument("--depth-worker", action="store_true")
+    ap.add_argument("--recipe", default="")
+    ap.add_argument("--run-dir", default="")
+    ap.add_argument("--result", default="")
+    ap.add_argument("--project-layers", type=int, default=0, help="P: the projection's depth (default V)")
+    ap.add_argument("--part", default="all", choices=["build", "depth", "breadth", "all"],
+                    help="one part per call where a machine limits a command's time; the table once both ran")
+    a = ap.parse_args()
+    if a.depth_worker:
+        return depth_worker(a)
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="quant-node-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir, recipe = write_inputs(a, work)
+    if a.part in ("depth", "all"):
+        say(depth=run_depth(a, work, recipe))
+    if a.part in ("breadth", "all"):
+        say(breadth=run_breadth(a, work, recipe))
+    if (work / "depth.json").is_file() and (work / "breadth.json").is_file():
+        depth, breadth = (json.loads((work / f"{p}.json").read_text()) for p in ("depth", "breadth"))
+        fingerprint_s = json.loads((work / "fingerprint.json").read_text())["s"]
+        out = {"shape": a.shape, "ranks": a.ranks, "saved_layers": a.layers, "virtual_layers": a.virtual_layers,
+               "tokens": f"{a.samples} x {a.seqlen}", "gpu": torch.cuda.get_device_name(0)
+               if torch.cuda.is_available() else "cpu", "depth": depth, "breadth": breadth,
+               "fingerprint_s": fingerprint_s, "projection": project(depth, breadth, fingerprint_s, a.layers,
+                                                                     a.virtual_layers, a.project_layers or a.virtual_layers)}
+        (work / "node.json").write_text(json.dumps(out, indent=1))
+        print_table(out)
+
+
+def run_depth(a: argparse.Namespace, work: Path, recipe: Path) -> dict:
+    """The depth run under torchrun; its result (``depth.json``) with the manifest's stages and per-layer times."""
+    run_dir, result = work / "run-depth", work / "depth.json"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    result.unlink(missing_ok=True)
+    torchrun(a.ranks, [__file__, "--depth-worker", "--recipe", str(recipe), "--run-dir", str(run_dir),
+                       "--result", str(result), "--layers", str(a.layers), "--virtual-layers", str(a.virtual_layers)])
+    depth = json.loads(result.read_text()) | {"stages": stage_table(run_dir)}
+    depth["layer_seconds"] = [round(r["seconds"], 2) for r in
+                              json.loads((run_dir / "quantized" / "layers.json").read_text())]
+    depth["stored_layer_files"] = sorted(p.name for p in (run_dir / "quantized").glob("layer_*.safetensors"))
+    result.write_text(json.dumps(depth))
+    if not a.keep:
+        shutil.rmtree(run_dir)  # the breadth run's disk
+    return depth
+
+
+def run_breadth(a: argparse.Namespace, work: Path, recipe: Path) -> dict:
+    """`quant run` itself under torchrun on the saved layers; its result (``breadth.json``)."""
+    run_dir, result = work / "run-breadth", work / "breadth.json"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    result.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    torchrun(a.ranks, ["-m", "quant.cli", "run", str(recipe), "--output", str(run_dir)])
+    breadth = {"wall_s": time.perf_counter() - t0, "stages": stage_table(run_dir)}
+    ev = json.loads((run_dir / "eval.json").read_text())
+    breadth["eval"] = {k: ev[k] for k in ("proxy_mode", "proxy_mode_reason", "world_size", "proxies") if k in ev}
+    result.write_text(json.dumps(breadth))
+    if not a.keep:
+        shutil.rmtree(run_dir)
+    return breadth
+
+
+def print_table(out: dict) -> None:
+    k, v, n = out["saved_layers"], out["virtual_layers"], out["ranks"]
+    d, b, p = out["depth"]["stages"], out["breadth"]["stages"], out["projection"]
+    print(f"\n{out['shape']}, {n} rank(s), {out['tokens']} tokens, {out['gpu']}")
+    print(f"{'stage':10} {'depth s':>9} {'/layer':>7} {'breadth s':>10} {'/layer':>7} {'peak GB':>8}  ({v} tiled | {k} saved)")
+    for s in STAGES:
+        row, peak = [], max(d.get(s, {}).get("peak_gb", 0), b.get(s, {}).get("peak_gb", 0))
+        for stages, layers in ((d, v), (b, k)):
+            w = stages.get(s, {}).get("wall_s")
+            row.append(f"{w:9.1f} {w / layers:7.2f}" if w is not None else f"{'':9} {'':7}")
+        print(f"{s:10} {row[0]} {' ' + row[1]} {peak:8.1f}")
+    print(f"quantize peak GB per rank (CUDA): {out['depth']['quantize_peak_gb_per_rank']}")
+    print(f"projection, {p['layers']} layers on {n} rank(s): " + ", ".join(f"{s} {t:.0f} s" for s, t in p["parts_s"].items())
+          + f" = {p['total_s'] / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    main()
