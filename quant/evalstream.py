@@ -15,8 +15,11 @@ a chunk.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -27,21 +30,30 @@ from quant.errors import CheckpointError
 from quant.hostsync import on_device
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
+from quant.models.direct_read import read_into
 from quant.models.source import read_safetensors
+from quant.staging import views_into
 
 log = logging.getLogger(__name__)
 LOGIT_CHUNK_BYTES = 1 << 30  # float32 logits of both models (and log-softmax temporaries) per scored chunk
 TEMPORARIES = 6  # [C, V] float32 tensors alive at once while scoring a chunk
+# stored bytes uploaded and dequantized at a time on a GPU: ~1 GB dense at 4 bits, plus compressed-tensors'
+# unpacking temporaries (int32 codes, float products) of a few GB
+DEQUANT_CHUNK_BYTES = 256 << 20
 
 
 class ShippedCheckpoint(ModelSource):
     """An exported compressed-tensors checkpoint whose ``weight_map`` lists dense names (``<module>.weight`` for a
     packed module) and whose ``read_tensors`` returns dequantized weights in ``dtype``.
 
-    ``base`` supplies the family and remote-code settings (the checkpoint carries the same config and code).
+    ``base`` supplies the family, remote-code settings and dense shapes (the checkpoint carries the same config and
+    code). ``device``: where compressed-tensors dequantizes. On a GPU the packed tensors (a quarter to a half of the
+    dense bytes) are read with parallel preads, uploaded and dequantized there a chunk at a time, and the dense
+    weights come back into the read-ahead's staging buffer (compressed-tensors dequantizes ~0.7 GB/s of dense
+    weights on two CPU cores: a DeepSeek-V3 layer is 23 GB).
     """
 
-    def __init__(self, path: Path, base: ModelSource, dtype: torch.dtype):
+    def __init__(self, path: Path, base: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu"):
         super().__init__(path, display_name=f"{base.display_name} (shipped)",
                          trust_remote_code=base.trust_remote_code, family=base.family.name)
         qcfg = self.config_dict.get("quantization_config") or {}
@@ -55,6 +67,7 @@ class ShippedCheckpoint(ModelSource):
         )
 
         self.dequantizer = CompressedTensorsDequantizer(path, dtype=dtype)
+        self.dtype, self.device, self.base = dtype, torch.device(device), base
         self.raw_map = self.weight_map
         self.parts: dict[str, list[str]] = {}  # dense weight name -> its packed tensors (the packed weight first)
         for key in self.raw_map:
@@ -65,15 +78,70 @@ class ShippedCheckpoint(ModelSource):
         self.weight_map = {k: f for k, f in self.raw_map.items() if k not in packed}
         self.weight_map.update({k: self.raw_map[parts[0]] for k, parts in self.parts.items()})
 
-    def read_tensors(self, keys: list[str], device="cpu", into=None) -> dict:
-        """The dense (dequantized) tensors of ``keys``; ``into`` is not used: they are computed, not read."""
-        raw = read_safetensors(self.path, self.raw_map, [r for k in keys for r in self.parts.get(k, [k])], device)
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Dense shapes by dense name (the base model's for a packed module): what a rank's share of a layer is
+        balanced on."""
+        raw, base = super().shapes(), self.base.shapes()
+        return {k: base.get(k, raw[self.parts[k][0]]) if k in self.parts else raw[k] for k in self.weight_map}
+
+    def _raw(self, keys: list[str]) -> list[str]:
+        return [r for k in keys for r in self.parts.get(k, [k])]
+
+    def _dense(self, raw: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
         dense = self.dequantizer.process(raw)
         missing = [k for k in keys if k not in dense]
         if missing:
             raise CheckpointError(f"{self.path}: compressed-tensors did not dequantize {missing[:3]} (no config "
                                   "group targets them)")
         return {k: dense[k] for k in keys}
+
+    def read_tensors(self, keys: list[str], device="cpu", into=None) -> dict:
+        """The dense (dequantized) tensors of ``keys`` on ``device``, or as views of one buffer from ``into`` (the
+        read-ahead's staging buffer), dequantized on ``self.device`` a chunk at a time."""
+        raw = read_into(self.path, self.raw_map, self._raw(keys), lambda n: torch.empty(n, dtype=torch.uint8),
+                        threads=min(8, os.cpu_count() or 1))
+        if raw is None:  # a dtype the direct reader does not know
+            raw = read_safetensors(self.path, self.raw_map, self._raw(keys), "cpu")
+        out = self._buffer_views(raw, keys, into) if into is not None else None
+        dense: dict[str, torch.Tensor] = {}
+        gpu = self.device.type == "cuda"
+        with torch.cuda.stream(self._stream) if gpu else contextlib.nullcontext():
+            for chunk in self._chunks(raw, keys):
+                got = self._dense({r: raw[r].to(self.device) for r in self._raw(chunk)}, chunk)
+                for k, t in got.items():
+                    # a kept tensor not copied would be a view of the whole packed read
+                    dense[k] = (out[k].copy_(t, non_blocking=gpu) if out is not None
+                                else t.to(device, copy=k not in self.parts))
+                if gpu:
+                    self._stream.synchronize()  # the chunk's GPU tensors are reused by the next one
+        return dense
+
+    @cached_property
+    def _stream(self) -> torch.cuda.Stream:
+        """Dequantization's own stream: the read-ahead thread's kernels and copies do not queue behind the compute."""
+        return torch.cuda.Stream(self.device)
+
+    def _chunks(self, raw: dict[str, torch.Tensor], keys: list[str]) -> list[list[str]]:
+        """``keys`` in runs of about ``DEQUANT_CHUNK_BYTES`` of stored bytes, a module's parts never split."""
+        chunks, size = [[]], 0
+        for k in keys:
+            if size >= DEQUANT_CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(k)
+            size += sum(raw[r].numel() * raw[r].element_size() for r in self.parts.get(k, [k]))
+        return [c for c in chunks if c]
+
+    def _buffer_views(self, raw: dict[str, torch.Tensor], keys: list[str], into) -> dict[str, torch.Tensor] | None:
+        """One view per dense tensor of ``keys`` in a buffer from ``into`` (None where it declines); a packed module's
+        dense shape is the ``weight_shape`` it stores, its dtype ``self.dtype``."""
+        layout = {}
+        for k in keys:
+            if k in self.parts:
+                layout[k] = (tuple(int(x) for x in raw[k + "_shape"].tolist()), self.dtype)
+            else:
+                layout[k] = (tuple(raw[k].shape), raw[k].dtype)
+        return views_into(layout, into)
 
 
 class ProxySums:
@@ -129,14 +197,17 @@ class ProxySums:
 
 def streamed_proxies(base: ModelSource, shipped: ModelSource, tokens: torch.Tensor, dtype: str, device,
                      batch_size: int, world: World = SINGLE) -> dict:
-    """Perplexity, KL and top-1 agreement over ``tokens [N, S]``, this rank scoring its ``world.shard`` of the
-    samples; every rank returns the same (all-reduced) numbers."""
-    mine = tokens[world.shard(range(tokens.shape[0]))]
-    lw_base = Layerwise(base, dtype, str(device), batch_size)
+    """Perplexity, KL and top-1 agreement over ``tokens [N, S]``, this rank scoring its share of the samples (the
+    ``Layerwise`` batches dealt to it, batches no larger than an even share); every rank returns the same
+    (all-reduced) numbers. Every rank walks both models' layers, even without samples: with NCCL each reads its
+    share of a layer and the shares are broadcast (``Layerwise``), so a node reads (and dequantizes) each layer once,
+    not once per rank."""
+    batch = max(1, min(batch_size, math.ceil(tokens.shape[0] / world.size)))
+    lw_base = Layerwise(base, dtype, str(device), batch, world=world)
+    hidden_base, head_base = lw_base.final_hidden(tokens)
+    mine = tokens[lw_base.my_rows()] if world.distributed else tokens
+    lw_quant = Layerwise(shipped, dtype, str(device), batch, world=world)
+    hidden_quant, head_quant = lw_quant.final_hidden(tokens)
     sums = ProxySums(lw_base.device)
-    if mine.shape[0]:
-        hidden_base, head_base = lw_base.final_hidden(mine)
-        lw_quant = Layerwise(shipped, dtype, str(device), batch_size)
-        hidden_quant, head_quant = lw_quant.final_hidden(mine)
-        sums.score(hidden_base, head_base, hidden_quant, head_quant, mine, lw_base.device)
+    sums.score(hidden_base, head_base, hidden_quant, head_quant, mine, lw_base.device)
     return sums.reduce(world).metrics()

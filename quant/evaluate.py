@@ -229,7 +229,7 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
     mode, reason = proxy_mode(e.mode, source, plan, dtype, device)
     log.info("eval proxies: %s (%s)", mode, reason)
     if mode == "streamed":
-        shipped = ShippedCheckpoint(checkpoint, source, dtype)
+        shipped = ShippedCheckpoint(checkpoint, source, dtype, device)
         proxy, loader = streamed_proxies(source, shipped, tokens, recipe.model.dtype, device, e.batch_size, world), \
             "compressed-tensors-per-layer"
         tasks = tasks_on_writer()

@@ -3,12 +3,14 @@
 A copy to the GPU from pageable memory makes the host wait for the queued kernels and runs at a fraction of the
 link's speed; from page-locked memory it is asynchronous and runs at ~55 GB/s on an H200 host. ``Staging`` holds
 two buffers (one being read into while the other uploads); ``copy_into`` puts tensors that were computed rather
-than read (e.g. dequantized) into one. Owned and used by ``quant.layerwise``.
+than read (e.g. dequantized on a CPU) into one, ``views_into`` lays out tensors a GPU will write there (dequantized
+on the GPU, copied back). Owned and used by ``quant.layerwise``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import weakref
 from collections.abc import Callable
@@ -18,22 +20,32 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def copy_into(tensors: dict[str, torch.Tensor], into: Callable[[int], torch.Tensor | None]) -> dict[str, torch.Tensor]:
-    """``tensors`` (CPU) copied into one ``uint8`` buffer from ``into(total bytes)`` (each 64-byte aligned), returned
-    as its views; as they are when ``into`` declines (None). For tensors a source computes rather than reads (e.g.
-    dequantized ones) into a staging buffer, so that their upload is asynchronous too."""
+def views_into(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], into: Callable[[int], torch.Tensor | None]
+               ) -> dict[str, torch.Tensor] | None:
+    """One uninitialized view per ``name: (shape, dtype)`` of one ``uint8`` buffer from ``into(total bytes)``, each
+    64-byte aligned; None when ``into`` declines."""
     align = 64
-    sizes = {k: -(-t.numel() * t.element_size() // align) * align for k, t in tensors.items()}
-    buf = into(sum(sizes.values())) if tensors else None
+    sizes = {k: math.prod(shape) * dtype.itemsize for k, (shape, dtype) in layout.items()}
+    buf = into(sum(-(-n // align) * align for n in sizes.values())) if layout else None
     if buf is None:
-        return tensors
+        return None
     out, offset = {}, 0
-    for key, t in tensors.items():
-        dst = buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        dst.copy_(t)
-        out[key] = dst
-        offset += sizes[key]
+    for key, (shape, dtype) in layout.items():
+        out[key] = buf[offset : offset + sizes[key]].view(dtype).view(shape)
+        offset += -(-sizes[key] // align) * align
     return out
+
+
+def copy_into(tensors: dict[str, torch.Tensor], into: Callable[[int], torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """``tensors`` (CPU) copied into one ``uint8`` buffer from ``into(total bytes)`` (``views_into``), returned as its
+    views; as they are when ``into`` declines (None). For tensors a source computes rather than reads (e.g.
+    dequantized ones on a CPU) into a staging buffer, so that their upload is asynchronous too."""
+    views = views_into({k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}, into)
+    if views is None:
+        return tensors
+    for key, t in tensors.items():
+        views[key].copy_(t)
+    return views
 
 
 class Staging:

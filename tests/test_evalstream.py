@@ -65,6 +65,60 @@ def test_shipped_checkpoint_reads_what_compressed_tensors_dequantizes(exported):
     assert any(k.endswith(".weight_packed") for k in shipped.raw_map)
 
 
+def _whole_file_dequantized(exported: Path) -> dict:
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from safetensors.torch import load_file
+
+    return CompressedTensorsDequantizer(exported / "checkpoint").process(
+        load_file(str(exported / "checkpoint" / "model.safetensors")))
+
+
+def _read_in_chunks_into_a_buffer(exported: Path, device: str, monkeypatch) -> None:
+    """A layer read (as the read-ahead reads: ``into`` a staging buffer) dequantized ~4 kB of stored bytes at a time
+    on ``device`` equals compressed-tensors' whole-file dequantization bit for bit; every tensor is a 64-byte
+    aligned view of the one buffer, in the dense dtype and shape; without ``into`` the tensors come back on the
+    device asked for, kept ones as copies rather than views of the packed read."""
+    monkeypatch.setattr(evalstream, "DEQUANT_CHUNK_BYTES", 4096)
+    src = resolve_model(MODEL)
+    shipped = ShippedCheckpoint(exported / "checkpoint", src, torch.bfloat16, device)
+    dense = _whole_file_dequantized(exported)
+    calls = []
+    shipped.dequantizer.process = (lambda f: lambda raw: calls.append(len(raw)) or f(raw))(shipped.dequantizer.process)
+    for layer in range(src.n_layers):
+        keys = [k for k in shipped.weight_map if k.startswith(f"model.layers.{layer}.")]
+        bufs = []
+        got = shipped.read_tensors(keys, "cpu", into=lambda n: bufs.append(torch.empty(n, dtype=torch.uint8))
+                                   or bufs[-1])
+        lo, hi = bufs[0].data_ptr(), bufs[0].data_ptr() + bufs[0].numel()
+        for k in keys:
+            assert got[k].device.type == "cpu" and torch.equal(got[k], dense[k]), k
+            assert lo <= got[k].data_ptr() < hi and (got[k].data_ptr() - lo) % 64 == 0, k
+        direct = shipped.read_tensors(keys, device)
+        for k in keys:
+            assert direct[k].device.type == torch.device(device).type and torch.equal(direct[k].cpu(), dense[k]), k
+            if k not in shipped.parts:
+                assert direct[k].untyped_storage().nbytes() == direct[k].numel() * direct[k].element_size(), k
+    assert len(calls) > 4 * src.n_layers  # chunks, not one call a layer
+
+
+def test_shipped_checkpoint_dequantizes_in_chunks_into_one_buffer(exported, monkeypatch):
+    _read_in_chunks_into_a_buffer(exported, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+def test_shipped_checkpoint_dequantizes_on_the_gpu_bit_for_bit(exported, monkeypatch):
+    """The GPU path (packed tensors uploaded, dequantized on the GPU's own stream, copied back into the buffer)."""
+    _read_in_chunks_into_a_buffer(exported, "cuda", monkeypatch)
+
+
+def test_shipped_checkpoint_shapes_are_the_dense_shapes(exported):
+    """A rank's share of a layer is balanced on ``shapes()``: dense names and shapes, as the base model's."""
+    src = resolve_model(MODEL)
+    shipped = ShippedCheckpoint(exported / "checkpoint", src, torch.bfloat16)
+    assert shipped.shapes() == {k: src.shapes()[k] for k in shipped.weight_map}
+    assert any(k in shipped.parts for k in shipped.shapes())
+
+
 def test_shipped_checkpoint_refuses_a_model_that_is_not_compressed_tensors():
     src = resolve_model(MODEL)
     with pytest.raises(CheckpointError, match="compressed-tensors"):
