@@ -63,8 +63,8 @@ def write_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
         from quant.models import ModelSource
 
         t0 = time.perf_counter()
-        ModelSource(model_dir).fingerprint
-        (work / "fingerprint.json").write_text(json.dumps({"s": time.perf_counter() - t0}))
+        digest = ModelSource(model_dir).fingerprint
+        (work / "fingerprint.json").write_text(json.dumps({"s": time.perf_counter() - t0, "fingerprint": digest}))
     vocab = SHAPES[a.shape]["vocab_size"]
     data = work / "data"
     data.mkdir(exist_ok=True)

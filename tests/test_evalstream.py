@@ -86,9 +86,9 @@ def _read_in_chunks_into_a_buffer(exported: Path, device: str, monkeypatch) -> N
     shipped.dequantizer.process = (lambda f: lambda raw: calls.append(len(raw)) or f(raw))(shipped.dequantizer.process)
     for layer in range(src.n_layers):
         keys = [k for k in shipped.weight_map if k.startswith(f"model.layers.{layer}.")]
-        bufs = []
-        got = shipped.read_tensors(keys, "cpu", into=lambda n: bufs.append(torch.empty(n, dtype=torch.uint8))
-                                   or bufs[-1])
+        bufs: list[torch.Tensor] = []
+        got = shipped.read_tensors(keys, "cpu", into=lambda n, bufs=bufs: bufs.append(
+            torch.empty(n, dtype=torch.uint8)) or bufs[-1])
         lo, hi = bufs[0].data_ptr(), bufs[0].data_ptr() + bufs[0].numel()
         for k in keys:
             assert got[k].device.type == "cpu" and torch.equal(got[k], dense[k]), k
