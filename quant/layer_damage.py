@@ -108,6 +108,7 @@ def measure_layer_damage(source: ModelSource, tokens: torch.Tensor, lw: Layerwis
                 n_moe += 1
                 n_forwards += len(parsed)
             clean = lw.forward(layer, clean, out=clean)
+            del view  # it holds the layer's expert weights: gone before the next layer loads, not after
     kl = _branch_kl(lw, clean, branches)
     damage = {name: torch.zeros(n_moe, dtype=torch.float64) for name in parsed}
     for b, value in zip(branches, kl, strict=True):

@@ -373,6 +373,40 @@ def _probe_slots(mask: torch.Tensor, n_probe: int) -> tuple[torch.Tensor, torch.
     return pos, scale
 
 
+def _profile_layer(source: ModelSource, lw: Layerwise, idx: int, hidden: torch.Tensor, domains: list[str],
+                   dom_idx: torch.Tensor, probe_tokens: int | None, is_moe: bool) -> _LayerStats | None:
+    """Layer ``idx``'s routing statistics (None for a dense layer), ``hidden`` propagated through it in place. A
+    function of its own so that the layer's experts view (which holds the expert weights: 22.5 GB on DeepSeek-V3)
+    is gone before the next layer loads; as a loop variable it stayed alive through that load, ~18 GB over a
+    one-layer run's peak on the DeepSeek-V3 shape."""
+    S = hidden.shape[1]
+    relay = Relay(lw.world)
+    with lw.layer(idx) as layer:
+        view = experts_of(source, layer, idx)
+        if view is None and is_moe:
+            raise ModelError(
+                f"{source.path}: layer {idx} has routed experts on disk but quant does not recognise its experts "
+                f"module ({type(layer).__name__}); supported: transformers' fused experts or a per-expert "
+                "nn.ModuleList of Linear MLPs"
+            )
+        handle, acc = None, None
+        if view is not None:
+            acc = _LayerStats(view.n_experts, domains, lw.device, probe_tokens)
+            channel = relay.channel(acc.add)
+            handle = view.on_route(lambda x, i, w, acc=acc, view=view, ch=channel: ch.put(acc.batch(view, x, i, w)))
+
+        def before(rows: slice, acc=acc) -> None:
+            if acc is not None:
+                acc.token_domain = on_device(dom_idx[rows].repeat_interleave(S), lw.device)
+
+        lw.forward(layer, hidden, before_batch=before, out=hidden, after_step=relay.flush)
+        if handle is not None:
+            handle.remove()
+        if acc is not None:  # the probe's RTN copy of the layer's experts (22.5 GB on DeepSeek-V3) goes now
+            acc.release()
+    return acc
+
+
 def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise,
                     probe_tokens: int | None = PROBE_TOKENS) -> RoutingProfile:
     """Run the calibration tokens through the model layer by layer and collect routing statistics (each rank
@@ -380,36 +414,14 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise,
     probe's per-expert, per-batch token subset (None: every routed token)."""
     domains = sorted(set(calib.domains))
     dom_idx = torch.tensor([domains.index(d) for d in calib.domains])
-    S = calib.tokens.shape[1]
     hidden = lw.embed(calib.tokens)
     per_layer: dict[int, _LayerStats] = {}
     moe_layers = set(source.moe_layers())
     log.info("profile: %d layers", source.n_layers, extra=step("profile", 0, source.n_layers))
     for idx in range(source.n_layers):
-        relay = Relay(lw.world)
-        with lw.layer(idx) as layer:
-            view = experts_of(source, layer, idx)
-            if view is None and idx in moe_layers:
-                raise ModelError(
-                    f"{source.path}: layer {idx} has routed experts on disk but quant does not recognise its experts "
-                    f"module ({type(layer).__name__}); supported: transformers' fused experts or a per-expert "
-                    "nn.ModuleList of Linear MLPs"
-                )
-            handle, acc = None, None
-            if view is not None:
-                acc = per_layer[idx] = _LayerStats(view.n_experts, domains, lw.device, probe_tokens)
-                channel = relay.channel(acc.add)
-                handle = view.on_route(lambda x, i, w, acc=acc, view=view, ch=channel: ch.put(acc.batch(view, x, i, w)))
-
-            def before(rows: slice, acc=acc) -> None:
-                if acc is not None:
-                    acc.token_domain = on_device(dom_idx[rows].repeat_interleave(S), lw.device)
-
-            hidden = lw.forward(layer, hidden, before_batch=before, out=hidden, after_step=relay.flush)
-            if handle is not None:
-                handle.remove()
-            if acc is not None:  # the probe's RTN copy of the layer's experts (22.5 GB on DeepSeek-V3) goes now
-                acc.release()
+        acc = _profile_layer(source, lw, idx, hidden, domains, dom_idx, probe_tokens, idx in moe_layers)
+        if acc is not None:
+            per_layer[idx] = acc
         done = step("profile", idx + 1, source.n_layers)
         if acc is not None:
             c = acc.stat("counts")

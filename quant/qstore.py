@@ -82,14 +82,17 @@ def stored_tensors(weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tenso
 
 
 def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[str, torch.Tensor] | None = None,
-                report: dict | None = None, tensors: dict[str, torch.Tensor] | None = None) -> None:
+                report: dict | None = None, tensors: dict[str, torch.Tensor] | None = None,
+                specs: dict[str, QuantSpec] | None = None) -> None:
     """Write 2-D quantized modules (``q [out, in]``) atomically, plus ``params``: kept tensors the algorithm
     changed (AWQ folds 1/s into norms and routers), by the layer's in-memory parameter name, and ``report``: the
     layer's quantization report (errors, fallbacks, times), so a resumed run reports what was measured.
-    ``tensors``: ``stored_tensors(weights)`` already made (on the host), e.g. packed on a GPU."""
+    ``tensors`` and ``specs``: ``stored_tensors(weights)`` already made (on the host, e.g. packed on a GPU) and the
+    modules' specs, in place of ``weights``."""
     tensors = {k: v.cpu() for k, v in (stored_tensors(weights) if tensors is None else tensors).items()}
     tensors |= {PARAM_PREFIX + k: v.detach().contiguous().cpu() for k, v in (params or {}).items()}
-    meta = {name: [qw.spec.bits, qw.spec.group_size, qw.spec.symmetric] for name, qw in weights.items()}
+    specs = {name: qw.spec for name, qw in weights.items()} if specs is None else specs
+    meta = {name: [spec.bits, spec.group_size, spec.symmetric] for name, spec in specs.items()}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     # one metadata key: safetensors keeps metadata in a hash map, so several keys come out in varying order and the
     # same layer would not always be the same bytes
@@ -182,8 +185,8 @@ def load_into_layer(source, layer, idx: int, path: Path, device: str | torch.dev
 class LayerWriter:
     """Layer files written by a background thread while the next layer computes (``background``: on a GPU), else at
     once; one file in flight, ``wait`` re-raises a failed write. The thread packs the codes and copies them to host
-    memory on its own CUDA stream (after the compute stream has produced them), holding them until the copy is
-    done, so neither the copy nor the disk write sits on the compute path."""
+    memory on its own CUDA stream (after the compute stream has produced them), holding them on the GPU until the
+    copy is done (not through the disk write), so neither the copy nor the disk write sits on the compute path."""
 
     def __init__(self, background: bool):
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="quant-write") if background else None
@@ -208,10 +211,13 @@ class LayerWriter:
             if stream is not None:
                 stream.wait_event(ready)
             host = {}  # packed where the codes are, one module at a time (the packed layer is not held on the GPU)
-            for name, qw in results.items():
-                host |= {k: v.cpu() for k, v in stored_tensors({name: qw}).items()}
+            for name in results:
+                host |= {k: v.cpu() for k, v in stored_tensors({name: results[name]}).items()}
             host_params = {k: v.cpu() for k, v in params.items()}
-        write_layer(path, results, host_params, report, tensors=host)
+        specs = {name: qw.spec for name, qw in results.items()}
+        results.clear()  # the codes on the GPU (7 GB for a DeepSeek-V3 layer) go before the disk write, not after it
+        params.clear()
+        write_layer(path, {}, host_params, report, tensors=host, specs=specs)
 
     def wait(self) -> None:
         if self.pending is not None:

@@ -58,3 +58,17 @@ def test_branches_do_not_leak_into_each_other(source):
 def test_spread_rows_cover_every_source_block():
     assert spread_rows(32, 4).tolist() == [0, 8, 16, 24]
     assert spread_rows(5, 16).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_layer_s_expert_weights_are_gone_before_the_next_layer_loads(monkeypatch):
+    """As in the profile (tests/test_profile.py): the pass's experts view must not keep a layer's expert weights
+    alive through the next layer's load."""
+    from quant import layer_damage
+    from tests.test_profile import expert_weights_alive_at_each_load
+
+    src = resolve_model("builtin:deepseek-v3-tiny")
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    alive = expert_weights_alive_at_each_load(
+        monkeypatch, layer_damage,
+        lambda: measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2), ("w4g32",)))
+    assert alive == [0] * src.n_layers

@@ -338,3 +338,45 @@ def test_each_layers_probe_weights_are_freed_with_the_layer():
     at_peak = sum(n for site, n in m.peak.sites if "_rtn_probe" in site)
     assert len(prof.layers) >= 2 and 0 < at_peak <= one_layer, (at_peak, one_layer)
     assert left == 0
+
+
+def expert_weights_alive_at_each_load(monkeypatch, module, run) -> list[int]:
+    """For each layer load during ``run()``: how many earlier layers' expert weights (as ``module.experts_of``
+    handed them out) were still alive and not released to meta."""
+    import weakref
+
+    from quant import layerwise
+
+    refs, alive_at_load = [], []
+    experts_of, load_layer = module.experts_of, layerwise.load_layer
+
+    def spy_view(*args, **kwargs):
+        view = experts_of(*args, **kwargs)
+        if view is not None:
+            refs.append(weakref.ref(view.gate_up))
+        return view
+
+    def spy_load(*args, **kwargs):
+        alive_at_load.append(sum(r() is not None and not r().is_meta for r in refs))
+        return load_layer(*args, **kwargs)
+
+    monkeypatch.setattr(module, "experts_of", spy_view)
+    monkeypatch.setattr(layerwise, "load_layer", spy_load)
+    run()
+    assert len(refs) >= 2
+    return alive_at_load
+
+
+def test_a_layer_s_expert_weights_are_gone_before_the_next_layer_loads(monkeypatch):
+    """The profile's experts view holds the layer's expert weights (22.5 GB on DeepSeek-V3); kept past its layer, it
+    stayed alive through the next layer's load and raised the stage's peak by ~18 GB over three layers. When a layer
+    loads, no earlier layer's expert weights may be alive (released to meta, or collected)."""
+    from quant import profile as profile_mod
+    from quant.calibration import CalibrationSet
+
+    src = resolve_model("builtin:deepseek-v3-tiny")  # a dense first layer, then MoE layers
+    tokens = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(0))
+    calib = CalibrationSet(tokens, tuple(map(str, range(4))), ("x",) * 4, 0, "random")
+    alive = expert_weights_alive_at_each_load(
+        monkeypatch, profile_mod, lambda: profile_routing(src, calib, Layerwise(src, "float32", "cpu", 2)))
+    assert alive == [0] * src.n_layers
