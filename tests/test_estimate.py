@@ -15,7 +15,7 @@ from quant.errors import ModelError, PlanError
 from quant.estimate import check_fits, forecast, render
 from quant.models import ModelSource, resolve_model
 from quant.models.headers import HeaderSource, load_headers, read_safetensors_header
-from quant.recipe import parse_recipe
+from quant.recipe import load_recipe, parse_recipe
 from quant.throughputs import gptq_solve_seconds
 from tests.conftest import REPO
 
@@ -383,3 +383,21 @@ def test_eval_forecast_matches_the_streamed_and_whole_records(mode, shapes_dir):
     notes = {gb: next(s for s in forecast(auto, load_headers(str(path)), gpu_memory_gb=gb).stages
                       if s.stage == "eval").note for gb in (4, 80)}
     assert notes == {4: "proxies streamed", 80: "proxies whole"}  # the dense model is 2.75 GB
+
+
+def test_the_whole_pipeline_run_on_the_deepseek_v3_shape_is_forecast_within_25_percent(shapes_dir):
+    """benchmarks/node.py's one-GPU run (BENCHMARKS.md, twelfth session): the headline mix with GPTQ on DeepSeek-V3
+    layers, 32 x 2048 calibration tokens, streamed eval on 16 x 2048: the profile's, quantize's and eval's measured
+    peaks (three tiled layers after the profile fix; quantize at depth) against the forecast."""
+    row = lambda stage: next(ln for ln in BENCHMARKS.splitlines() if ln.startswith(f"| {stage} |"))  # noqa: E731
+    measured = {"profile": float(re.search(r"→ ([\d.]+)\*\* \(depth", row("profile"))[1]),
+                "quantize": float(re.search(r"\| ([\d.]+) \(depth\)", row("quantize"))[1]),
+                "eval": float(row("eval (streamed)").strip("|").split("|")[-1].strip())}
+    path = shapes_dir("deepseek-v3", 3)
+    recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model=str(path), overrides=(
+        "profile.layer_sensitivity=null", "quantize.algorithm=gptq", "quantize.batch_size=8",
+        "calibration.n_samples=32", "calibration.seq_len=2048", "eval.mode=streamed", "eval.batch_size=8",
+        "eval.perplexity.n_samples=16", "eval.perplexity.seq_len=2048"))
+    stages = {s.stage: s for s in forecast(recipe, load_headers(str(path)), gpu_memory_gb=141).stages}
+    for stage, peak_gb in measured.items():
+        assert stages[stage].gpu_bytes / 1e9 == pytest.approx(peak_gb, rel=0.25), (stage, stages[stage].gpu_bytes)
