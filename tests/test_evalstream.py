@@ -233,6 +233,26 @@ def test_two_ranks_give_the_numbers_of_one(exported, tmp_path):
     _close(single["proxies"], ranks[0]["proxies"], 1e-6)
 
 
+@pytest.mark.gpu
+def test_two_gpus_read_shares_of_each_layer_and_give_the_numbers_of_one(exported, tmp_path):
+    """torchrun --nproc-per-node 2 with NCCL: each rank reads and dequantizes (on its GPU) half of every layer of
+    both models, the halves broadcast; the proxies equal one GPU's (the same batches, so to rounding)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (the nvidia-h200-x2 kind)")
+    overrides = ("eval.mode=streamed", *FAST[2:])
+    single = evaluate_run(_recipe("eval.mode=streamed"), resolve_model(MODEL), exported)
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "QUANT_TEST_WORLD_DEVICE": "cuda",
+           "CUDA_VISIBLE_DEVICES": "0,1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests" / "fixtures" / "eval_worker.py"), str(exported), MODEL, str(tmp_path), *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["world_size"] == 2 and r["proxy_mode"] == "streamed" for r in ranks)
+    assert ranks[0]["proxies"] == ranks[1]["proxies"]
+    _close(single["proxies"], ranks[0]["proxies"], 1e-4)
+
+
 def test_auto_mode_streams_when_the_model_outgrows_the_device(exported, monkeypatch):
     from quant import evaluate
 
