@@ -24,7 +24,7 @@
 #   node1      the whole pipeline (`quant run`, benchmarks/node.py) on one GPU: a DeepSeek-V3 layer tiled to 3 for
 #              profile + quantize, the real layer through every stage with streamed eval, 32 x 2048 (~6 min)
 #   x8-build, x8-depth, x8-breadth   (8 GPUs; one a call, the 10-minute limit) the 8-GPU issue's run: 2 DeepSeek-V3
-#              layers (47 GB, kept in $WORK-node between calls), tiled to $X8_LAYERS (default 32) at 512 x 2048 on
+#              layers (47 GB, kept in $WORK-node between calls), tiled to $X8_LAYERS (default 24) at 512 x 2048 on
 #              8 ranks, then every stage on the 2 saved layers; projected to 61 layers
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -88,7 +88,7 @@ for task in "$@"; do
     node1) run node1 python3 benchmarks/node.py --shape deepseek-v3 --layers 1 --virtual-layers 3 --samples 32 \
              --seqlen 2048 --eval-samples 16 --ranks 1 --workdir "$W" ;;
     x8-build|x8-depth|x8-breadth)
-      run "$task" python3 benchmarks/node.py --shape deepseek-v3 --layers 2 --virtual-layers "${X8_LAYERS:-32}" \
+      run "$task" python3 benchmarks/node.py --shape deepseek-v3 --layers 2 --virtual-layers "${X8_LAYERS:-24}" \
         --project-layers 61 --samples 512 --seqlen 2048 --eval-samples 64 --ranks 8 --part "${task#x8-}" \
         --workdir "$W-node"
       continue ;;  # the model and the parts' results stay for the next part

@@ -137,6 +137,10 @@ def worker(rank: int, a: argparse.Namespace, port: int, model_dir: str, out: str
     plan = plan_bits(prof, src.modules, spec, a.algo, src.n_layers)
     qspec = QuantizeSpec(algorithm=a.algo, device="cpu", batch_size=batch,
                          hessian_budget_gb=a.hessian_budget_gb / k2, solve_budget_gb=a.solve_budget_gb / k2)
+    if a.background_writer:
+        import quant.quantize as qz
+
+        qz.LayerWriter = lambda background, cls=qz.LayerWriter: cls(True)
     tracer = LiveBytes(step=max(1, int(a.step_gb * 1e9 / k2)))
     _phases(tracer)
     lw = Layerwise(src, "bfloat16", "cpu", batch, world=world)
@@ -168,6 +172,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--shared-read", action="store_true", help="ranks read a share of each layer and broadcast it "
                     "(what they do under NCCL; gloo runs otherwise read the whole layer each)")
+    ap.add_argument("--background-writer", action="store_true", help="layer files written by a thread as on a GPU "
+                    "(the codes stay alive until the thread has packed them)")
     ap.add_argument("--workdir", default="")
     a = ap.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="quant-memtrace-"))
