@@ -201,13 +201,23 @@ def streamed_proxies(base: ModelSource, shipped: ModelSource, tokens: torch.Tens
     ``Layerwise`` batches dealt to it, batches no larger than an even share); every rank returns the same
     (all-reduced) numbers. Every rank walks both models' layers, even without samples: with NCCL each reads its
     share of a layer and the shares are broadcast (``Layerwise``), so a node reads (and dequantizes) each layer once,
-    not once per rank."""
-    batch = max(1, min(batch_size, math.ceil(tokens.shape[0] / world.size)))
-    lw_base = Layerwise(base, dtype, str(device), batch, world=world)
-    hidden_base, head_base = lw_base.final_hidden(tokens)
-    mine = tokens[lw_base.my_rows()] if world.distributed else tokens
-    lw_quant = Layerwise(shipped, dtype, str(device), batch, world=world)
-    hidden_quant, head_quant = lw_quant.final_hidden(tokens)
-    sums = ProxySums(lw_base.device)
-    sums.score(hidden_base, head_base, hidden_quant, head_quant, mine, lw_base.device)
+    not once per rank. An NCCL job evaluating on CPUs (NCCL cannot carry host tensors) reads whole layers on every
+    rank and scores ``world.shard`` of the samples."""
+    walk = layer_world(world, device)
+    if walk is not world:
+        tokens = tokens[world.shard(range(tokens.shape[0]))]
+    sums = ProxySums(torch.device(device))
+    if tokens.shape[0]:
+        batch = max(1, min(batch_size, math.ceil(tokens.shape[0] / walk.size)))
+        lw_base = Layerwise(base, dtype, str(device), batch, world=walk)
+        hidden_base, head_base = lw_base.final_hidden(tokens)
+        mine = tokens[lw_base.my_rows()] if walk.distributed else tokens
+        lw_quant = Layerwise(shipped, dtype, str(device), batch, world=walk)
+        hidden_quant, head_quant = lw_quant.final_hidden(tokens)
+        sums.score(hidden_base, head_base, hidden_quant, head_quant, mine, lw_base.device)
     return sums.reduce(world).metrics()
+
+
+def layer_world(world: World, device) -> World:
+    """The world the eval's layer walks run in: the job's, unless it is NCCL and the eval device is not a GPU."""
+    return SINGLE if world.backend == "nccl" and torch.device(str(device)).type != "cuda" else world

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from quant import evalstream, layerwise
+from quant.dist import SINGLE as SINGLE_WORLD
 from quant.errors import CheckpointError, RecipeError
 from quant.evalstream import ProxySums, ShippedCheckpoint, streamed_proxies
 from quant.evaluate import evaluate_run, proxy_mode
@@ -279,3 +280,15 @@ def test_more_gpus_than_visible_is_refused_before_any_work(exported):
         evaluate_run(recipe, resolve_model(MODEL), exported)
     if visible <= 1:
         assert task_gpus(_recipe().eval, 10**12) == 1  # auto with at most one GPU: one device
+
+
+def test_layer_walks_share_reads_only_where_the_backend_can_carry_them():
+    """NCCL moves GPU tensors only: an NCCL job evaluating on CPUs walks the layers per rank (each reading whole
+    layers); gloo and NCCL-on-GPU jobs walk them as a world (shares read and broadcast under NCCL)."""
+    from quant.dist import World
+
+    nccl, gloo = World(0, 2, 0, "nccl"), World(0, 2, 0, "gloo")
+    assert evalstream.layer_world(nccl, "cpu") is SINGLE_WORLD
+    assert evalstream.layer_world(nccl, torch.device("cuda", 0)) is nccl
+    assert evalstream.layer_world(gloo, "cpu") is gloo
+    assert evalstream.layer_world(SINGLE_WORLD, "cpu") is SINGLE_WORLD
