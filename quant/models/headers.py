@@ -15,7 +15,7 @@ from pathlib import Path
 
 from quant.errors import ModelError
 from quant.models.direct_read import TORCH_DTYPES, header_table
-from quant.models.source import ModelSource, read_json_object
+from quant.models.source import ModelSource, read_json_object, refuse_quantized
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
 
@@ -94,6 +94,7 @@ def load_headers(spec: str, trust_remote_code: bool = False, family: str | None 
         path = None
     else:
         raise ModelError(f"model path does not exist: {spec} (use a folder, a hub id, or builtin:NAME)")
+    refuse_quantized(config, f"model {spec}")
     return HeaderSource(config, tensors, spec, trust_remote_code, family, path)
 
 

@@ -45,11 +45,13 @@ def read_layer_tensors(source: ModelSource, idx: int, device="cpu") -> dict[str,
     return source.read_tensors([k for k in source.weight_map if k.startswith(prefix)], device)
 
 
-def _layer_state(source: ModelSource, idx: int, device, moe_attr: str, raw: dict | None = None):
+def _layer_state(source: ModelSource, idx: int, device, moe_attr: str, raw: dict | None = None,
+                 expert_dtype: torch.dtype | None = None):
     """On-disk tensors of layer ``idx`` renamed to the in-memory decoder layer's state-dict keys (the MoE block
     under ``moe_attr``), with the routed experts stacked apart: (state, (gate_up [E, 2I, D], down [E, D, I]) or None).
     ``raw``: the layer's tensors already read (any device), else they are read onto ``device``. Each expert tensor
-    is copied straight into its slice of the stacked tensors on ``device`` (no per-expert copies there first)."""
+    is copied straight into its slice of the stacked tensors on ``device`` (no per-expert copies there first), cast
+    to ``expert_dtype`` on the way (default: as stored)."""
     prefix = f"model.layers.{idx}."
     fam = source.family
     if raw is None:
@@ -72,20 +74,21 @@ def _layer_state(source: ModelSource, idx: int, device, moe_attr: str, raw: dict
     n = len(experts["gate"])
     if any(sorted(experts[p]) != list(range(n)) for p in experts):
         raise ModelError(f"{source.path}: layer {idx} has an incomplete set of expert tensors")
-    gate_up = _stacked(source, idx, [[experts["gate"][e], experts["up"][e]] for e in range(n)], device)
-    return state, (gate_up, _stacked(source, idx, [[experts["down"][e]] for e in range(n)], device))
+    gate_up = _stacked(source, idx, [[experts["gate"][e], experts["up"][e]] for e in range(n)], device, expert_dtype)
+    return state, (gate_up, _stacked(source, idx, [[experts["down"][e]] for e in range(n)], device, expert_dtype))
 
 
-def _stacked(source: ModelSource, idx: int, blocks: list[list[torch.Tensor]], device) -> torch.Tensor:
-    """``[E, rows, cols]`` on ``device`` from each expert's row blocks (gate then up), every block copied into its
-    slice: the layer's experts exist on the device once, not as per-expert copies, concatenations and their stack
+def _stacked(source: ModelSource, idx: int, blocks: list[list[torch.Tensor]], device,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[E, rows, cols]`` in ``dtype`` on ``device`` from each expert's row blocks (gate then up), every block copied
+    (and cast) into its slice: the layer's experts exist on the device once, not as per-expert copies, concatenations and their stack
     (a DeepSeek-V3 layer's load peaked at 2.4x its experts' 22.5 GB)."""
     first = blocks[0][0]
     shapes = {tuple(tuple(b.shape) for b in e) for e in blocks}
     if len(shapes) != 1 or any(len(s) != 2 for s in next(iter(shapes))) or len({b.dtype for e in blocks for b in e}) != 1:
         raise ModelError(f"{source.path}: layer {idx}'s experts differ in shape or dtype ({sorted(shapes)[:2]})")
     rows = sum(b.shape[0] for b in blocks[0])
-    out = torch.empty((len(blocks), rows, first.shape[1]), dtype=first.dtype, device=device)
+    out = torch.empty((len(blocks), rows, first.shape[1]), dtype=dtype or first.dtype, device=device)
     for e, parts in enumerate(blocks):
         r = 0
         for b in parts:
@@ -102,7 +105,7 @@ def load_layer(source: ModelSource, model: nn.Module, idx: int, device, dtype: t
     found = moe_block(source.family, layer)
     moe_attr = found[0] if found else "mlp"
     cast = lambda k, v: v if k.endswith(_KEEP_FP32) or not v.is_floating_point() else v.to(dtype)  # noqa: E731
-    raw, fused = _layer_state(source, idx, device, moe_attr, raw)
+    raw, fused = _layer_state(source, idx, device, moe_attr, raw, dtype)
     state = {k: cast(k, v) for k, v in raw.items()}
     per_expert = per_expert_layout(source.family, layer, idx)
     if fused is not None and per_expert is not None:

@@ -259,6 +259,21 @@ class ModelSource:
         return h.hexdigest()[:16]
 
 
+def refuse_quantized(config: dict, where: str) -> None:
+    """A model whose config carries a ``quantization_config`` (an FP8 release such as DeepSeek-V3/R1's, GPTQ, AWQ,
+    compressed-tensors, bitsandbytes) is one clear ModelError: quant quantizes from unquantized weights, and reading
+    packed or block-scaled tensors as weights would fail later on names it does not know, or give garbage."""
+    qcfg = config.get("quantization_config")
+    if not isinstance(qcfg, dict):
+        return
+    method = qcfg.get("quant_method", "unknown")
+    block = qcfg.get("weight_block_size")
+    fp8 = (f" (block scales {block[0]}x{block[1]}; dequantize it to bf16 first, e.g. with DeepSeek's "
+           "inference/fp8_cast_bf16.py)") if method == "fp8" and isinstance(block, list) and len(block) == 2 else ""
+    raise ModelError(f"{where} is already quantized (quantization_config.quant_method '{method}'){fp8}; quant needs "
+                     "the model's unquantized weights (bf16, fp16 or fp32): point model.path at that release")
+
+
 def read_safetensors(root: Path, weight_map: dict[str, str], keys: list[str], device="cpu") -> dict:
     """``keys`` from the shards of ``root`` that ``weight_map`` (key -> file) names, one open per shard."""
     by_file: dict[str, list[str]] = {}

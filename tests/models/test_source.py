@@ -188,3 +188,36 @@ def test_nan_in_a_kept_tensor_is_refused_at_export(model, tmp_path):
         run(recipe, tmp_path / "r", until="export")
     assert json.loads((tmp_path / "r" / "manifest.json").read_text())["stages"]["export"]["status"] == "failed"
     assert torch.isinf(tensors["model.layers.3.post_attention_layernorm.weight"]).any()
+
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize("qcfg, words", [(FP8, ["'fp8'", "block scales 128x128", "fp8_cast_bf16.py"]),
+                                         ({"quant_method": "gptq", "bits": 4}, ["'gptq'"])])
+def test_an_already_quantized_model_is_refused_at_once(model, tmp_path, qcfg, words):
+    """A quantized release (DeepSeek-V3/R1's FP8 with block scales, a GPTQ model) is refused when it is opened, by
+    the run and by `quant estimate`, with what to use instead; the CLI prints one line."""
+    from quant.models.headers import load_headers
+
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"quantization_config": qcfg}))
+    for open_model in (resolve_model, load_headers):
+        with pytest.raises(ModelError, match="already quantized") as err:
+            open_model(str(model))
+        assert all(w in str(err.value) for w in words) and "unquantized weights" in str(err.value)
+    proc = run_cli("plan", "recipes/mixed_int8_int4.yaml", "--model", str(model), "-o", str(tmp_path / "r"))
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(lines) == 1 and "already quantized" in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "r" / "calibration.safetensors").exists()
+
+
+def test_a_quantized_hub_model_is_refused_before_its_weights_are_downloaded(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "deepseek_v3", "quantization_config": FP8}))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, **kw: str(config))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: pytest.fail("weights downloaded"))
+    with pytest.raises(ModelError, match="model deepseek-ai/DeepSeek-V3 is already quantized"):
+        resolve_model("deepseek-ai/DeepSeek-V3")
