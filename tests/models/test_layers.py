@@ -123,3 +123,19 @@ def test_experts_of_different_shapes_are_one_clear_error():
     raw[key] = raw[key][:-1]
     with pytest.raises(ModelError, match=f"layer {idx}'s experts differ in shape"):
         _layer_state(src, idx, "cpu", "mlp", raw)
+
+
+def test_experts_are_stacked_in_the_compute_dtype_as_they_are_copied():
+    """Cast on the way into the stacked tensors: no stacked copy in the stored dtype first."""
+    from quant.memtrace import LiveBytes
+    from quant.models.layers import _layer_state, read_layer_tensors
+
+    src = resolve_model("builtin:qwen3-moe-tiny")
+    idx = max(src.moe_layers())
+    raw = read_layer_tensors(src, idx)
+    _, (ref_gate_up, ref_down) = _layer_state(src, idx, "cpu", "mlp", dict(raw))
+    with LiveBytes() as trace:
+        _, (gate_up, down) = _layer_state(src, idx, "cpu", "mlp", dict(raw), torch.float16)
+    assert gate_up.dtype == down.dtype == torch.float16
+    assert torch.equal(gate_up, ref_gate_up.to(torch.float16)) and torch.equal(down, ref_down.to(torch.float16))
+    assert trace.peak.bytes <= 1.05 * (gate_up.numel() + down.numel()) * 2
