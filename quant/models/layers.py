@@ -81,8 +81,8 @@ def _layer_state(source: ModelSource, idx: int, device, moe_attr: str, raw: dict
 def _stacked(source: ModelSource, idx: int, blocks: list[list[torch.Tensor]], device,
              dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[E, rows, cols]`` in ``dtype`` on ``device`` from each expert's row blocks (gate then up), every block copied
-    (and cast) into its slice: the layer's experts exist on the device once, not as per-expert copies, concatenations and their stack
-    (a DeepSeek-V3 layer's load peaked at 2.4x its experts' 22.5 GB)."""
+    (and cast) into its slice: the layer's experts exist on the device once, not as per-expert copies,
+    concatenations and their stack (a DeepSeek-V3 layer's load peaked at 2.4x its experts' 22.5 GB)."""
     first = blocks[0][0]
     shapes = {tuple(tuple(b.shape) for b in e) for e in blocks}
     if len(shapes) != 1 or any(len(s) != 2 for s in next(iter(shapes))) or len({b.dtype for e in blocks for b in e}) != 1:
