@@ -20,20 +20,32 @@ import torch
 log = logging.getLogger(__name__)
 
 
+ALIGN_BYTES = 64  # each tensor's offset in a shared buffer (any dtype's alignment)
+
+
+def aligned_offsets(n_bytes: list[int]) -> tuple[list[int], int]:
+    """Offsets of consecutive blocks of ``n_bytes`` in one buffer, each ``ALIGN_BYTES``-aligned, and its size."""
+    offsets, total = [], 0
+    for n in n_bytes:
+        offsets.append(total)
+        total += -(-n // ALIGN_BYTES) * ALIGN_BYTES
+    return offsets, total
+
+
+def views_at(buf: torch.Tensor, layout: dict[str, tuple[tuple[int, ...], torch.dtype]], offsets: list[int]
+             ) -> dict[str, torch.Tensor]:
+    """``name: (shape, dtype)`` as views of ``uint8`` buffer ``buf`` at ``offsets`` (in ``layout``'s order)."""
+    return {key: buf[off : off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for (key, (shape, dtype)), off in zip(layout.items(), offsets, strict=True)}
+
+
 def views_into(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], into: Callable[[int], torch.Tensor | None]
                ) -> dict[str, torch.Tensor] | None:
-    """One uninitialized view per ``name: (shape, dtype)`` of one ``uint8`` buffer from ``into(total bytes)``, each
-    64-byte aligned; None when ``into`` declines."""
-    align = 64
-    sizes = {k: math.prod(shape) * dtype.itemsize for k, (shape, dtype) in layout.items()}
-    buf = into(sum(-(-n // align) * align for n in sizes.values())) if layout else None
-    if buf is None:
-        return None
-    out, offset = {}, 0
-    for key, (shape, dtype) in layout.items():
-        out[key] = buf[offset : offset + sizes[key]].view(dtype).view(shape)
-        offset += -(-sizes[key] // align) * align
-    return out
+    """One uninitialized view per ``name: (shape, dtype)`` of one ``uint8`` buffer from ``into(total bytes)``, laid
+    out by ``aligned_offsets``; None when ``into`` declines."""
+    offsets, total = aligned_offsets([math.prod(shape) * dtype.itemsize for shape, dtype in layout.values()])
+    buf = into(total) if layout else None
+    return None if buf is None else views_at(buf, layout, offsets)
 
 
 def copy_into(tensors: dict[str, torch.Tensor], into: Callable[[int], torch.Tensor | None]) -> dict[str, torch.Tensor]:
@@ -61,6 +73,7 @@ class Staging:
         self.bufs: list[torch.Tensor | None] = [None, None]
         self.events: list[torch.cuda.Event | None] = [None, None]
         self.used = [False, False]
+        self.refused = False  # CUDA refused a registration: every later read declines at once (no retry per layer)
         self._registered: list[torch.Tensor] = []  # unpinned when this object goes (they live until then)
         weakref.finalize(self, _unregister, self._registered).atexit = False  # at exit the process frees them
 
@@ -70,7 +83,7 @@ class Staging:
         self.used[slot] = False
 
         def alloc(n_bytes: int) -> torch.Tensor | None:
-            if n_bytes > self.budget:
+            if n_bytes > self.budget or self.refused:
                 return None
             if self.events[slot] is not None:
                 self.events[slot].synchronize()
@@ -82,6 +95,7 @@ class Staging:
                 self.bufs[slot] = None
                 buf = page_locked(n_bytes)
                 if buf is None:
+                    self.refused = True
                     return None
                 self._registered.append(buf)
                 self.bufs[slot] = buf
@@ -110,8 +124,8 @@ def page_locked(n_bytes: int) -> torch.Tensor | None:
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(buf.data_ptr(), size, 1)  # cudaHostRegisterPortable: pinned for every context
     if err != cudart.cudaError.success:
-        log.warning("cudaHostRegister of %d bytes failed (%s); read-ahead copies into torch's pinned memory instead",
-                    size, err)
+        log.warning("cudaHostRegister of %d bytes failed (%s); read-ahead reads into pageable memory instead "
+                    "(slower, synchronous uploads)", size, err)
         return None
     return buf
 

@@ -76,3 +76,15 @@ def _registered(buf: torch.Tensor) -> bool:
     t.start()
     t.join()
     return out[0]
+
+
+def test_staging_declines_every_later_read_once_cuda_refuses_a_registration(monkeypatch):
+    """A refused page-locking (a host over its locked-memory limit) is tried once, not again for every layer (each
+    try allocates and fills the layer's size): later reads decline at once and go to pageable memory."""
+    from quant import staging
+
+    calls = []
+    monkeypatch.setattr(staging, "page_locked", lambda n: calls.append(n) and None)
+    s = staging.Staging(1 << 30)
+    assert s.into(0)(4096) is None and s.into(1)(4096) is None and s.into(0)(8192) is None
+    assert calls == [4096] and s.used == [False, False]
