@@ -87,15 +87,16 @@ def write_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     return model_dir, path
 
 
-def _prune(store: list[Path], keep: int, done: threading.Event) -> None:
-    """Delete the store's layer files of index >= ``keep`` as they land (written atomically: only whole files
-    carry the final name), until ``done``; one last sweep after it."""
+def _prune(store: list[Path], keep: int, n_layers: int, done: threading.Event) -> None:
+    """Delete the store's files of layers ``keep .. n_layers - 1`` as they land (written atomically: only whole
+    files carry the final name), until ``done``; one last sweep after it."""
+    from quant.qstore import layer_file
+
     while True:
         last = done.wait(0.5)
         for folder in store:
-            for f in folder.glob("layer_*.safetensors"):
-                if f.stem != "layer_head" and int(f.stem.split("_")[1]) >= keep:
-                    f.unlink(missing_ok=True)
+            for idx in range(keep, n_layers):
+                layer_file(folder, idx).unlink(missing_ok=True)
         if last:
             return
 
@@ -118,7 +119,7 @@ def depth_worker(a: argparse.Namespace) -> None:
     stages.check_disk = lambda *args, **kwargs: None
     done = threading.Event()
     pruner = threading.Thread(target=_prune, args=([run_dir / "quantize.partial", run_dir / "quantized"],
-                                                   a.layers, done), daemon=True)
+                                                   a.layers, a.virtual_layers, done), daemon=True)
     if world.is_writer:
         pruner.start()
     t0 = time.perf_counter()

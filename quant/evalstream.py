@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from functools import cached_property
 from pathlib import Path
 
@@ -30,7 +29,6 @@ from quant.errors import CheckpointError
 from quant.hostsync import on_device
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
-from quant.models.direct_read import read_into
 from quant.models.source import read_safetensors
 from quant.staging import views_into
 
@@ -98,10 +96,8 @@ class ShippedCheckpoint(ModelSource):
     def read_tensors(self, keys: list[str], device="cpu", into=None) -> dict:
         """The dense (dequantized) tensors of ``keys`` on ``device``, or as views of one buffer from ``into`` (the
         read-ahead's staging buffer), dequantized on ``self.device`` a chunk at a time."""
-        raw = read_into(self.path, self.raw_map, self._raw(keys), lambda n: torch.empty(n, dtype=torch.uint8),
-                        threads=min(8, os.cpu_count() or 1))
-        if raw is None:  # a dtype the direct reader does not know
-            raw = read_safetensors(self.path, self.raw_map, self._raw(keys), "cpu")
+        raw = read_safetensors(self.path, self.raw_map, self._raw(keys), "cpu",
+                               into=lambda n: torch.empty(n, dtype=torch.uint8))
         out = self._buffer_views(raw, keys, into) if into is not None else None
         dense: dict[str, torch.Tensor] = {}
         gpu = self.device.type == "cuda"

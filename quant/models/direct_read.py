@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from quant.errors import ModelError
+from quant.staging import aligned_offsets, views_at
 
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -28,7 +29,6 @@ TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
 # safetensors dtype name -> torch dtype; a shard holding another (e.g. packed 4-bit types) is read by safe_open
 READ_CHUNK_BYTES = 64 << 20  # one pread: large enough for the disk's sequential speed, small enough to spread
-ALIGN_BYTES = 64  # each tensor's offset in the buffer (any dtype's alignment)
 
 
 def header_table(path: Path) -> tuple[int, dict]:
@@ -99,10 +99,7 @@ def read_into(root: Path, weight_map: dict[str, str], keys: list[str], into: Cal
     entries = _entries(root, weight_map, keys)
     if entries is None:
         return None
-    offsets, total = [], 0
-    for entry in entries:
-        offsets.append(total)
-        total += -(-entry[2] // ALIGN_BYTES) * ALIGN_BYTES
+    offsets, total = aligned_offsets([e[2] for e in entries])
     buf = into(total)
     if buf is None:
         return None
@@ -129,4 +126,4 @@ def read_into(root: Path, weight_map: dict[str, str], keys: list[str], into: Cal
     finally:
         for fd in fds.values():
             os.close(fd)
-    return {e[3]: buf[off : off + e[2]].view(e[4]).view(e[5]) for e, off in zip(entries, offsets, strict=True)}
+    return views_at(buf, {e[3]: (e[5], e[4]) for e in entries}, offsets)

@@ -172,14 +172,8 @@ class ModelSource:
 
     def read_tensors(self, keys: list[str], device="cpu", into: Callable[[int], torch.Tensor | None] | None = None
                      ) -> dict:
-        """Named tensors from the safetensors shards (one open per shard), on ``device``. ``into``: ``n_bytes`` -> a
-        CPU ``uint8`` buffer (or None to decline) that the tensors are read into, by parallel preads, as its views
-        (``direct_read``; ``device`` is then ignored)."""
-        if into is not None:
-            tensors = read_into(self.path, self.weight_map, keys, into, threads=min(8, os.cpu_count() or 1))
-            if tensors is not None:
-                return tensors
-        return read_safetensors(self.path, self.weight_map, keys, device)
+        """Named tensors from the safetensors shards on ``device``, or into ``into``'s buffer (``read_safetensors``)."""
+        return read_safetensors(self.path, self.weight_map, keys, device, into)
 
     def _read_headers(self) -> dict[str, tuple[int, ...]]:
         """Shape (and, into ``_dtypes``, dtype) of every tensor from the shard headers, checking each header and that
@@ -274,8 +268,16 @@ def refuse_quantized(config: dict, where: str) -> None:
                      "the model's unquantized weights (bf16, fp16 or fp32): point model.path at that release")
 
 
-def read_safetensors(root: Path, weight_map: dict[str, str], keys: list[str], device="cpu") -> dict:
-    """``keys`` from the shards of ``root`` that ``weight_map`` (key -> file) names, one open per shard."""
+def read_safetensors(root: Path, weight_map: dict[str, str], keys: list[str], device="cpu",
+                     into: Callable[[int], torch.Tensor | None] | None = None) -> dict:
+    """``keys`` from the shards of ``root`` that ``weight_map`` (key -> file) names, one open per shard, on
+    ``device``. ``into``: ``n_bytes`` -> a CPU ``uint8`` buffer (or None to decline) that the tensors are read into,
+    by parallel preads, as its views (``direct_read``; ``device`` is then ignored; a dtype the direct reader does
+    not know falls back to safe_open too)."""
+    if into is not None:
+        tensors = read_into(root, weight_map, keys, into, threads=min(8, os.cpu_count() or 1))
+        if tensors is not None:
+            return tensors
     by_file: dict[str, list[str]] = {}
     for key in keys:
         by_file.setdefault(weight_map[key], []).append(key)

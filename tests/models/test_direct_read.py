@@ -6,9 +6,10 @@ from safetensors.torch import save_file
 
 from quant.errors import ModelError
 from quant.models import direct_read, resolve_model
-from quant.models.direct_read import ALIGN_BYTES, _entries, _runs, read_into
+from quant.models.direct_read import _entries, _runs, read_into
 from quant.models.layers import read_layer_tensors
 from quant.models.source import read_safetensors
+from quant.staging import ALIGN_BYTES
 
 
 def _shards(tmp_path):
