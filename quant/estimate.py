@@ -16,7 +16,8 @@ its peak, named after the code that allocates them (bytes, per GPU):
 - profile = activations + layer + the W4 sensitivity probe, which rounds the rank's experts a few at a time in fp32
   into dequantized copies it keeps for the layer's batches (``profile_memory``).
 - eval = the path ``evaluate.proxy_mode`` picks for the card: the whole model (transformers loads it to the CPU,
-  then the GPU) + one batch of logits, or streamed: one decoder layer + both lm_heads + final hidden states.
+  then the GPU) + one batch of logits, or streamed: one decoder layer + one batch through it + the next layer's
+  dequantization chunk + both lm_heads + final hidden states.
 
 Time comes from throughputs measured on one H200 (quant/throughputs.py, each naming its BENCHMARKS.md record);
 GPTQ's solve from its fp32 work at the fused column loop's rate, AWQ's search from its trial products.
@@ -403,9 +404,10 @@ def checkpoint_bytes(plan: BitPlan, source: ModelSource, profile: RoutingProfile
 def _eval_stage(recipe: Recipe, source: ModelSource, plan: BitPlan, model_bytes: float, run: Run, d: Dims,
                 layers: list[LayerShape], gpu_memory_gb: float) -> StageForecast:
     """The proxies' path as ``evaluate.proxy_mode`` picks it for this card. whole: the model + one batch of logits
-    (a per-expert mix first dequantized to disk). streamed: max of streaming (a layer read + its fused copy, the
-    kept lm_head, both final hidden states) and scoring (both lm_heads, hidden states, chunked logits)."""
-    from quant.evalstream import LOGIT_CHUNK_BYTES, TEMPORARIES
+    (a per-expert mix first dequantized to disk). streamed: max of streaming (a layer on the device, one batch
+    through it, the read-ahead's dequantization chunk of the next layer, the kept lm_head, both final hidden states)
+    and scoring (both lm_heads, hidden states, chunked logits)."""
+    from quant.evalstream import DEQUANT_CHUNK_BYTES, LOGIT_CHUNK_BYTES, TEMPORARIES
     from quant.evaluate import WHOLE_MAX_MEMORY_FRACTION
     from quant.runtimes import problems_for
 
@@ -422,8 +424,13 @@ def _eval_stage(recipe: Recipe, source: ModelSource, plan: BitPlan, model_bytes:
     on_gpu = hidden / 2 <= ACTIVATION_BUDGET
     head = d.vocab * d.hidden * run.dtype_bytes
     chunk = min(e.perplexity.seq_len - 1, LOGIT_CHUNK_BYTES // (TEMPORARIES * 4 * d.vocab)) * TEMPORARIES * 4 * d.vocab
-    parts = {"decoder layer read + fused copy": 2 * max(L.weight_bytes for L in layers), "lm_head": head,
-             "final hidden states": hidden * on_gpu}
+    batch = max(1, min(e.batch_size, math.ceil(e.perplexity.n_samples / run.gpus)))  # streamed_proxies' batches
+    one_batch = dataclasses.replace(run, batch=batch, seq_len=e.perplexity.seq_len)
+    worst = max(layers, key=lambda L: L.weight_bytes + forward_transient(L, one_batch, d, 0))
+    # packed bytes uploaded a chunk at a time and their dense output (INT4 -> 16 bits: 4x the packed bytes)
+    dequant = DEQUANT_CHUNK_BYTES * (1 + 2 * run.dtype_bytes)
+    parts = {"decoder layer": worst.weight_bytes, "one batch through it": forward_transient(worst, one_batch, d, 0),
+             "next layer's dequantization chunk": dequant, "lm_head": head, "final hidden states": hidden * on_gpu}
     gpu = max(sum(parts.values()), 2 * head + hidden * on_gpu + chunk)
     return StageForecast("eval", gpu, HOST_BASE + hidden * (not on_gpu), 0.0, 2 * model_bytes / t["load_bytes_per_s"],
                          parts=parts, note=note)

@@ -35,6 +35,7 @@ from quant.models.layers import (
     DTYPES,
     LayerRunner,
     build_skeleton,
+    expert_slots,
     load_embedding,
     load_head,
     load_layer,
@@ -97,8 +98,8 @@ class _LayerReader:
     """A decoder layer's on-disk tensors for ``load_layer``: on a GPU read ahead (the next layer, by a thread) and,
     with several NCCL ranks, read in contiguous shares of about equal bytes, one per rank, then broadcast."""
 
-    def __init__(self, source: ModelSource, world: World, device: torch.device):
-        self.source, self.world, self.device = source, world, device
+    def __init__(self, source: ModelSource, world: World, device: torch.device, dtype: torch.dtype | None = None):
+        self.source, self.world, self.device, self.dtype = source, world, device, dtype
         self.shared = world.distributed and world.backend == "nccl"
         self.prefetch = device.type == "cuda"
         self._ahead: tuple[int, Future] | None = None
@@ -168,14 +169,21 @@ class _LayerReader:
         return self._gather(idx, mine if mine is not None else self._read(idx, self.device))
 
     def _gather(self, idx: int, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every rank's share of layer ``idx`` on this rank's device (one broadcast per tensor)."""
+        """Every rank's share of layer ``idx`` on this rank's device (one broadcast per tensor). Routed expert tensors
+        are received straight into their slots of the layer's stacked experts (``expert_slots``), so the load finds
+        them stacked: the experts are on the device once, not once as received tensors and once stacked."""
         w = self.world
         metas = w.all_gather_object({k: (tuple(t.shape), t.dtype) for k, t in mine.items()})
+        slots = expert_slots(self.source, idx, {k: m for meta in metas for k, m in meta.items()}, self.device,
+                             self.dtype)
         out = {}
         for src, meta in enumerate(metas):
             for key, (shape, dtype) in meta.items():
-                t = (mine[key].to(self.device, non_blocking=True) if src == w.rank
-                     else torch.empty(shape, dtype=dtype, device=self.device))
+                t = slots.get(key)
+                if src == w.rank:
+                    t = mine[key].to(self.device, non_blocking=True) if t is None else t.copy_(mine[key], non_blocking=True)
+                elif t is None:
+                    t = torch.empty(shape, dtype=dtype, device=self.device)
                 w.broadcast_tensor(t, src)
                 out[key] = t
         return out
@@ -195,7 +203,7 @@ class Layerwise:
         self.budget = activation_budget_bytes
         self.model = build_skeleton(source, self.dtype)
         self.runner = LayerRunner(self.model, self.device, self.dtype)
-        self.reader = _LayerReader(source, world, self.device)
+        self.reader = _LayerReader(source, world, self.device, self.dtype)
 
     def _store(self, like_shape: tuple[int, ...]) -> torch.device:
         n_bytes = torch.Size(like_shape).numel() * torch.finfo(self.dtype).bits // 8

@@ -386,13 +386,13 @@ def test_eval_forecast_matches_the_streamed_and_whole_records(mode, shapes_dir):
 
 
 def test_the_whole_pipeline_run_on_the_deepseek_v3_shape_is_forecast_within_25_percent(shapes_dir):
-    """benchmarks/node.py's one-GPU run (BENCHMARKS.md, twelfth session): the headline mix with GPTQ on DeepSeek-V3
-    layers, 32 x 2048 calibration tokens, streamed eval on 16 x 2048: the profile's, quantize's and eval's measured
-    peaks (three tiled layers after the profile fix; quantize at depth) against the forecast."""
-    row = lambda stage: next(ln for ln in BENCHMARKS.splitlines() if ln.startswith(f"| {stage} |"))  # noqa: E731
-    measured = {"profile": float(re.search(r"→ ([\d.]+)\*\* \(depth", row("profile"))[1]),
-                "quantize": float(re.search(r"\| ([\d.]+) \(depth\)", row("quantize"))[1]),
-                "eval": float(row("eval (streamed)").strip("|").split("|")[-1].strip())}
+    """benchmarks/node.py's one-GPU run (BENCHMARKS.md, thirteenth session): the headline mix with GPTQ on
+    DeepSeek-V3 layers, 32 x 2048 calibration tokens, streamed eval on 16 x 2048: the profile's and quantize's
+    measured peaks over three tiled layers and the streamed eval's, against the forecast."""
+    cells = lambda stage: [c.strip() for c in next(  # noqa: E731
+        ln for ln in BENCHMARKS.splitlines() if ln.startswith(f"| {stage} |")).strip("|").split("|")]
+    measured = {"profile": float(cells("profile")[3]), "quantize": float(cells("quantize")[3]),
+                "eval": float(cells("eval (streamed)")[4])}
     path = shapes_dir("deepseek-v3", 3)
     recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model=str(path), overrides=(
         "profile.layer_sensitivity=null", "quantize.algorithm=gptq", "quantize.batch_size=8",

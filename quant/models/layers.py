@@ -45,44 +45,109 @@ def read_layer_tensors(source: ModelSource, idx: int, device="cpu") -> dict[str,
     return source.read_tensors([k for k in source.weight_map if k.startswith(prefix)], device)
 
 
+def _expert_keys(source: ModelSource, idx: int, keys) -> dict[str, dict[int, str]]:
+    """Layer ``idx``'s routed expert tensors among on-disk ``keys``: {"gate"|"up"|"down": {expert: key}}."""
+    prefix, fam = f"model.layers.{idx}.", source.family
+    inv = {v: k for k, v in fam.expert_proj.items()}
+    expert_re = re.compile(re.escape(prefix + fam.disk_moe) + r"\.experts\.(\d+)\.(\w+)\.weight$")
+    experts: dict[str, dict[int, str]] = {"gate": {}, "up": {}, "down": {}}
+    for key in keys:
+        m = expert_re.match(key)
+        if m and m.group(2) in inv:
+            experts[inv[m.group(2)]][int(m.group(1))] = key
+    return experts
+
+
 def _layer_state(source: ModelSource, idx: int, device, moe_attr: str, raw: dict | None = None,
                  expert_dtype: torch.dtype | None = None):
     """On-disk tensors of layer ``idx`` renamed to the in-memory decoder layer's state-dict keys (the MoE block
     under ``moe_attr``), with the routed experts stacked apart: (state, (gate_up [E, 2I, D], down [E, D, I]) or None).
     ``raw``: the layer's tensors already read (any device), else they are read onto ``device``. Each expert tensor
     is copied straight into its slice of the stacked tensors on ``device`` (no per-expert copies there first), cast
-    to ``expert_dtype`` on the way (default: as stored)."""
+    to ``expert_dtype`` on the way (default: as stored); expert tensors already in their slots (``expert_slots``)
+    are not copied at all."""
     prefix = f"model.layers.{idx}."
     fam = source.family
     if raw is None:
         raw = read_layer_tensors(source, idx, device)
-    inv = {v: k for k, v in fam.expert_proj.items()}
-    expert_re = re.compile(re.escape(fam.disk_moe) + r"\.experts\.(\d+)\.(\w+)\.weight$")
-    experts: dict[str, dict[int, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
+    keys = _expert_keys(source, idx, raw)
+    routed = {k for by_expert in keys.values() for k in by_expert.values()}
     state = {}
     for key, tensor in raw.items():
-        local = key[len(prefix):]
-        m = expert_re.match(local)
-        if m and m.group(2) in inv:
-            experts[inv[m.group(2)]][int(m.group(1))] = tensor
+        if key in routed:
             continue
+        local = key[len(prefix):]
         if local.startswith(fam.disk_moe + "."):
             local = moe_attr + "." + local[len(fam.disk_moe) + 1:]
         state[local] = tensor.to(device, non_blocking=True)
-    if not experts["gate"]:
+    if not keys["gate"]:
         return state, None
-    n = len(experts["gate"])
-    if any(sorted(experts[p]) != list(range(n)) for p in experts):
+    n = len(keys["gate"])
+    if any(sorted(keys[p]) != list(range(n)) for p in keys):
         raise ModelError(f"{source.path}: layer {idx} has an incomplete set of expert tensors")
-    gate_up = _stacked(source, idx, [[experts["gate"][e], experts["up"][e]] for e in range(n)], device, expert_dtype)
-    return state, (gate_up, _stacked(source, idx, [[experts["down"][e]] for e in range(n)], device, expert_dtype))
+    blocks = lambda projs: [[raw[keys[p][e]] for p in projs] for e in range(n)]  # noqa: E731
+    return state, (_stacked(source, idx, blocks(("gate", "up")), device, expert_dtype),
+                   _stacked(source, idx, blocks(("down",)), device, expert_dtype))
+
+
+def expert_slots(source: ModelSource, idx: int, metas: dict[str, tuple[tuple[int, ...], torch.dtype]], device,
+                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """For a reader that receives layer ``idx``'s tensors on ``device`` (NCCL shares broadcast): one view per routed
+    expert tensor among ``metas`` ({on-disk name: (shape, stored dtype)}), its slot in freshly allocated stacked
+    ``gate_up [E, 2I, D]`` / ``down [E, D, I]``. Tensors received into them are stacked already: ``_layer_state``
+    copies nothing, the layer's experts exist once on the device, not once received and once stacked. Empty (the
+    reader allocates per tensor, ``_layer_state`` stacks, or says what is wrong) when the stored dtype is not the
+    compute ``dtype`` (stacking casts) or the experts are not a complete set of equal shapes."""
+    keys = _expert_keys(source, idx, metas)
+    n = len(keys["gate"])
+    if not n or any(sorted(keys[p]) != list(range(n)) for p in keys):
+        return {}
+    slots = {}
+    for projs in (("gate", "up"), ("down",)):
+        metas_of = [metas[keys[p][e]] for p in projs for e in range(n)]
+        shapes = {p: {tuple(metas[keys[p][e]][0]) for e in range(n)} for p in projs}
+        if (any(len(v) != 1 or len(next(iter(v))) != 2 for v in shapes.values())
+                or len({next(iter(v))[1] for v in shapes.values()}) != 1
+                or {dt for _, dt in metas_of} != {dtype or metas_of[0][1]}):
+            return {}
+        heights = [next(iter(shapes[p]))[0] for p in projs]
+        out = torch.empty((n, sum(heights), next(iter(shapes[projs[0]]))[1]), dtype=metas_of[0][1], device=device)
+        for e in range(n):
+            r = 0
+            for p, h in zip(projs, heights, strict=True):
+                slots[keys[p][e]] = out[e, r : r + h]
+                r += h
+    return slots
+
+
+def _in_place(blocks: list[list[torch.Tensor]], device, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """The stacked tensor when every block already is the view of its own slot in it (``expert_slots``), else None."""
+    base = blocks[0][0]._base
+    want = torch.device(device)
+    if (base is None or base.dim() != 3 or base.shape[0] != len(blocks) or (dtype is not None and base.dtype != dtype)
+            or base.device.type != want.type or (want.index is not None and base.device.index != want.index)):
+        return None
+    for e, parts in enumerate(blocks):
+        r = 0
+        for b in parts:
+            if b._base is not base or b.shape != base[e, r : r + b.shape[0]].shape or \
+                    b.data_ptr() != base[e, r : r + b.shape[0]].data_ptr():
+                return None
+            r += b.shape[0]
+        if r != base.shape[1]:
+            return None
+    return base
 
 
 def _stacked(source: ModelSource, idx: int, blocks: list[list[torch.Tensor]], device,
              dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[E, rows, cols]`` in ``dtype`` on ``device`` from each expert's row blocks (gate then up), every block copied
     (and cast) into its slice: the layer's experts exist on the device once, not as per-expert copies,
-    concatenations and their stack (a DeepSeek-V3 layer's load peaked at 2.4x its experts' 22.5 GB)."""
+    concatenations and their stack (a DeepSeek-V3 layer's load peaked at 2.4x its experts' 22.5 GB). Blocks
+    received into their slots already (``expert_slots``) are that stacked tensor, returned as is."""
+    placed = _in_place(blocks, device, dtype)
+    if placed is not None:
+        return placed
     first = blocks[0][0]
     shapes = {tuple(tuple(b.shape) for b in e) for e in blocks}
     if len(shapes) != 1 or any(len(s) != 2 for s in next(iter(shapes))) or len({b.dtype for e in blocks for b in e}) != 1:

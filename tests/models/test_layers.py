@@ -139,3 +139,40 @@ def test_experts_are_stacked_in_the_compute_dtype_as_they_are_copied():
     assert gate_up.dtype == down.dtype == torch.float16
     assert torch.equal(gate_up, ref_gate_up.to(torch.float16)) and torch.equal(down, ref_down.to(torch.float16))
     assert trace.peak.bytes <= 1.05 * (gate_up.numel() + down.numel()) * 2
+
+
+def test_experts_received_into_their_slots_are_not_copied_and_misplaced_ones_are():
+    """``expert_slots`` views filled with the experts are the stacked tensors themselves (no copy, no allocation);
+    views in the wrong slots (two experts swapped) or a cast are stacked by copying, and the result is still right."""
+    from quant.memtrace import LiveBytes
+    from quant.models.layers import _layer_state, expert_slots, read_layer_tensors
+
+    src = resolve_model("builtin:deepseek-v3-tiny")
+    idx = max(src.moe_layers())
+    raw = read_layer_tensors(src, idx)
+    _, ref = _layer_state(src, idx, "cpu", "mlp", dict(raw))
+    metas = {k: (tuple(t.shape), t.dtype) for k, t in raw.items()}
+    assert expert_slots(src, idx, metas, "cpu", torch.float16) == {}  # a cast: nothing to receive into
+
+    def filled():
+        slots = expert_slots(src, idx, metas, "cpu")
+        assert set(slots) < set(raw) and len(slots) == 3 * ref[0].shape[0]
+        return {k: slots[k].copy_(t) if k in slots else t for k, t in raw.items()}
+
+    placed = filled()
+    with LiveBytes() as trace:
+        _, fused = _layer_state(src, idx, "cpu", "mlp", placed)
+    assert trace.peak.bytes < 0.05 * sum(t.numel() * t.element_size() for t in fused)
+    assert all(torch.equal(a, b) for a, b in zip(fused, ref, strict=True))
+    assert fused[0].data_ptr() == placed[next(k for k in placed if k.endswith(".experts.0.gate_proj.weight"))].data_ptr()
+
+    swapped = filled()
+    a, b = (next(k for k in swapped if k.endswith(f".experts.{e}.up_proj.weight")) for e in (0, 1))
+    va, vb = swapped[a], swapped[b]
+    held = va.clone()
+    va.copy_(vb)
+    vb.copy_(held)
+    swapped[a], swapped[b] = vb, va  # each key's right values, in the other expert's slot
+    _, fused = _layer_state(src, idx, "cpu", "mlp", swapped)
+    assert all(torch.equal(x, y) for x, y in zip(fused, ref, strict=True))
+    assert fused[0].data_ptr() != va.data_ptr()
