@@ -30,6 +30,7 @@ from quant.hostsync import on_device
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.source import read_safetensors
+from quant.progress import step
 from quant.staging import views_into
 
 log = logging.getLogger(__name__)
@@ -205,13 +206,20 @@ def streamed_proxies(base: ModelSource, shipped: ModelSource, tokens: torch.Tens
     sums = ProxySums(torch.device(device))
     if tokens.shape[0]:
         batch = max(1, min(batch_size, math.ceil(tokens.shape[0] / walk.size)))
+        n = base.n_layers
+        log.info("eval: %d layers of each model, %d samples", n, tokens.shape[0], extra=step("eval", 0, 2 * n))
         lw_base = Layerwise(base, dtype, str(device), batch, world=walk)
-        hidden_base, head_base = lw_base.final_hidden(tokens)
+        hidden_base, head_base = lw_base.final_hidden(tokens, _progress("base", 0, n))
         mine = tokens[lw_base.my_rows()] if walk.distributed else tokens
         lw_quant = Layerwise(shipped, dtype, str(device), batch, world=walk)
-        hidden_quant, head_quant = lw_quant.final_hidden(tokens)
+        hidden_quant, head_quant = lw_quant.final_hidden(tokens, _progress("quantized", n, n))
         sums.score(hidden_base, head_base, hidden_quant, head_quant, mine, lw_base.device)
     return sums.reduce(world).metrics()
+
+
+def _progress(model: str, before: int, n_layers: int):
+    """``on_layer`` for one model's walk: a progress step per layer, counted over both models' layers."""
+    return lambda idx: log.info("eval: %s layer %d", model, idx, extra=step("eval", before + idx + 1, 2 * n_layers))
 
 
 def layer_world(world: World, device) -> World:

@@ -290,14 +290,17 @@ class Layerwise:
         """Final norm and lm_head on the device (for layerwise perplexity)."""
         return load_head(self.source, self.model, self.device, self.dtype)
 
-    def final_hidden(self, tokens: torch.Tensor) -> tuple[torch.Tensor, nn.Module]:
+    def final_hidden(self, tokens: torch.Tensor, on_layer: Callable[[int], None] | None = None,
+                     ) -> tuple[torch.Tensor, nn.Module]:
         """Final-norm hidden states ``[n, S, D]`` of this rank's rows (:meth:`my_rows`; all rows in a world of
         one), in the activation store, computed one decoder layer at a time, and the lm_head on the device: never
-        more than one decoder layer's weights resident."""
+        more than one decoder layer's weights resident. ``on_layer(idx)`` after each layer (progress)."""
         hidden = self.embed(tokens)
         for idx in range(self.source.n_layers):
             with self.layer(idx) as layer:
                 hidden = self.forward(layer, hidden, out=hidden)
+            if on_layer is not None:
+                on_layer(idx)
         norm, head = self.logits_fn()
         with torch.no_grad():
             for s in range(0, hidden.shape[0], self.batch_size):

@@ -191,6 +191,24 @@ def test_streamed_eval_holds_one_decoder_layer_at_a_time(exported, monkeypatch):
     assert tracker.max_read <= max(layer, head) and tracker.max_resident <= layer + 2 * head < model_bytes
 
 
+def test_streamed_eval_reports_progress_layer_by_layer(exported, caplog):
+    """A streamed eval of a 61-layer model runs for minutes: it reports one progress step per layer of each model
+    (the console turns them into elapsed time and an ETA), base layers first, counted over both models."""
+    import logging
+
+    src = resolve_model(MODEL)
+    shipped = ShippedCheckpoint(exported / "checkpoint", src, torch.bfloat16)
+    tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.INFO, logger="quant.evalstream"):
+        streamed_proxies(src, shipped, tokens, "bfloat16", "cpu", 2)
+    steps = [(r.progress.stage, r.progress.done, r.progress.total, r.getMessage()) for r in caplog.records
+             if hasattr(r, "progress")]
+    n = src.n_layers
+    assert [(st, d, t) for st, d, t, _ in steps] == [("eval", d, 2 * n) for d in range(2 * n + 1)]
+    assert [m for *_, m in steps[1:]] == [f"eval: base layer {i}" for i in range(n)] + [
+        f"eval: quantized layer {i}" for i in range(n)]
+
+
 def test_proxy_sums_match_full_log_probabilities():
     """Chunked sums (chunks far smaller than a sample) equal the reference computed from full [N, S, V]
     log-probabilities."""
