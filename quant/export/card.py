@@ -86,6 +86,7 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
     group = "per channel" if p.group_size == -1 else f"group size {p.group_size}"
     # the recipe's free-text description is not repeated: --set overrides (e.g. the algorithm) may contradict it
     lines = [f"`{source.display_name}` ({source.family.name}) quantized by moe-quant with recipe `{recipe.name}`."]
+    left_out = sorted({int(k.split(".")[2]) for k in source.left_out})
     return lines + [
         "",
         f"- algorithm: `{q.algorithm}`",
@@ -93,7 +94,9 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
         f"- granularity: `{p.granularity}` ({'one scheme per MoE layer' if p.granularity == 'per_layer' else 'bits chosen per expert'})",
         f"- grid: {group}, {'symmetric' if p.symmetric else 'asymmetric (zero points)'}",
         f"- format: `{fmt}`; target runtime: `{p.target_runtime}`",
-    ]
+    ] + ([f"- not included: the source's multi-token-prediction layer(s) {', '.join(map(str, left_out))} "
+          "(`num_nextn_predict_layers`; not part of the forward): MTP speculative decoding needs a separate draft "
+          "model"] if left_out else [])
 
 
 def _plan(summary: dict) -> list[str]:

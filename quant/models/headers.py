@@ -15,7 +15,7 @@ from pathlib import Path
 
 from quant.errors import ModelError
 from quant.models.direct_read import TORCH_DTYPES, header_table
-from quant.models.source import ModelSource, read_json_object, refuse_quantized
+from quant.models.source import ModelSource, prediction_layers, read_json_object, refuse_quantized
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
 
@@ -39,8 +39,10 @@ class HeaderSource(ModelSource):
         self.trust_remote_code = trust_remote_code
         self.config_dict = config
         self.family = self._family(config.get("model_type", "?"), family)
-        self.tensors = tensors
-        self.weight_map = {k: "(header)" for k in tensors}
+        self.left_out = prediction_layers(config, tensors, display_name)
+        left_out = set(self.left_out)
+        self.tensors = {k: v for k, v in tensors.items() if k not in left_out}
+        self.weight_map = {k: "(header)" for k in self.tensors}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: shape for k, (_, shape) in self.tensors.items()}

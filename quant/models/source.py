@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,8 @@ from quant.errors import ModelError
 from quant.models.direct_read import read_into
 from quant.models.families import FAMILIES, FamilySpec, expert_of, family_for, layer_of, module_kind
 from quant.storage import file_sha256
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,8 @@ class ModelSource:
     transformers defines already names its family.
     """
 
+    left_out: list[str] = []  # noqa: RUF012 - never mutated: keys of multi-token-prediction layers (prediction_layers)
+
     def __init__(self, path: Path, display_name: str | None = None, trust_remote_code: bool = False,
                  family: str | None = None):
         self.path = Path(path)
@@ -123,6 +128,9 @@ class ModelSource:
         self.weight_map = _read_index(self.path)
         self._dtypes: dict[str, str] = {}
         self._headers = self._read_headers()
+        self.left_out = prediction_layers(self.config_dict, self._headers, str(self.path))
+        for key in self.left_out:
+            del self.weight_map[key], self._headers[key], self._dtypes[key]
 
     def _family(self, model_type: str, declared: str | None) -> FamilySpec:
         from transformers import CONFIG_MAPPING
@@ -251,6 +259,34 @@ class ModelSource:
         for file, digest in zip(files, digests, strict=True):
             h.update(f"{file}:{digest}".encode())
         return h.hexdigest()[:16]
+
+
+def prediction_layers(config: dict, keys, where: str) -> list[str]:
+    """Keys of decoder layers past ``num_hidden_layers`` that config.json declares as multi-token-prediction layers
+    (``num_nextn_predict_layers``: DeepSeek-V3/R1 store layer 61, GLM-4.5 layer 92). quant leaves them out of the
+    model, as transformers does when it loads one: they are not part of the forward, and the quantized checkpoint
+    does not carry them (serving it with MTP speculative decoding needs a draft model). Tensors of other layers
+    past the config's count are a ModelError: the config does not describe these weights."""
+    n = config.get("num_hidden_layers")
+    if not isinstance(n, int):
+        return []
+    extra: dict[int, list[str]] = {}
+    for key in keys:
+        parts = key.split(".", 3)
+        if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= n:
+            extra.setdefault(int(parts[2]), []).append(key)
+    if not extra:
+        return []
+    declared = config.get("num_nextn_predict_layers")
+    declared = declared if isinstance(declared, int) and not isinstance(declared, bool) else 0
+    stray = sorted(i for i in extra if i >= n + declared)
+    if stray:
+        raise ModelError(f"{where}: the weights hold decoder layer {stray[0]} ({extra[stray[0]][0]}) but config.json "
+                         f"has num_hidden_layers {n}" + (f" and num_nextn_predict_layers {declared}" if declared else "")
+                         + ": the config does not describe these weights; re-download the model")
+    log.info("%s: multi-token-prediction layer(s) %s (num_nextn_predict_layers %d) left out: not part of the "
+             "forward, not in the quantized checkpoint", where, ", ".join(map(str, sorted(extra))), declared)
+    return sorted(k for ks in extra.values() for k in ks)
 
 
 def refuse_quantized(config: dict, where: str) -> None:

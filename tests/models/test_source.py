@@ -221,3 +221,82 @@ def test_a_quantized_hub_model_is_refused_before_its_weights_are_downloaded(tmp_
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: pytest.fail("weights downloaded"))
     with pytest.raises(ModelError, match="model deepseek-ai/DeepSeek-V3 is already quantized"):
         resolve_model("deepseek-ai/DeepSeek-V3")
+
+
+def _with_layer_past_the_config(tmp_path, declared: int | None) -> Path:
+    """builtin:deepseek-v3-tiny with a copy of its last decoder layer stored as layer n (= num_hidden_layers) plus
+    DeepSeek's MTP extras (enorm, hnorm, eh_proj, shared_head.norm), as DeepSeek-V3/R1 store their layer 61;
+    ``declared``: config.json's num_nextn_predict_layers (None: absent)."""
+    dst = tmp_path / "dsv3-mtp"
+    shutil.copytree(builtin_path("deepseek-v3-tiny"), dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    tensors = load_file(_shard(dst))
+    D = tensors["model.embed_tokens.weight"].shape[1]
+    extra = {k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}."): v.clone() for k, v in tensors.items()
+             if k.startswith(f"model.layers.{n - 1}.")}
+    extra |= {f"model.layers.{n}.{k}.weight": torch.ones(D, dtype=torch.bfloat16)
+              for k in ("enorm", "hnorm", "shared_head.norm")}
+    extra[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(D, 2 * D, dtype=torch.bfloat16)
+    save_file(tensors | extra, _shard(dst), metadata={"format": "pt"})
+    cfg.pop("num_nextn_predict_layers", None)  # transformers' DeepseekV3Config writes 1 by default
+    (dst / "config.json").write_text(json.dumps(cfg | ({} if declared is None else {"num_nextn_predict_layers": declared})))
+    return dst
+
+
+def test_a_declared_multi_token_prediction_layer_is_left_out(tmp_path, quant_cache, caplog):
+    """DeepSeek-V3/R1 store a multi-token-prediction layer as model.layers.61 beside 61 decoder layers: the source
+    (and `quant estimate`'s header view) leave it out, as transformers does; before, its experts entered the plan and
+    the run stopped at the plan stage with an internal error (ValueError: 4 is not in list)."""
+    import logging
+
+    from quant.models.headers import load_headers
+
+    path = _with_layer_past_the_config(tmp_path, declared=1)
+    with caplog.at_level(logging.INFO, logger="quant.models.source"):
+        src = resolve_model(str(path))
+    n = src.n_layers
+    assert src.left_out and all(k.startswith(f"model.layers.{n}.") for k in src.left_out)
+    assert not any(k.startswith(f"model.layers.{n}.") for k in [*src.weight_map, *src.shapes(), *src.dtypes()])
+    assert max(m.layer for m in src.modules.values() if m.layer is not None) == n - 1
+    assert f"multi-token-prediction layer(s) {n}" in caplog.text
+    headers = load_headers(str(path))
+    assert sorted(headers.left_out) == sorted(src.left_out) and set(headers.weight_map) == set(src.weight_map)
+
+
+@pytest.mark.parametrize("declared", [None, 0])
+def test_a_layer_the_config_does_not_declare_is_one_clear_error(tmp_path, quant_cache, declared):
+    from quant.models.headers import load_headers
+
+    path = _with_layer_past_the_config(tmp_path, declared)
+    for open_model in (resolve_model, load_headers):
+        with pytest.raises(ModelError, match="the weights hold decoder layer 4 .* num_hidden_layers 4.*re-download"):
+            open_model(str(path))
+    proc = run_cli("plan", "recipes/mixed_int8_int4.yaml", "--model", str(path), "-o", str(tmp_path / "r"))
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(lines) == 1 and "decoder layer 4" in lines[0], proc.stderr[-2000:]
+
+
+def test_a_model_with_a_prediction_layer_runs_end_to_end_without_it(tmp_path, quant_cache):
+    """The whole run on such a folder: the checkpoint holds no tensor of the left-out layer, transformers loads it,
+    and the model card says what is not included."""
+    from quant.pipeline import run
+    from quant.recipe import load_recipe
+
+    path = _with_layer_past_the_config(tmp_path, declared=1)
+    recipe = load_recipe(Path("recipes/mixed_int8_int4.yaml"), model=str(path), overrides=(
+        "calibration.n_samples=4", "calibration.seq_len=32", "eval.perplexity.n_samples=2",
+        "eval.perplexity.seq_len=32", "profile.layer_sensitivity=null", "quantize.algorithm=rtn", "eval.tasks=[]",
+        "plan.granularity=per_layer", "plan.protect.attention=8"))
+    ckpt = run(recipe, tmp_path / "run").run_dir / "checkpoint"
+    n = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    from safetensors import safe_open
+
+    with safe_open(ckpt / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert keys and not any(k.startswith(f"model.layers.{n}.") for k in keys)
+    assert any(k.startswith(f"model.layers.{n - 1}.") for k in keys)
+    assert f"multi-token-prediction layer(s) {n}" in (ckpt / "README.md").read_text()
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(ckpt)
