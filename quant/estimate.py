@@ -407,8 +407,9 @@ def _eval_stage(recipe: Recipe, source: ModelSource, plan: BitPlan, model_bytes:
     (a per-expert mix first dequantized to disk). streamed: max of streaming (a layer on the device, one batch
     through it, the read-ahead's dequantization chunk of the next layer, the kept lm_head, both final hidden states)
     and scoring (both lm_heads, hidden states, chunked logits)."""
-    from quant.evalstream import DEQUANT_CHUNK_BYTES, LOGIT_CHUNK_BYTES, TEMPORARIES
+    from quant.evalstream import LOGIT_CHUNK_BYTES, TEMPORARIES
     from quant.evaluate import WHOLE_MAX_MEMORY_FRACTION
+    from quant.models.dequant import DEQUANT_CHUNK_BYTES
     from quant.runtimes import problems_for
 
     e, t = recipe.eval, THROUGHPUTS

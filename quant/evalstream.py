@@ -15,10 +15,8 @@ a chunk.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -29,31 +27,27 @@ from quant.errors import CheckpointError
 from quant.hostsync import on_device
 from quant.layerwise import Layerwise
 from quant.models import ModelSource
-from quant.models.source import read_safetensors
+from quant.models.dequant import DequantizingSource
 from quant.progress import step
-from quant.staging import views_into
 
 log = logging.getLogger(__name__)
 LOGIT_CHUNK_BYTES = 1 << 30  # float32 logits of both models (and log-softmax temporaries) per scored chunk
 TEMPORARIES = 6  # [C, V] float32 tensors alive at once while scoring a chunk
-# stored bytes uploaded and dequantized at a time on a GPU: ~1 GB dense at 4 bits, plus compressed-tensors'
-# unpacking temporaries (int32 codes, float products) of a few GB
-DEQUANT_CHUNK_BYTES = 256 << 20
 
 
-class ShippedCheckpoint(ModelSource):
+class ShippedCheckpoint(DequantizingSource):
     """An exported compressed-tensors checkpoint whose ``weight_map`` lists dense names (``<module>.weight`` for a
-    packed module) and whose ``read_tensors`` returns dequantized weights in ``dtype``.
+    packed module) and whose ``read_tensors`` returns weights dequantized by compressed-tensors' own
+    ``CompressedTensorsDequantizer.process``, in ``dtype``.
 
     ``base`` supplies the family, remote-code settings and dense shapes (the checkpoint carries the same config and
-    code). ``device``: where compressed-tensors dequantizes. On a GPU the packed tensors (a quarter to a half of the
-    dense bytes) are read with parallel preads, uploaded and dequantized there a chunk at a time, and the dense
-    weights come back into the read-ahead's staging buffer (compressed-tensors dequantizes ~0.7 GB/s of dense
-    weights on two CPU cores: a DeepSeek-V3 layer is 23 GB).
+    code). ``device``: where compressed-tensors dequantizes (on a GPU, a chunk at a time into the read-ahead's
+    staging buffer: compressed-tensors dequantizes ~0.7 GB/s of dense weights on two CPU cores, and a DeepSeek-V3
+    layer is 23 GB).
     """
 
     def __init__(self, path: Path, base: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu"):
-        super().__init__(path, display_name=f"{base.display_name} (shipped)",
+        super().__init__(path, dtype, device, display_name=f"{base.display_name} (shipped)",
                          trust_remote_code=base.trust_remote_code, family=base.family.name)
         qcfg = self.config_dict.get("quantization_config") or {}
         if qcfg.get("quant_method") != "compressed-tensors":
@@ -66,25 +60,16 @@ class ShippedCheckpoint(ModelSource):
         )
 
         self.dequantizer = CompressedTensorsDequantizer(path, dtype=dtype)
-        self.dtype, self.device, self.base = dtype, torch.device(device), base
-        self.raw_map = self.weight_map
-        self.parts: dict[str, list[str]] = {}  # dense weight name -> its packed tensors (the packed weight first)
-        for key in self.raw_map:
-            if key.endswith(".weight_packed"):
-                deps = self.dequantizer.get_dependencies(key)
-                self.parts[key.removesuffix("_packed")] = [key, *sorted(deps)]
-        packed = {k for parts in self.parts.values() for k in parts}
-        self.weight_map = {k: f for k, f in self.raw_map.items() if k not in packed}
-        self.weight_map.update({k: self.raw_map[parts[0]] for k, parts in self.parts.items()})
+        self.base = base
+        self._set_parts({key.removesuffix("_packed"): [key, *sorted(self.dequantizer.get_dependencies(key))]
+                         for key in self.raw_map if key.endswith(".weight_packed")})
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Dense shapes by dense name (the base model's for a packed module): what a rank's share of a layer is
-        balanced on."""
-        raw, base = super().shapes(), self.base.shapes()
-        return {k: base.get(k, raw[self.parts[k][0]]) if k in self.parts else raw[k] for k in self.weight_map}
+    def _dense_shapes(self, stored: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        base = self.base.shapes()
+        return {k: base.get(k, stored[p[0]]) for k, p in self.parts.items()}
 
-    def _raw(self, keys: list[str]) -> list[str]:
-        return [r for k in keys for r in self.parts.get(k, [k])]
+    def _dense_shape(self, raw: dict[str, torch.Tensor], key: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in raw[key + "_shape"].tolist())  # the weight_shape it stores
 
     def _dense(self, raw: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
         dense = self.dequantizer.process(raw)
@@ -93,52 +78,6 @@ class ShippedCheckpoint(ModelSource):
             raise CheckpointError(f"{self.path}: compressed-tensors did not dequantize {missing[:3]} (no config "
                                   "group targets them)")
         return {k: dense[k] for k in keys}
-
-    def read_tensors(self, keys: list[str], device="cpu", into=None) -> dict:
-        """The dense (dequantized) tensors of ``keys`` on ``device``, or as views of one buffer from ``into`` (the
-        read-ahead's staging buffer), dequantized on ``self.device`` a chunk at a time."""
-        raw = read_safetensors(self.path, self.raw_map, self._raw(keys), "cpu",
-                               into=lambda n: torch.empty(n, dtype=torch.uint8))
-        out = self._buffer_views(raw, keys, into) if into is not None else None
-        dense: dict[str, torch.Tensor] = {}
-        gpu = self.device.type == "cuda"
-        with torch.cuda.stream(self._stream) if gpu else contextlib.nullcontext():
-            for chunk in self._chunks(raw, keys):
-                got = self._dense({r: raw[r].to(self.device) for r in self._raw(chunk)}, chunk)
-                for k, t in got.items():
-                    # a kept tensor not copied would be a view of the whole packed read
-                    dense[k] = (out[k].copy_(t, non_blocking=gpu) if out is not None
-                                else t.to(device, copy=k not in self.parts))
-                if gpu:
-                    self._stream.synchronize()  # the chunk's GPU tensors are reused by the next one
-        return dense
-
-    @cached_property
-    def _stream(self) -> torch.cuda.Stream:
-        """Dequantization's own stream: the read-ahead thread's kernels and copies do not queue behind the compute."""
-        return torch.cuda.Stream(self.device)
-
-    def _chunks(self, raw: dict[str, torch.Tensor], keys: list[str]) -> list[list[str]]:
-        """``keys`` in runs of about ``DEQUANT_CHUNK_BYTES`` of stored bytes, a module's parts never split."""
-        chunks, size = [[]], 0
-        for k in keys:
-            if size >= DEQUANT_CHUNK_BYTES:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(k)
-            size += sum(raw[r].numel() * raw[r].element_size() for r in self.parts.get(k, [k]))
-        return [c for c in chunks if c]
-
-    def _buffer_views(self, raw: dict[str, torch.Tensor], keys: list[str], into) -> dict[str, torch.Tensor] | None:
-        """One view per dense tensor of ``keys`` in a buffer from ``into`` (None where it declines); a packed module's
-        dense shape is the ``weight_shape`` it stores, its dtype ``self.dtype``."""
-        layout = {}
-        for k in keys:
-            if k in self.parts:
-                layout[k] = (tuple(int(x) for x in raw[k + "_shape"].tolist()), self.dtype)
-            else:
-                layout[k] = (tuple(raw[k].shape), raw[k].dtype)
-        return views_into(layout, into)
 
 
 class ProxySums:

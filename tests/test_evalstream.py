@@ -17,7 +17,7 @@ from quant.dist import SINGLE as SINGLE_WORLD
 from quant.errors import CheckpointError, RecipeError
 from quant.evalstream import ProxySums, ShippedCheckpoint, streamed_proxies
 from quant.evaluate import evaluate_run, proxy_mode
-from quant.models import ModelSource, resolve_model
+from quant.models import ModelSource, dequant, resolve_model
 from quant.pipeline import run
 from quant.plan import BitPlan
 from quant.recipe import load_recipe
@@ -79,7 +79,7 @@ def _read_in_chunks_into_a_buffer(exported: Path, device: str, monkeypatch) -> N
     on ``device`` equals compressed-tensors' whole-file dequantization bit for bit; every tensor is a 64-byte
     aligned view of the one buffer, in the dense dtype and shape; without ``into`` the tensors come back on the
     device asked for, kept ones as copies rather than views of the packed read."""
-    monkeypatch.setattr(evalstream, "DEQUANT_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(dequant, "DEQUANT_CHUNK_BYTES", 4096)
     src = resolve_model(MODEL)
     shipped = ShippedCheckpoint(exported / "checkpoint", src, torch.bfloat16, device)
     dense = _whole_file_dequantized(exported)
