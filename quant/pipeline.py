@@ -121,6 +121,8 @@ class Run:
             raise RunDirError(f"--force takes a stage name or 'all', got '{force}'; stages: {', '.join(STAGES)}")
         for device in {self.recipe.quantize.device, self.recipe.eval.device}:  # absent devices fail before any work
             pick_device(device)
+        if STAGES.index(until) >= STAGES.index("eval"):
+            stages.check_eval(self.recipe, self.source)
         w = self.world
         m = w.on_writer(lambda: self.dir.claim(self.identity(), force=force is not None))  # writer resolves first
         share_fingerprint(w, self.source)

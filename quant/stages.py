@@ -106,6 +106,13 @@ def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     return {"headline": summary["headline"]}
 
 
+def check_eval(recipe: Recipe, source: ModelSource) -> None:
+    """The eval stage's recipe against the model, before any work (``evaluate.check_mode``)."""
+    from quant.evaluate import check_mode
+
+    check_mode(recipe.eval.mode, source)
+
+
 def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -> None:
     """Before ``quantize`` (or ``export`` alone): refuse when the run directory's disk cannot hold the quantized
     store and the checkpoints (layers already in ``quantize.partial/`` count as written)."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from quant.errors import ModelError
 from quant.models.builtin import BUILTINS, DEFAULT_BUILTIN, builtin_path
-from quant.models.source import ModelSource, ModuleInfo, read_json_object, refuse_quantized
+from quant.models.source import ModelSource, ModuleInfo, fp8_block_size, read_json_object, refuse_quantized
 
 __all__ = ["BUILTINS", "DEFAULT_BUILTIN", "ModuleInfo", "ModelSource", "resolve_model"]
 
@@ -17,15 +17,22 @@ def resolve_model(spec: str, trust_remote_code: bool = False, family: str | None
     (``model.family``) names the family a remote ``model_type`` follows."""
     kw = dict(display_name=spec, trust_remote_code=trust_remote_code, family=family)
     if spec.startswith("builtin:"):
-        source = ModelSource(builtin_path(spec.split(":", 1)[1]), **kw)
+        path = builtin_path(spec.split(":", 1)[1])
     elif (path := Path(spec).expanduser()).exists():
-        source = ModelSource(path, **kw)
+        pass
     elif spec.count("/") == 1 and not spec.startswith((".", "/")):
-        source = ModelSource(_hub_snapshot(spec, trust_remote_code), **kw)
+        path = _hub_snapshot(spec, trust_remote_code)
     else:
         raise ModelError(f"model path does not exist: {spec} (use a folder, a hub id, or builtin:NAME)")
-    refuse_quantized(source.config_dict, f"model {spec}")
-    return source
+    config = path / "config.json"
+    if config.is_file():  # else ModelSource says what is wrong with the folder
+        config = read_json_object(config, "it must be the model's configuration")
+        refuse_quantized(config, f"model {spec}")
+        if fp8_block_size(config) is not None:
+            from quant.models.fp8 import Fp8BlockSource
+
+            return Fp8BlockSource(path, **kw)
+    return ModelSource(path, **kw)
 
 
 def _hub_snapshot(repo_id: str, with_code: bool) -> Path:

@@ -15,7 +15,13 @@ from pathlib import Path
 
 from quant.errors import ModelError
 from quant.models.direct_read import TORCH_DTYPES, header_table
-from quant.models.source import ModelSource, prediction_layers, read_json_object, refuse_quantized
+from quant.models.source import (
+    ModelSource,
+    fp8_block_size,
+    prediction_layers,
+    read_json_object,
+    refuse_quantized,
+)
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
 
@@ -97,6 +103,10 @@ def load_headers(spec: str, trust_remote_code: bool = False, family: str | None 
     else:
         raise ModelError(f"model path does not exist: {spec} (use a folder, a hub id, or builtin:NAME)")
     refuse_quantized(config, f"model {spec}")
+    if fp8_block_size(config) is not None:  # read dequantized (quant.models.fp8): the weights as the dense model's
+        scales = {k for k in tensors if k.endswith("_scale_inv") and k.removesuffix("_scale_inv") in tensors}
+        tensors = {k: ("BF16" if k + "_scale_inv" in scales else dtype, shape) for k, (dtype, shape) in tensors.items()
+                   if k not in scales}
     return HeaderSource(config, tensors, spec, trust_remote_code, family, path)
 
 

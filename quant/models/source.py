@@ -289,19 +289,28 @@ def prediction_layers(config: dict, keys, where: str) -> list[str]:
     return sorted(k for ks in extra.values() for k in ks)
 
 
+def fp8_block_size(config: dict) -> tuple[int, int] | None:
+    """``(rows, cols)`` of the scale blocks when config.json declares FP8 weights with block scales (DeepSeek-V3/R1,
+    Kimi-K2, Qwen3 FP8 releases: ``quant_method: fp8``, ``weight_block_size``), else None."""
+    q = config.get("quantization_config")
+    block = q.get("weight_block_size") if isinstance(q, dict) and q.get("quant_method") == "fp8" else None
+    if isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block):
+        return block[0], block[1]
+    return None
+
+
 def refuse_quantized(config: dict, where: str) -> None:
-    """A model whose config carries a ``quantization_config`` (an FP8 release such as DeepSeek-V3/R1's, GPTQ, AWQ,
-    compressed-tensors, bitsandbytes) is one clear ModelError: quant quantizes from unquantized weights, and reading
-    packed or block-scaled tensors as weights would fail later on names it does not know, or give garbage."""
+    """A model whose config carries a ``quantization_config`` quant cannot read as weights (GPTQ, AWQ,
+    compressed-tensors, bitsandbytes, FP8 without block scales) is one clear ModelError: reading packed tensors as
+    weights would fail later on names it does not know, or give garbage. FP8 with block scales is read dequantized
+    (``quant.models.fp8``)."""
     qcfg = config.get("quantization_config")
-    if not isinstance(qcfg, dict):
+    if not isinstance(qcfg, dict) or fp8_block_size(config) is not None:
         return
     method = qcfg.get("quant_method", "unknown")
-    block = qcfg.get("weight_block_size")
-    fp8 = (f" (block scales {block[0]}x{block[1]}; dequantize it to bf16 first, e.g. with DeepSeek's "
-           "inference/fp8_cast_bf16.py)") if method == "fp8" and isinstance(block, list) and len(block) == 2 else ""
-    raise ModelError(f"{where} is already quantized (quantization_config.quant_method '{method}'){fp8}; quant needs "
-                     "the model's unquantized weights (bf16, fp16 or fp32): point model.path at that release")
+    raise ModelError(f"{where} is already quantized (quantization_config.quant_method '{method}'); quant needs the "
+                     "model's unquantized weights (bf16, fp16 or fp32) or an FP8 release with block scales: point "
+                     "model.path at that release")
 
 
 def read_safetensors(root: Path, weight_map: dict[str, str], keys: list[str], device="cpu",
