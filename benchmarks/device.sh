@@ -21,6 +21,8 @@
 #   x2         (2 GPUs) 1 vs 2 ranks on both shapes (Qwen3: ordered and reduce statistics), llm-compressor's
 #              distributed oneshot on 2 GPUs
 #   x2-awq     (2 GPUs) AWQ at 1 vs 2 ranks on both shapes (its searches divided over ranks)
+#   fp8        DeepSeek-V3 layer, 32 x 2048, GPTQ on the bf16 model and on its FP8 block-scaled release (read
+#              dequantized on the GPU): load and layer times side by side, GPU vs CPU dequantization bit for bit
 #   node1      the whole pipeline (`quant run`, benchmarks/node.py) on one GPU: a DeepSeek-V3 layer tiled to 3 for
 #              profile + quantize, the real layer through every stage with streamed eval, 32 x 2048 (~6 min)
 #   x8-build, x8-depth, x8-breadth   (8 GPUs; one a call, the 10-minute limit) the 8-GPU issue's run: 2 DeepSeek-V3
@@ -29,7 +31,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|e2e48|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -71,6 +73,8 @@ for task in "$@"; do
     dsv3)
       run dsv3 python3 benchmarks/engine.py --shape deepseek-v3 --layers 1 --samples 32 --seqlen 2048 --algos gptq,awq \
         --error-samples 0 --no-export --memory-trace --workdir "$W" ;;
+    fp8) run fp8 python3 benchmarks/engine.py --shape deepseek-v3 --layers 1 --samples 32 --seqlen 2048 --algos gptq \
+           --error-samples 0 --no-export --fp8 --workdir "$W" ;;
     e2e48) run e2e48 python3 benchmarks/engine.py --shape qwen3-30b-a3b --layers 2 --virtual-layers 48 --samples 512 \
              --seqlen 2048 --algos gptq --error-samples 0 --workdir "$W" ;;
     x2)

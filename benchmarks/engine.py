@@ -226,8 +226,10 @@ def calibration(n: int, seqlen: int, vocab: int, seed: int) -> CalibrationSet:
 
 
 def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, batch: int, quant_all: bool,
-              solve_budget_gb: float | None = None, export: bool = True, memory_trace: bool = False) -> dict:
-    """Profile + quantize with quant's engine; export compressed-tensors; timings per layer and end to end."""
+              solve_budget_gb: float | None = None, export: bool = True, memory_trace: bool = False,
+              tag: str = "") -> dict:
+    """Profile + quantize with quant's engine; export compressed-tensors; timings per layer and end to end
+    (``tag``: names this run's store and checkpoint folders and its row)."""
     from quant.export.compressed_tensors import write_compressed_tensors
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -245,7 +247,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     plan = plan_bits(prof, src.modules, spec, algo, src.n_layers)
     budget = {} if solve_budget_gb is None else {"solve_budget_gb": solve_budget_gb}
     qspec = QuantizeSpec(algorithm=algo, device=dev, batch_size=batch, **budget)
-    qdir = work / f"q-{algo}"
+    qdir = work / f"q-{algo}{tag}"
     shutil.rmtree(qdir, ignore_errors=True)
     reset_peak()
     TIMERS.clear()
@@ -259,7 +261,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
         print(f"{algo}: live at the quantize peak (GB, by the quant line that allocated it):\n{trace.peak.table(15)}")
     peak = peak_gb()
     n_tok = calib.tokens.numel() * len(reports)  # profile throughput per layer: tokens x layers / s
-    out = {"algo": algo, "profile_s": prof_s, "profile_tokens_per_s": n_tok / prof_s, "profile_load_s": prof_load_s,
+    out = {"algo": algo + tag, "store": str(qdir), "profile_s": prof_s, "profile_tokens_per_s": n_tok / prof_s, "profile_load_s": prof_load_s,
            "profile_tokens_per_s_excl_load": n_tok / max(prof_s - prof_load_s, 1e-9), "profile_peak_gpu_gb": prof_peak,
            "load_s_per_layer": TIMERS.get("load_s", 0.0) / len(reports),
            "write_s_per_layer": TIMERS.get("write_s", 0.0) / len(reports), "quantize_s": total, "layers": len(reports),
@@ -277,12 +279,36 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     if not export:
         return out
     t0 = time.perf_counter()
-    ckpt = write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}", 20 << 30)
+    ckpt = write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}{tag}", 20 << 30)
     out["export_s"] = time.perf_counter() - t0
     out["end_to_end_s"] = prof_s + total + out["export_s"]
     if not isinstance(src, TiledSource):  # the layer-error check reads the base model's real layers
         out["checkpoint"] = str(ckpt)
     return out
+
+
+def fp8_release(model_dir: Path) -> ModelSource:
+    """The model's FP8 release with 128 x 128 block scales (written once beside it, blocks scaled on the GPU), opened
+    as quant opens one: read dequantized."""
+    from quant.models import resolve_model
+    from quant.models.fp8 import Fp8BlockSource, write_fp8_release
+
+    out = model_dir.with_name(model_dir.name + "-fp8")
+    if not (out / "config.json").is_file():
+        t0 = time.perf_counter()
+        write_fp8_release(ModelSource(model_dir), out, device="cuda" if torch.cuda.is_available() else "cpu")
+        say(step="fp8 release", s=round(time.perf_counter() - t0, 1))
+    src = resolve_model(str(out))
+    assert isinstance(src, Fp8BlockSource) and src.parts
+    keys = sorted(k for k in src.weight_map if k.startswith("model.layers.0."))
+    t0 = time.perf_counter()
+    here = src.read_tensors(keys)  # dequantized where quant reads: the GPU when there is one
+    sync()
+    read_s = time.perf_counter() - t0
+    on_cpu = Fp8BlockSource(out, device="cpu").read_tensors(keys)
+    say(fp8_layer0_read_s=round(read_s, 2), fp8_dequantized_on=str(src._work_device()),
+        fp8_equal_to_cpu_dequantization=all(torch.equal(here[k], on_cpu[k]) for k in keys))
+    return src
 
 
 def run_llmcompressor(model_dir: Path, calib: CalibrationSet, algo: str, work: Path) -> dict:
@@ -356,6 +382,8 @@ def main() -> None:
     ap.add_argument("--solve-budget-gb", type=float, default=None, help="default: quantize.solve_budget_gb's")
     ap.add_argument("--no-export", action="store_true", help="time profile + quantize only")
     ap.add_argument("--memory-trace", action="store_true", help="what quantize held at its peak (CUDA)")
+    ap.add_argument("--fp8", action="store_true", help="also quantize the model's FP8 block-scaled release (read "
+                    "dequantized, quant.models.fp8): its load and layer times beside the bf16 model's")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -378,11 +406,18 @@ def main() -> None:
     src = TiledSource(model_dir, a.virtual_layers) if a.virtual_layers else ModelSource(model_dir)
     calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     rows = []
+    sources = [("", src)]
+    if a.fp8:
+        if a.virtual_layers:
+            ap.error("--fp8 reads the saved layers (no --virtual-layers)")
+        sources.append((" fp8", fp8_release(model_dir)))
     for algo in [x for x in a.algos.split(",") if x]:
-        r = run_quant(src, calib, algo, work, a.batch, quant_all=not a.keep_attention, solve_budget_gb=a.solve_budget_gb,
-                      export=not a.no_export, memory_trace=a.memory_trace)
-        say(**r)
-        rows.append(r)
+        for tag, source in sources:
+            r = run_quant(source, calib, algo, work, a.batch, quant_all=not a.keep_attention,
+                          solve_budget_gb=a.solve_budget_gb, export=not a.no_export, memory_trace=a.memory_trace,
+                          tag=tag)
+            say(**r)
+            rows.append(r)
     for algo in [x for x in a.llmcompressor.split(",") if x]:
         r = run_llmcompressor(model_dir, calib, algo, work)
         say(**r)

@@ -43,7 +43,7 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     block's max |w| / 448). For building FP8 test models and benchmarks."""
     (O, I), (bo, bi) = weight.shape, block
     w = weight.float()
-    padded = torch.zeros(math.ceil(O / bo) * bo, math.ceil(I / bi) * bi)
+    padded = torch.zeros(math.ceil(O / bo) * bo, math.ceil(I / bi) * bi, device=w.device)
     padded[:O, :I] = w
     amax = padded.view(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi).abs().amax(dim=(1, 3))
     scale = (amax / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
@@ -98,11 +98,11 @@ class Fp8BlockSource(DequantizingSource):
                 else raw[k] for k in keys}
 
 
-def write_fp8_release(source: ModelSource, out: Path, block: tuple[int, int] = (128, 128)) -> Path:
+def write_fp8_release(source: ModelSource, out: Path, block: tuple[int, int] = (128, 128), device="cpu") -> Path:
     """``source`` (unquantized) as its FP8 release would store it: every decoder layer's 2-D linear weight but the
     router's (``mlp.gate``) as ``float8_e4m3fn`` codes with a float32 ``weight_scale_inv`` per block, the rest as
     stored; config.json gains DeepSeek's ``quantization_config``. For tests and benchmarks (no release is
-    downloadable offline)."""
+    downloadable offline); ``device``: where the blocks are scaled."""
     import json
     import shutil
 
@@ -117,7 +117,8 @@ def write_fp8_release(source: ModelSource, out: Path, block: tuple[int, int] = (
     for key, t in tensors.items():
         parts = key.split(".")
         if t.dim() == 2 and key.endswith(".weight") and parts[1] == "layers" and not key.endswith(".mlp.gate.weight"):
-            stored[key], stored[key + SCALE_SUFFIX] = quantize_blocks(t, block)
+            codes, scale = quantize_blocks(t.to(device), block)
+            stored[key], stored[key + SCALE_SUFFIX] = codes.cpu(), scale.cpu()
         else:
             stored[key] = t.contiguous()
     save_file(stored, out / "model.safetensors", metadata={"format": "pt"})
