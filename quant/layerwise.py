@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
@@ -41,7 +40,7 @@ from quant.models.layers import (
     load_layer,
     release,
 )
-from quant.staging import Staging, copy_into
+from quant.staging import Staging, copy_into, host_available_bytes, pin_budget
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +77,7 @@ def device_memory_bytes(device: torch.device) -> int:
     """Memory a model on ``device`` can use: the GPU's total memory, or the host's available memory for CPU."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host_available_bytes()
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -141,11 +135,9 @@ class _LayerReader:
 
     @cached_property
     def pin_budget(self) -> int:
-        """Largest read-ahead (bytes) kept in page-locked memory: a quarter of the host's available memory per
-        process on the node (a DeepSeek-V3 layer, 23 GB, on a 128 GB host with one GPU; a rank's 1/8 share on an
-        8-GPU node). Two layers' worth is held at a time (one uploading, the next being read), so at most half."""
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        return device_memory_bytes(torch.device("cpu")) // (4 * local)
+        """Largest read-ahead (bytes) kept in page-locked memory (``staging.pin_budget``). Two layers' worth is held
+        at a time (one uploading, the next being read), so at most half the host's available memory."""
+        return pin_budget()
 
     def take(self, idx: int) -> dict[str, torch.Tensor] | None:
         """Layer ``idx``'s tensors (None: ``load_layer`` reads them itself), and start reading ``idx + 1``. On a GPU a

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import os
 import weakref
 from collections.abc import Callable
 
@@ -109,6 +110,22 @@ class Staging:
         if self.bufs[slot] is not None:
             self.events[slot] = torch.cuda.Event()
             self.events[slot].record()
+
+
+def host_available_bytes() -> int:
+    """The host's available memory (``MemAvailable``), else its physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def pin_budget() -> int:
+    """Largest buffer (bytes) one process pins for reads: a quarter of the host's available memory per process on
+    the node (a DeepSeek-V3 layer, 23 GB, on a 128 GB host with one GPU; a rank's 1/8 share on an 8-GPU node)."""
+    return host_available_bytes() // (4 * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def page_locked(n_bytes: int) -> torch.Tensor | None:

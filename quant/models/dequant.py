@@ -15,12 +15,14 @@ into the caller's buffer (the read-ahead's page-locked staging buffer): the host
 from __future__ import annotations
 
 import contextlib
+import threading
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from quant.models.source import ModelSource, read_safetensors
-from quant.staging import views_into
+from quant.staging import Staging, pin_budget, views_into
 
 # stored bytes uploaded and dequantized at a time on a GPU: ~1 GB dense at 4 bits, plus the dequantizer's
 # temporaries (int32 codes, float products) of a few GB
@@ -43,6 +45,7 @@ class DequantizingSource(ModelSource):
         self.raw_map = self.weight_map
         self.parts: dict[str, list[str]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
 
     def _set_parts(self, parts: dict[str, list[str]]) -> None:
         """Dense name -> stored tensors (the stored weight first); every stored tensor of a part leaves the dense
@@ -85,15 +88,22 @@ class DequantizingSource(ModelSource):
     def read_tensors(self, keys: list[str], device="cpu", into=None) -> dict:
         """The dense tensors of ``keys`` on ``device``, or as views of one buffer from ``into`` (the read-ahead's
         staging buffer), dequantized on the work device a chunk at a time."""
-        raw = read_safetensors(self.path, self.raw_map, self._raw(keys), "cpu",
-                               into=lambda n: torch.empty(n, dtype=torch.uint8))
-        out = self._buffer_views(raw, keys, into) if into is not None else None
+        with self._lock:  # one read at a time: they share the stored bytes' buffer (the read-ahead thread reads
+            return self._read_dense(keys, device, into)  # layers while the main thread may read the embedding)
+
+    def _read_dense(self, keys: list[str], device, into) -> dict:
         work = self._work_device()
         gpu = work.type == "cuda"
+        pageable = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
+        # on a GPU the stored bytes go to a page-locked buffer of their own, kept for the next read: fast uploads
+        # (from a fresh pageable buffer they ran at a few GB/s, and faulting its pages in cost as much again)
+        raw = read_safetensors(self.path, self.raw_map, self._raw(keys), "cpu",
+                               into=(lambda n: self._raw_staging.into(0)(n) or pageable(n)) if gpu else pageable)
+        out = self._buffer_views(raw, keys, into) if into is not None else None
         dense: dict[str, torch.Tensor] = {}
         with torch.cuda.stream(self._stream(work)) if gpu else contextlib.nullcontext():
             for chunk in self._chunks(raw, keys):
-                got = self._dense({r: raw[r].to(work) for r in self._raw(chunk)}, chunk)
+                got = self._dense({r: raw[r].to(work, non_blocking=gpu) for r in self._raw(chunk)}, chunk)
                 for k, t in got.items():
                     # a kept tensor not copied would be a view of the whole stored read
                     dense[k] = (out[k].copy_(t, non_blocking=gpu) if out is not None
@@ -101,6 +111,12 @@ class DequantizingSource(ModelSource):
                 if gpu:
                     self._stream(work).synchronize()  # the chunk's GPU tensors are reused by the next one
         return dense
+
+    @cached_property
+    def _raw_staging(self) -> Staging:
+        """One page-locked buffer for the stored bytes of a read; a read's uploads finish (the stream is synchronized
+        after each chunk) before the next read writes it."""
+        return Staging(pin_budget())
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         """Dequantization's own stream per GPU: the read-ahead thread's kernels and copies do not queue behind the

@@ -208,3 +208,22 @@ def test_a_run_on_the_release_equals_a_run_on_its_dequantized_copy(release, dequ
     with pytest.raises(RecipeError, match="eval.mode: whole cannot load"):
         run(_recipe(release, "eval.mode=whole"), tmp_path / "whole")
     assert not (tmp_path / "whole" / "calibration.safetensors").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_reads_share_one_page_locked_buffer_safely(release):
+    """On a GPU the stored bytes are read into one page-locked buffer per source, reused read after read; reads
+    from several threads at once (the read-ahead thread beside the main thread's embedding read) take turns, and
+    every one equals the CPU's dequantization."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = resolve_model(str(release))
+    assert src._work_device().type == "cuda"
+    cpu = Fp8BlockSource(release, device="cpu")
+    layers = [sorted(k for k in src.weight_map if k.startswith(f"model.layers.{i}.")) for i in range(src.n_layers)]
+    want = [cpu.read_tensors(keys) for keys in layers]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(src.read_tensors, layers * 3))
+    for i, g in enumerate(got):
+        assert all(torch.equal(g[k], want[i % len(layers)][k]) for k in layers[i % len(layers)]), i
+    assert src._raw_staging.bufs[0] is not None
