@@ -94,11 +94,13 @@ class DequantizingSource(ModelSource):
     def _read_dense(self, keys: list[str], device, into) -> dict:
         work = self._work_device()
         gpu = work.type == "cuda"
-        pageable = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
-        # on a GPU the stored bytes go to a page-locked buffer of their own, kept for the next read: fast uploads
-        # (from a fresh pageable buffer they ran at a few GB/s, and faulting its pages in cost as much again)
-        raw = read_safetensors(self.path, self.raw_map, self._raw(keys), "cpu",
-                               into=(lambda n: self._raw_staging.into(0)(n) or pageable(n)) if gpu else pageable)
+        def stored_into(n_bytes: int) -> torch.Tensor:
+            # on a GPU the stored bytes go to a page-locked buffer of their own, kept for the next read: fast uploads
+            # (from a fresh pageable buffer they ran at a few GB/s, and faulting its pages in cost as much again)
+            buf = self._raw_staging.into(0)(n_bytes) if gpu else None
+            return buf if buf is not None else torch.empty(n_bytes, dtype=torch.uint8)
+
+        raw = read_safetensors(self.path, self.raw_map, self._raw(keys), "cpu", into=stored_into)
         out = self._buffer_views(raw, keys, into) if into is not None else None
         dense: dict[str, torch.Tensor] = {}
         with torch.cuda.stream(self._stream(work)) if gpu else contextlib.nullcontext():
