@@ -302,16 +302,17 @@ def fp8_release(model_dir: Path) -> ModelSource:
     src = resolve_model(str(out))
     assert isinstance(src, Fp8BlockSource) and src.parts
     keys = sorted(k for k in src.weight_map if k.startswith("model.layers.0."))
-    times = {}
+    times, staging = {}, Staging(pin_budget()) if torch.cuda.is_available() else None
     for name, source in (("bf16", ModelSource(model_dir)), ("fp8", src), ("fp8 again", src)):
-        into = Staging(pin_budget()).into(0) if torch.cuda.is_available() else None
-        t0 = time.perf_counter()
-        here = source.read_tensors(keys, "cpu", into=into)  # as the read-ahead reads (FP8: dequantized on the GPU)
+        t0 = time.perf_counter()  # as the read-ahead reads, into one staging buffer (FP8: dequantized on the GPU)
+        here = source.read_tensors(keys, "cpu", into=staging.into(0) if staging else None)
         sync()
         times[name] = round(time.perf_counter() - t0, 2)
-    on_cpu = Fp8BlockSource(out, device="cpu").read_tensors(keys)
+    few = [k for k in keys if ".experts.0." in k or ".self_attn." in k]  # a CPU dequantization of the whole layer
+    on_cpu = Fp8BlockSource(out, device="cpu").read_tensors(few)  # would hold 23 GB more of host memory
     say(layer0_read_s=times, fp8_dequantized_on=str(src._work_device()),
-        fp8_equal_to_cpu_dequantization=all(torch.equal(here[k], on_cpu[k]) for k in keys))
+        fp8_equal_to_cpu_dequantization=all(torch.equal(here[k], on_cpu[k]) for k in few))
+    del here, staging
     return src
 
 
