@@ -94,6 +94,7 @@ class DequantizingSource(ModelSource):
     def _read_dense(self, keys: list[str], device, into) -> dict:
         work = self._work_device()
         gpu = work.type == "cuda"
+
         def stored_into(n_bytes: int) -> torch.Tensor:
             # on a GPU the stored bytes go to a page-locked buffer of their own, kept for the next read: fast uploads
             # (from a fresh pageable buffer they ran at a few GB/s, and faulting its pages in cost as much again)
