@@ -166,6 +166,7 @@ class Run:
     awq_grid: int = 20
     solve_kernel: str = "fused"  # GPTQ's column loop (throughputs.SOLVE_KERNELS): "cuda-graph" for older records
     statistics: str = "auto"  # quantize.statistics; a forecast is for GPUs, where auto means reduce
+    stored_read: float = 0.0  # a layer's stored bytes per dense byte read into their own buffer (an FP8 release: 0.5)
 
     @property
     def tokens(self) -> int:
@@ -213,7 +214,7 @@ def _reduced(layer: LayerShape, run: Run) -> bool:
 
     if run.gpus == 1 or not run.hessians or run.statistics == "ordered":
         return False
-    if run.algorithm == "awq":
+    if run.algorithm == "awq" or layer.n_experts == 0:  # a dense layer has no expert Hessians to fit
         return True
     return int(run.hessian_budget_gb * GB) // expert_hessian_bytes(*layer.expert_in) >= layer.n_experts
 
@@ -370,11 +371,12 @@ def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Run,
 
 def _host(layers: list[LayerShape], run: Run, d: Dims) -> float:
     """Process baseline; the read-ahead's two page-locked staging buffers, each this rank's share of a layer
-    (``quant.staging``: one uploading, the next being read); a layer's codes copied out; activations kept on the
-    CPU when this rank's exceed the activation budget."""
+    (``quant.staging``: one uploading, the next being read), and for a release stored quantized the buffer its
+    stored bytes are read into (``models.dequant``); a layer's codes copied out; activations kept on the CPU when
+    this rank's exceed the activation budget."""
     acts = _rank_activation_bytes(run, d)
-    layer = max(2 * L.weight_bytes / run.gpus + L.n_experts * L.expert_code_bytes + L.linear_code_bytes
-                for L in layers)
+    layer = max((2 + run.stored_read) * L.weight_bytes / run.gpus + L.n_experts * L.expert_code_bytes
+                + L.linear_code_bytes for L in layers)
     return HOST_BASE + layer + (acts if acts > ACTIVATION_BUDGET else 0.0)
 
 
@@ -413,7 +415,8 @@ def _eval_stage(recipe: Recipe, source: ModelSource, plan: BitPlan, model_bytes:
     from quant.runtimes import problems_for
 
     e, t = recipe.eval, THROUGHPUTS
-    whole = e.mode == "whole" or (e.mode == "auto" and model_bytes <= WHOLE_MAX_MEMORY_FRACTION * gpu_memory_gb * GB)
+    whole = e.mode == "whole" or (e.mode == "auto" and model_bytes <= WHOLE_MAX_MEMORY_FRACTION * gpu_memory_gb * GB
+                                  and not source.stored_quantized)  # an FP8 release streams (evaluate.proxy_mode)
     note = f"proxies {'whole' if whole else 'streamed'}" + ("; lm-eval tasks not included" if e.tasks else "")
     if whole:
         logits = e.batch_size * e.perplexity.seq_len * d.vocab * 4 * 2
@@ -477,7 +480,8 @@ def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: 
         raise PlanError(f"--gpus must be >= 1 and --gpu-memory-gb > 0, got {gpus} and {gpu_memory_gb}")
     d = dims(source.config_dict)
     plan, profile = plan_for(recipe, source)
-    run = _run_of(recipe, gpus, solve_kernel=solve_kernel)
+    run = dataclasses.replace(_run_of(recipe, gpus, solve_kernel=solve_kernel),
+                              stored_read=0.5 if source.stored_quantized else 0.0)  # FP8: 1 of bf16's 2 bytes
     layers = layer_shapes(source, plan, run.dtype_bytes, d.top_k)
     model_bytes = sum(math.prod(s) for s in source.shapes().values()) * run.dtype_bytes
     ckpt = checkpoint_bytes(plan, source, profile, recipe.export.formats)

@@ -37,7 +37,6 @@ from quant.evalstream import ProxySums, ShippedCheckpoint, streamed_proxies
 from quant.layerwise import device_memory_bytes, pick_device
 from quant.models import ModelSource
 from quant.models.builtin import cache_root
-from quant.models.dequant import DequantizingSource
 from quant.models.layers import DTYPES
 from quant.plan import BitPlan
 from quant.recipe import Recipe
@@ -113,7 +112,7 @@ def check_mode(requested: str, source: ModelSource) -> None:
     """``eval.mode: whole`` on a base model stored quantized (an FP8 release) is a RecipeError: transformers would
     load the release itself (FP8 kernels on a GPU, its own block arithmetic when dequantizing, wrong for blocks that
     do not divide a weight), not the dense weights quant quantized from; the streamed path reads exactly those."""
-    if requested == "whole" and isinstance(source, DequantizingSource) and source.parts:
+    if requested == "whole" and source.stored_quantized:
         raise RecipeError(f"eval.mode: whole cannot load {source.display_name} (stored in FP8 blocks) as the dense "
                           "weights quant quantized; use eval.mode: streamed or auto")
 
@@ -124,7 +123,7 @@ def proxy_mode(requested: str, source: ModelSource, plan: BitPlan, dtype: torch.
     check_mode(requested, source)
     if requested != "auto":
         return requested, f"eval.mode: {requested} (recipe)"
-    if isinstance(source, DequantizingSource) and source.parts:
+    if source.stored_quantized:
         return "streamed", "auto: the base model is stored in FP8 blocks (streamed reads it dequantized, as quantize did)"
     from quant.runtimes import problems_for
 

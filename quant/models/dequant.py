@@ -51,6 +51,7 @@ class DequantizingSource(ModelSource):
         """Dense name -> stored tensors (the stored weight first); every stored tensor of a part leaves the dense
         view, the dense name takes the stored weight's file."""
         self.parts = parts
+        self.stored_quantized = bool(parts)
         stored = {k for p in parts.values() for k in p}
         self.weight_map = {k: f for k, f in self.raw_map.items() if k not in stored}
         self.weight_map.update({k: self.raw_map[p[0]] for k, p in parts.items()})

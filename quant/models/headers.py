@@ -39,7 +39,9 @@ class HeaderSource(ModelSource):
     """A ModelSource whose tensors are a shape table: module inventory, family and shapes, never weights."""
 
     def __init__(self, config: dict, tensors: dict[str, tuple[str, tuple[int, ...]]], display_name: str,
-                 trust_remote_code: bool = False, family: str | None = None, path: Path | None = None):
+                 trust_remote_code: bool = False, family: str | None = None, path: Path | None = None,
+                 stored_quantized: bool = False):
+        self.stored_quantized = stored_quantized
         self.path = path or Path(display_name)
         self.display_name = display_name
         self.trust_remote_code = trust_remote_code
@@ -103,11 +105,12 @@ def load_headers(spec: str, trust_remote_code: bool = False, family: str | None 
     else:
         raise ModelError(f"model path does not exist: {spec} (use a folder, a hub id, or builtin:NAME)")
     refuse_quantized(config, f"model {spec}")
+    scales = set()
     if fp8_block_size(config) is not None:  # read dequantized (quant.models.fp8): the weights as the dense model's
         scales = {k for k in tensors if k.endswith("_scale_inv") and k.removesuffix("_scale_inv") in tensors}
         tensors = {k: ("BF16" if k + "_scale_inv" in scales else dtype, shape) for k, (dtype, shape) in tensors.items()
                    if k not in scales}
-    return HeaderSource(config, tensors, spec, trust_remote_code, family, path)
+    return HeaderSource(config, tensors, spec, trust_remote_code, family, path, stored_quantized=bool(scales))
 
 
 @dataclass(frozen=True)

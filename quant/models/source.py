@@ -107,6 +107,7 @@ class ModelSource:
     """
 
     left_out: list[str] = []  # noqa: RUF012 - never mutated: keys of multi-token-prediction layers (prediction_layers)
+    stored_quantized = False  # weights stored quantized and read dequantized (an FP8 release: quant.models.fp8)
 
     def __init__(self, path: Path, display_name: str | None = None, trust_remote_code: bool = False,
                  family: str | None = None):

@@ -122,11 +122,25 @@ def test_reads_into_a_staging_buffer_in_chunks(release, monkeypatch):
 
 
 def test_estimate_sizes_an_fp8_release_as_its_dense_model(release, dequantized):
+    """`quant estimate` on the release: the dense model's shapes, dtypes, GPU memory and checkpoint; the host holds
+    half a layer more per rank (the stored bytes' buffer); the eval streams."""
+    from quant.estimate import forecast
     from quant.models.headers import load_headers
 
     fp8, bf16 = load_headers(str(release)), load_headers(str(dequantized))
+    assert fp8.stored_quantized and not bf16.stored_quantized
     assert fp8.shapes() == bf16.shapes() and list(fp8.modules) == list(bf16.modules)
     assert {d for d, _ in fp8.tensors.values()} == {d for d, _ in bf16.tensors.values()}
+    got = {name: forecast(_recipe(src), src, gpus=2) for name, src in (("fp8", fp8), ("bf16", bf16))}
+    stages = {n: {s.stage: s for s in f.stages} for n, f in got.items()}
+    assert got["fp8"].checkpoint_bytes == got["bf16"].checkpoint_bytes
+    layer = max(sum(math.prod(s) for k, s in bf16.shapes().items() if k.startswith(f"model.layers.{i}."))
+                for i in range(bf16.n_layers)) * 2
+    for stage in ("profile", "quantize"):
+        assert stages["fp8"][stage].gpu_bytes == stages["bf16"][stage].gpu_bytes
+        assert stages["fp8"][stage].host_bytes - stages["bf16"][stage].host_bytes == pytest.approx(layer / 2 / 2)
+    assert stages["fp8"]["eval"].note.startswith("proxies streamed") and stages["bf16"]["eval"].note.startswith(
+        "proxies whole")
 
 
 def _rewrite(release: Path, out: Path, edit) -> Path:
