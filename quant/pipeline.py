@@ -121,10 +121,14 @@ class Run:
             raise RunDirError(f"--force takes a stage name or 'all', got '{force}'; stages: {', '.join(STAGES)}")
         for device in {self.recipe.quantize.device, self.recipe.eval.device}:  # absent devices fail before any work
             pick_device(device)
-        if STAGES.index(until) >= STAGES.index("eval"):
-            stages.check_eval(self.recipe, self.source)
         w = self.world
-        m = w.on_writer(lambda: self.dir.claim(self.identity(), force=force is not None))  # writer resolves first
+
+        def claim() -> dict:  # on the writer, which resolves the model first (a hub model downloads once)
+            if STAGES.index(until) >= STAGES.index("eval"):
+                stages.check_eval(self.recipe, self.source)  # a recipe the model cannot serve fails before any work
+            return self.dir.claim(self.identity(), force=force is not None)
+
+        m = w.on_writer(claim)
         share_fingerprint(w, self.source)
         first_forced = 0 if force == "all" else (STAGES.index(force) if force else len(STAGES))
         ran, skipped = [], []
