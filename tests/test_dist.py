@@ -211,6 +211,16 @@ def _shared_read(world: World):
             trace.peak.bytes / sum(t.numel() * t.element_size() for t in full.values()) / (dtype.itemsize / 2),
             layer.mlp.experts.gate_up_proj.data_ptr() == got[gate_key].data_ptr())
     shares = reader.shares(1)
+    import tempfile
+
+    from quant.models.fp8 import write_fp8_release
+
+    fp8 = resolve_model(str(write_fp8_release(src, Path(tempfile.mkdtemp()) / "fp8", (32, 32))))
+    reader = _LayerReader(fp8, world, torch.device("cpu"), torch.bfloat16)
+    reader.shared = True  # shares of the dense names, each rank dequantizing its own
+    got, dense = reader.take(1), fp8.read_tensors([k for k in fp8.weight_map if k.startswith("model.layers.1.")])
+    out["fp8"] = (sorted(got) == sorted(dense) and all(torch.equal(got[k], dense[k]) for k in dense), True, 0.0,
+                  False)
     return out, [len(s) for s in shares], sorted(k for s in shares for k in s) == sorted(full)
 
 
@@ -314,6 +324,7 @@ def test_each_rank_reads_a_share_of_a_layer_and_every_rank_gets_all_of_it(gloo_r
         by_dtype, sizes, covered = gloo_results["shared_read"][rank]
         assert covered and all(sizes), (rank, sizes)
         assert all(same and loaded for same, loaded, _, _ in by_dtype.values()), (rank, by_dtype)
+        assert "fp8" in by_dtype  # an FP8 release (read dequantized) shared the same way
 
 
 def test_shared_expert_tensors_are_received_into_the_stacked_layout(gloo_results):
