@@ -45,6 +45,7 @@ from quant.footprint import store_module_bytes
 from quant.layer_damage import pass_cost
 from quant.models import ModelSource
 from quant.models.headers import Dims, dims
+from quant.models.source import layer_of_key
 from quant.plan import BitPlan, plan_bits
 from quant.plan_summary import summarize
 from quant.profile import PROBE_CHUNK_BYTES, RoutingProfile
@@ -125,9 +126,8 @@ def _code_bytes(plan: BitPlan, name: str, numel: int) -> float:
 def layer_shapes(source: ModelSource, plan: BitPlan, dtype_bytes: int, top_k: int) -> list[LayerShape]:
     numel: dict[int, int] = defaultdict(int)
     for key, shape in source.shapes().items():
-        parts = key.split(".")
-        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit():
-            numel[int(parts[2])] += math.prod(shape)
+        if (layer := layer_of_key(key)) is not None:
+            numel[layer] += math.prod(shape)
     out = []
     for L in range(source.n_layers):
         mods = {n: m for n, m in source.modules.items() if m.layer == L}

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from quant.models import ModelSource
+from quant.models.source import layer_of_key
 from quant.recipe import Recipe
 from quant.runtimes import GPTQMODEL_NEEDS_GPTQ, TRANSFORMERS_NO_GPTQ
 
@@ -86,7 +87,7 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
     group = "per channel" if p.group_size == -1 else f"group size {p.group_size}"
     # the recipe's free-text description is not repeated: --set overrides (e.g. the algorithm) may contradict it
     lines = [f"`{source.display_name}` ({source.family.name}) quantized by moe-quant with recipe `{recipe.name}`."]
-    left_out = sorted({int(k.split(".")[2]) for k in source.left_out})
+    left_out = sorted({layer_of_key(k) for k in source.left_out})
     return lines + [
         "",
         f"- algorithm: `{q.algorithm}`",

@@ -25,12 +25,11 @@ from quant.algos.grid import QuantizedWeight, QuantSpec
 from quant.dist import assign
 from quant.errors import CheckpointError, NumericalError
 from quant.models import ModelSource
-from quant.models.direct_read import TORCH_DTYPES
+from quant.models.direct_read import DTYPE_NAMES, TORCH_DTYPES
 from quant.models.headers import DTYPE_BYTES
+from quant.models.source import layer_of_key
 from quant.plan import BitPlan
 from quant.qstore import layer_file, read_layer, read_layout, read_params
-
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -59,11 +58,6 @@ class Shard:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
-
-
-def layer_of_key(key: str) -> int | None:
-    parts = key.split(".")
-    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else None
 
 
 def _source_order(key: str) -> tuple:

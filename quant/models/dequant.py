@@ -21,14 +21,13 @@ from pathlib import Path
 
 import torch
 
+from quant.models.direct_read import DTYPE_NAMES
 from quant.models.source import ModelSource, read_safetensors
 from quant.staging import Staging, pin_budget, views_into
 
 # stored bytes uploaded and dequantized at a time on a GPU: ~1 GB dense at 4 bits, plus the dequantizer's
 # temporaries (int32 codes, float products) of a few GB
 DEQUANT_CHUNK_BYTES = 256 << 20
-
-DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
 class DequantizingSource(ModelSource):

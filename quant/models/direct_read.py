@@ -28,6 +28,7 @@ TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
                 "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
 # safetensors dtype name -> torch dtype; a shard holding another (e.g. packed 4-bit types) is read by safe_open
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}  # torch dtype -> safetensors dtype name
 READ_CHUNK_BYTES = 64 << 20  # one pread: large enough for the disk's sequential speed, small enough to spread
 
 

@@ -21,8 +21,7 @@ import torch
 
 from quant.errors import ModelError
 from quant.models.dequant import DequantizingSource
-from quant.models.layers import DTYPES
-from quant.models.source import ModelSource, fp8_block_size
+from quant.models.source import ModelSource, fp8_block_size, fp8_dense_dtype, layer_of_key
 
 log = logging.getLogger(__name__)
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -64,8 +63,7 @@ class Fp8BlockSource(DequantizingSource):
         self.block = fp8_block_size(self.config_dict)
         if self.block is None:
             raise ModelError(f"{self.path}: quantization_config is not FP8 with weight_block_size [rows, cols]")
-        name = self.config_dict.get("torch_dtype") or self.config_dict.get("dtype") or "bfloat16"
-        self.dtype = DTYPES.get(name, torch.bfloat16)
+        self.dtype = fp8_dense_dtype(self.config_dict)
         raw_shapes, raw_dtypes = ModelSource.shapes(self), ModelSource.dtypes(self)
         parts = {k: [k, k + SCALE_SUFFIX] for k in self.raw_map if k + SCALE_SUFFIX in self.raw_map}
         for k, (codes, scale) in parts.items():
@@ -115,8 +113,8 @@ def write_fp8_release(source: ModelSource, out: Path, block: tuple[int, int] = (
     tensors = source.read_tensors(list(source.weight_map))
     stored: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
-        parts = key.split(".")
-        if t.dim() == 2 and key.endswith(".weight") and parts[1] == "layers" and not key.endswith(".mlp.gate.weight"):
+        if (t.dim() == 2 and key.endswith(".weight") and layer_of_key(key) is not None
+                and not key.endswith(".mlp.gate.weight")):
             codes, scale = quantize_blocks(t.to(device), block)
             stored[key], stored[key + SCALE_SUFFIX] = codes.cpu(), scale.cpu()
         else:

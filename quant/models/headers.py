@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quant.errors import ModelError
-from quant.models.direct_read import TORCH_DTYPES, header_table
+from quant.models.direct_read import DTYPE_NAMES, TORCH_DTYPES, header_table
 from quant.models.source import (
     ModelSource,
     fp8_block_size,
+    fp8_dense_dtype,
     prediction_layers,
     read_json_object,
     refuse_quantized,
@@ -108,7 +109,8 @@ def load_headers(spec: str, trust_remote_code: bool = False, family: str | None 
     scales = set()
     if fp8_block_size(config) is not None:  # read dequantized (quant.models.fp8): the weights as the dense model's
         scales = {k for k in tensors if k.endswith("_scale_inv") and k.removesuffix("_scale_inv") in tensors}
-        tensors = {k: ("BF16" if k + "_scale_inv" in scales else dtype, shape) for k, (dtype, shape) in tensors.items()
+        dense = DTYPE_NAMES[fp8_dense_dtype(config)]
+        tensors = {k: (dense if k + "_scale_inv" in scales else dtype, shape) for k, (dtype, shape) in tensors.items()
                    if k not in scales}
     return HeaderSource(config, tensors, spec, trust_remote_code, family, path, stored_quantized=bool(scales))
 

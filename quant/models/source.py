@@ -262,6 +262,12 @@ class ModelSource:
         return h.hexdigest()[:16]
 
 
+def layer_of_key(key: str) -> int | None:
+    """The decoder layer an on-disk tensor name belongs to (``model.layers.<i>.…``), None for other tensors."""
+    parts = key.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else None
+
+
 def prediction_layers(config: dict, keys, where: str) -> list[str]:
     """Keys of decoder layers past ``num_hidden_layers`` that config.json declares as multi-token-prediction layers
     (``num_nextn_predict_layers``: DeepSeek-V3/R1 store layer 61, GLM-4.5 layer 92). quant leaves them out of the
@@ -273,9 +279,9 @@ def prediction_layers(config: dict, keys, where: str) -> list[str]:
         return []
     extra: dict[int, list[str]] = {}
     for key in keys:
-        parts = key.split(".", 3)
-        if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= n:
-            extra.setdefault(int(parts[2]), []).append(key)
+        layer = layer_of_key(key) if key.startswith("model.layers.") else None
+        if layer is not None and layer >= n and key.count(".") > 2:
+            extra.setdefault(layer, []).append(key)
     if not extra:
         return []
     declared = config.get("num_nextn_predict_layers")
@@ -298,6 +304,13 @@ def fp8_block_size(config: dict) -> tuple[int, int] | None:
     if isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block):
         return block[0], block[1]
     return None
+
+
+def fp8_dense_dtype(config: dict) -> torch.dtype:
+    """The dtype an FP8 release's weights are read as: config.json's ``torch_dtype`` (or ``dtype``) when it names a
+    16- or 32-bit float, else bf16 (DeepSeek-V3's)."""
+    name = config.get("torch_dtype") or config.get("dtype")
+    return getattr(torch, name) if name in ("bfloat16", "float16", "float32") else torch.bfloat16
 
 
 def refuse_quantized(config: dict, where: str) -> None:
