@@ -222,6 +222,11 @@ def test_a_run_on_the_release_equals_a_run_on_its_dequantized_copy(release, dequ
     with pytest.raises(RecipeError, match="eval.mode: whole cannot load"):
         run(_recipe(release, "eval.mode=whole"), tmp_path / "whole")
     assert not (tmp_path / "whole" / "calibration.safetensors").exists()
+    proc = run_cli("run", "recipes/mixed_int8_int4.yaml", "--model", str(release), "--set", "eval.mode=whole", "-o",
+                   str(tmp_path / "whole-cli"))
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(lines) == 1 and "eval.mode: whole cannot load" in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "whole-cli" / "calibration.safetensors").exists()
 
 
 @pytest.mark.gpu
