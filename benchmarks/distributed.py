@@ -2,7 +2,7 @@
 
 Builds (once) the random-weight model of ``benchmarks/engine.py`` (Qwen3-30B-A3B or DeepSeek-V3 layer shapes), then
 for each world size starts ``torchrun --standalone --nproc-per-node N`` on this script in worker mode: every rank
-runs ``profile_routing`` and ``quantize_model`` through ``quant.dist`` (NCCL) on the same seeded calibration tokens,
+runs ``profile_routing`` and ``quantize_model`` through ``quant.dist.world`` (NCCL) on the same seeded calibration tokens,
 W4 g128 symmetric GPTQ on attention and experts (as engine.py); rank 0 writes timings and every rank's peak GPU
 memory. Afterwards the stored codes of every world size are compared byte for byte with the 1-GPU run's, and
 (``--error-samples``) both checkpoints get engine.py's layer-output error. ``--llmcompressor N`` then runs
@@ -44,7 +44,7 @@ from quant.models import ModelSource  # noqa: E402
 
 def _plan(src, prof, algo: str = "gptq"):
     """engine.py's plan: W4 g128 everywhere, symmetric for GPTQ, asymmetric for AWQ (llm-compressor's schemes)."""
-    from quant.plan import plan_bits
+    from quant.plan.bitplan import plan_bits
     from quant.recipe import PlanSpec
 
     spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=128, symmetric=algo != "awq",
@@ -101,11 +101,11 @@ def _torch_profile(on: bool):
 
 def worker(a: argparse.Namespace) -> None:
     """One rank: profile and quantize under the world torchrun set up; rank 0 writes the results file."""
-    from quant.dist import close_world, exit_process, init_world
-    from quant.layerwise import Layerwise
-    from quant.memtrace import CudaTrace
-    from quant.profile import profile_routing
-    from quant.quantize import quantize_model
+    from quant.diag.memtrace import CudaTrace
+    from quant.dist.world import close_world, exit_process, init_world
+    from quant.engine.layerwise import Layerwise
+    from quant.engine.quantize import quantize_model
+    from quant.measure.profile import profile_routing
     from quant.recipe import QuantizeSpec
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -258,7 +258,7 @@ def main() -> None:
         src = ModelSource(model_dir)
         calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
         for r in rows:
-            from quant.plan import BitPlan
+            from quant.plan.bitplan import BitPlan
 
             plan = BitPlan.load(Path(r["qdir"] + ".plan.json"))
             ckpt = write_compressed_tensors(src, plan, Path(r["qdir"]), work / f"ckpt-{Path(r['qdir']).name}", 20 << 30)

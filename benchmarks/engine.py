@@ -35,12 +35,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quant.calibration import CalibrationSet  # noqa: E402
-from quant.layerwise import Layerwise  # noqa: E402
-from quant.memtrace import CudaTrace  # noqa: E402
+from quant.diag.memtrace import CudaTrace  # noqa: E402
+from quant.engine.layerwise import Layerwise  # noqa: E402
+from quant.engine.quantize import quantize_model  # noqa: E402
+from quant.measure.profile import profile_routing  # noqa: E402
 from quant.models import ModelSource  # noqa: E402
-from quant.plan import plan_bits  # noqa: E402
-from quant.profile import profile_routing  # noqa: E402
-from quant.quantize import quantize_model  # noqa: E402
+from quant.plan.bitplan import plan_bits  # noqa: E402
 from quant.recipe import PlanSpec, QuantizeSpec  # noqa: E402
 
 SHAPES = {
@@ -290,9 +290,9 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
 def fp8_release(model_dir: Path) -> ModelSource:
     """The model's FP8 release with 128 x 128 block scales (written once beside it, blocks scaled on the GPU), opened
     as quant opens one: read dequantized."""
+    from quant.io.staging import Staging, pin_budget
     from quant.models import resolve_model
     from quant.models.fp8 import Fp8BlockSource, write_fp8_release
-    from quant.staging import Staging, pin_budget
 
     out = model_dir.with_name(model_dir.name + "-fp8")
     if not (out / "config.json").is_file():
@@ -392,13 +392,13 @@ def main() -> None:
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    import quant.layerwise
-    import quant.qstore
+    import quant.engine.layerwise
+    import quant.engine.qstore
 
-    time_calls(quant.layerwise, "load_layer", "load_s")
+    time_calls(quant.engine.layerwise, "load_layer", "load_s")
     # layer files are written by qstore.LayerWriter on a background thread (codes already on the host): write_s is
     # that thread's time, overlapped with the next layer's compute
-    time_calls(quant.qstore, "write_layer", "write_s", device_sync=False)
+    time_calls(quant.engine.qstore, "write_layer", "write_s", device_sync=False)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="quant-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     say(torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",

@@ -4,8 +4,8 @@ Builds a random-weight model with Qwen3-30B-A3B layer shapes (``benchmarks/engin
 (top 20% experts per layer 8-bit, the rest 4-bit, per expert: transformers cannot load it directly), quantizes it
 with RTN and exports compressed-tensors. Then, each in a fresh subprocess on its own GPU, on the same random tokens:
   - whole: compressed-tensors' dequantizer writes a dense copy, each model is loaded whole in turn
-    (``quant.evaluate.whole_proxies``, the small-model path);
-  - streamed: both models layer by layer, the checkpoint dequantized per layer (``quant.evalstream``);
+    (``quant.eval.evaluate.whole_proxies``, the small-model path);
+  - streamed: both models layer by layer, the checkpoint dequantized per layer (``quant.eval.stream``);
 wall time, peak GPU memory (``max_memory_allocated``) and peak host RSS of each, and the relative difference of
 the proxies. ``--lm-eval-gpus 2`` then scores ``quant_mmlu`` (``--lm-eval-limit`` questions) on
 ``builtin:reference-moe`` with lm-eval's hf backend on one GPU and dispatched over two (accelerate device map).
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine import SHAPES, build_model, calibration, say  # noqa: E402
 
-from quant.layerwise import Layerwise  # noqa: E402
+from quant.engine.layerwise import Layerwise  # noqa: E402
 from quant.models import ModelSource  # noqa: E402
 
 DTYPE = "bfloat16"
@@ -49,10 +49,10 @@ def prepare(work: Path, shape: str, n_layers: int, samples: int, seqlen: int, ba
     """Model, headline plan, RTN quantization, compressed-tensors checkpoint and eval tokens under ``work``."""
     from safetensors.torch import save_file
 
+    from quant.engine.quantize import quantize_model
     from quant.export.compressed_tensors import write_compressed_tensors
-    from quant.plan import plan_bits
-    from quant.profile import profile_routing
-    from quant.quantize import quantize_model
+    from quant.measure.profile import profile_routing
+    from quant.plan.bitplan import plan_bits
     from quant.recipe import PlanSpec, QuantizeSpec
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -97,10 +97,10 @@ def measure(work: Path, mode: str, batch: int) -> dict:
     """One eval path, in this (fresh) process: proxies, wall time, peak GPU memory, peak RSS."""
     from safetensors.torch import load_file
 
-    from quant.evalstream import ShippedCheckpoint, streamed_proxies
-    from quant.evaluate import servable_checkpoint, whole_proxies
+    from quant.eval.evaluate import servable_checkpoint, whole_proxies
+    from quant.eval.stream import ShippedCheckpoint, streamed_proxies
     from quant.models.layers import DTYPES
-    from quant.plan import BitPlan
+    from quant.plan.bitplan import BitPlan
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     src, plan = ModelSource(work / "model"), BitPlan.load(work / "plan.json")
@@ -129,7 +129,7 @@ def measure(work: Path, mode: str, batch: int) -> dict:
 
 def lm_eval_dispatch(gpus: int, limit: int, batch: int) -> dict:
     """quant_mmlu on builtin:reference-moe with the hf backend on ``gpus`` GPUs."""
-    from quant.lmeval import dispatch_map, run_lm_eval
+    from quant.eval.lmeval import dispatch_map, run_lm_eval
     from quant.models.builtin import builtin_path
 
     path = builtin_path("reference-moe")

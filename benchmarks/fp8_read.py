@@ -19,10 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine import build_model  # noqa: E402
+from quant.io.staging import Staging, pin_budget  # noqa: E402
 from quant.models import ModelSource, resolve_model  # noqa: E402
 from quant.models.fp8 import write_fp8_release  # noqa: E402
 from quant.models.source import read_safetensors  # noqa: E402
-from quant.staging import Staging, pin_budget  # noqa: E402
 
 
 def timed(name: str, fn):

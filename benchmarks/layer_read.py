@@ -20,11 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quant.dist import SINGLE  # noqa: E402
-from quant.layerwise import _LayerReader
+from quant.dist.world import SINGLE  # noqa: E402
+from quant.engine.layerwise import _LayerReader
+from quant.io.direct_read import read_into  # noqa: E402
+from quant.io.staging import copy_into  # noqa: E402
 from quant.models import ModelSource  # noqa: E402
-from quant.models.direct_read import read_into  # noqa: E402
-from quant.staging import copy_into  # noqa: E402
 
 
 def meminfo() -> str:

@@ -1,4 +1,4 @@
-"""Where quantize's memory goes, on CPUs: a giant shape scaled down, traced with quant.memtrace.LiveBytes per rank.
+"""Where quantize's memory goes, on CPUs: a giant shape scaled down, traced with quant.diag.memtrace.LiveBytes per rank.
 
 Every width of the shape (hidden, expert and dense intermediate, MLA ranks) and the head counts are divided by
 ``--scale`` k (head dims, expert count and top-k are kept), so are the calibration samples and the batch (the
@@ -82,9 +82,9 @@ def build(shape: str, k: int, layers: int, path: Path) -> None:
 
 def _phases(tracer) -> None:
     """Wrap the engine's steps so each runs inside a tracer phase."""
-    import quant.quantize as qz
-    import quant.smooth as sm
-    from quant.layerwise import Layerwise
+    import quant.engine.awq_layer as sm
+    import quant.engine.quantize as qz
+    from quant.engine.layerwise import Layerwise
 
     def wrap(owner, name, label):
         fn = getattr(owner, name)
@@ -109,23 +109,23 @@ def worker(rank: int, a: argparse.Namespace, port: int, model_dir: str, out: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(a.ranks), RANK=str(rank),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // a.ranks))
-    from quant.dist import close_world, exit_process, init_world
-    from quant.layerwise import Layerwise
-    from quant.memtrace import LiveBytes
+    from quant.diag.memtrace import LiveBytes
+    from quant.dist.world import close_world, exit_process, init_world
+    from quant.engine.layerwise import Layerwise
+    from quant.engine.quantize import quantize_model
+    from quant.measure.profile import profile_routing
     from quant.models import ModelSource
-    from quant.plan import plan_bits
-    from quant.profile import profile_routing
-    from quant.quantize import quantize_model
+    from quant.plan.bitplan import plan_bits
     from quant.recipe import PlanSpec, QuantizeSpec
 
     torch.nn.functional.scaled_dot_product_attention = blocked_sdpa
-    import quant.hessians
-    import quant.routing
+    import quant.engine.hessians
+    import quant.engine.routing
 
     k2 = a.scale**2  # the GPU's block and temporary sizes, scaled like everything else
-    quant.routing.chunk_budget = lambda device: (1 << 28) // k2
-    quant.hessians.chunk_budget = quant.routing.chunk_budget
-    quant.hessians._add_gram.__defaults__ = ((1 << 30) // k2,)
+    quant.engine.routing.chunk_budget = lambda device: (1 << 28) // k2
+    quant.engine.hessians.chunk_budget = quant.engine.routing.chunk_budget
+    quant.engine.hessians._add_gram.__defaults__ = ((1 << 30) // k2,)
     world = init_world("cpu")
     src = ModelSource(Path(model_dir))
     samples, batch = max(1, a.samples // a.scale), max(1, a.batch // a.scale)
@@ -138,7 +138,7 @@ def worker(rank: int, a: argparse.Namespace, port: int, model_dir: str, out: str
     qspec = QuantizeSpec(algorithm=a.algo, device="cpu", batch_size=batch,
                          hessian_budget_gb=a.hessian_budget_gb / k2, solve_budget_gb=a.solve_budget_gb / k2)
     if a.background_writer:
-        import quant.quantize as qz
+        import quant.engine.quantize as qz
 
         qz.LayerWriter = lambda background, cls=qz.LayerWriter: cls(True)
     tracer = LiveBytes(step=max(1, int(a.step_gb * 1e9 / k2)))

@@ -8,7 +8,7 @@ tensors; streamed eval proxies; no gates, no layer-sensitivity pass) and runs it
 
 - **depth**: calibrate, profile, plan and quantize with the K saved layers tiled to ``--virtual-layers V``
   (engine.py's ``TiledSource``: layer i reads saved layer i mod K through the normal safetensors path), through
-  ``quant.pipeline.Run`` itself. The writer rank deletes a virtual layer's file from the quantized store as soon as
+  ``quant.run.pipeline.Run`` itself. The writer rank deletes a virtual layer's file from the quantized store as soon as
   it is written (every byte is still written): 61 DeepSeek-V3 layers' codes are ~420 GB, more than a lent 8-GPU
   machine's disk. For the same reason quant's free-disk check, which counts all V layers, is skipped in this run.
 - **breadth**: the CLI itself (``torchrun ... -m quant.cli run RECIPE``) on the K saved layers: every stage,
@@ -90,7 +90,7 @@ def write_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
 def _prune(store: list[Path], keep: int, n_layers: int, done: threading.Event) -> None:
     """Delete the store's files of layers ``keep .. n_layers - 1`` as they land (written atomically: only whole
     files carry the final name), until ``done``; one last sweep after it."""
-    from quant.qstore import layer_file
+    from quant.engine.qstore import layer_file
 
     while True:
         last = done.wait(0.5)
@@ -103,11 +103,11 @@ def _prune(store: list[Path], keep: int, n_layers: int, done: threading.Event) -
 
 def depth_worker(a: argparse.Namespace) -> None:
     """One rank of the depth run: the pipeline up to quantize on the tiled source; rank 0 writes the result."""
-    from quant import stages
-    from quant.dist import close_world, exit_process, init_world
-    from quant.layerwise import pick_device
-    from quant.pipeline import Run
+    from quant.dist.world import close_world, exit_process, init_world
+    from quant.engine.layerwise import pick_device
     from quant.recipe import load_recipe
+    from quant.run import stages
+    from quant.run.pipeline import Run
 
     recipe = load_recipe(a.recipe)
     device = pick_device(recipe.quantize.device)

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import SHAPES, TIMERS, TiledSource, build_model, calibration, time_calls  # noqa: E402
 
-from quant.layerwise import Layerwise  # noqa: E402
+from quant.engine.layerwise import Layerwise  # noqa: E402
+from quant.measure.profile import profile_routing  # noqa: E402
 from quant.models import ModelSource  # noqa: E402
-from quant.profile import profile_routing  # noqa: E402
 
 
 def sync() -> None:
@@ -69,12 +69,12 @@ def main() -> None:
         src.__dict__["fingerprint"] = "not-computed"  # the cached_property's slot
     if a.build_only:
         return
-    import quant.layerwise
-    import quant.staging
+    import quant.engine.layerwise
+    import quant.io.staging
 
-    time_calls(quant.layerwise, "load_layer", "load_s")
-    time_calls(quant.layerwise._LayerReader, "take", "take_s", device_sync=False)  # read-ahead waits, layer 0's read
-    time_calls(quant.staging, "page_locked", "pin_s", device_sync=False)  # on the read-ahead thread too
+    time_calls(quant.engine.layerwise, "load_layer", "load_s")
+    time_calls(quant.engine.layerwise._LayerReader, "take", "take_s", device_sync=False)  # read-ahead waits, layer 0's read
+    time_calls(quant.io.staging, "page_locked", "pin_s", device_sync=False)  # on the read-ahead thread too
     calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     lw = Layerwise(src, "bfloat16", a.device, a.batch)
     sync()

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quant.hessians import ExpertStats, linear_stats  # noqa: E402
+from quant.engine.hessians import ExpertStats, linear_stats  # noqa: E402
 from quant.models.experts import fused_view  # noqa: E402
 
 
@@ -102,7 +102,7 @@ def main() -> None:
     zipf = 1.0 / torch.arange(1, E + 1, device="cuda", dtype=torch.float32) ** 0.8
     g = torch.Generator(device="cuda").manual_seed(0)
     idx_s = torch.multinomial(zipf.expand(x.shape[0], E), idx_u.shape[1], generator=g)
-    from quant.routing import expert_intermediate, load_buckets, with_zero_row
+    from quant.engine.routing import expert_intermediate, load_buckets, with_zero_row
 
     def ref(idx, e: int):
         rows_e = (idx == e).any(dim=1)

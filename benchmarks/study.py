@@ -30,15 +30,15 @@ sys.path.insert(0, str(REPO / "benchmarks" / "reference_moe"))
 from evaluate_reference import nextline_samples  # noqa: E402
 
 from quant.calibration import build_calibration  # noqa: E402
-from quant.evalstream import ProxySums  # noqa: E402
-from quant.evaluate import _final_hidden  # noqa: E402
-from quant.layerwise import Layerwise  # noqa: E402
+from quant.engine.layerwise import Layerwise  # noqa: E402
+from quant.engine.qstore import layer_file, load_into_layer  # noqa: E402
+from quant.engine.quantize import quantize_model  # noqa: E402
+from quant.eval.evaluate import _final_hidden  # noqa: E402
+from quant.eval.stream import ProxySums  # noqa: E402
+from quant.measure.profile import profile_routing  # noqa: E402
 from quant.models import resolve_model  # noqa: E402
-from quant.plan import plan_bits  # noqa: E402
-from quant.plan_summary import summarize  # noqa: E402
-from quant.profile import profile_routing  # noqa: E402
-from quant.qstore import layer_file, load_into_layer  # noqa: E402
-from quant.quantize import quantize_model  # noqa: E402
+from quant.plan.bitplan import plan_bits  # noqa: E402
+from quant.plan.summary import summarize  # noqa: E402
 from quant.recipe import PlanSpec, QuantizeSpec  # noqa: E402
 
 MIXED = dict(top_fraction=0.2, high_bits=8, low_bits=4)
@@ -116,7 +116,7 @@ def reference(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.nn.Modul
 
 
 def proxies(model, tokens: torch.Tensor, base: tuple[torch.Tensor, torch.nn.Module]) -> dict:
-    """The pipeline's own eval proxies (quant.evalstream.ProxySums) of ``model`` against the bf16 reference."""
+    """The pipeline's own eval proxies (quant.eval.stream.ProxySums) of ``model`` against the bf16 reference."""
     sums = ProxySums("cpu")
     sums.score(*base, *reference(model, tokens), tokens, "cpu")
     p = sums.metrics()

@@ -119,9 +119,9 @@ def _evaluate(qdir: Path, with_lines: bool) -> dict:
 
 
 def _plan_record(plan, src, prof) -> dict:
-    from quant.plan_summary import summarize
-    from quant.runtimes import problems_for
-    from quant.servable import expert_storage, predicted_kl
+    from quant.plan.runtimes import problems_for
+    from quant.plan.servable import expert_storage, predicted_kl
+    from quant.plan.summary import summarize
 
     stored, numel = expert_storage(plan, src)
     by_layer: dict[str, set] = {}
@@ -137,11 +137,11 @@ def _plan_record(plan, src, prof) -> dict:
 def run_task(seed: int, size: str, manifest: str, work: Path) -> dict:
     """One calibration set: profile + layer damage, then every configuration x algorithm quantized and evaluated."""
     from quant.calibration import build_calibration
-    from quant.layer_damage import measure_layer_damage, spread_rows
-    from quant.layerwise import Layerwise
-    from quant.plan import plan_bits
-    from quant.profile import profile_routing
-    from quant.quantize import quantize_model
+    from quant.engine.layerwise import Layerwise
+    from quant.engine.quantize import quantize_model
+    from quant.measure.layer_damage import measure_layer_damage, spread_rows
+    from quant.measure.profile import profile_routing
+    from quant.plan.bitplan import plan_bits
     from quant.recipe import PlanSpec, QuantizeSpec
 
     src, t0, cpu0 = _WORKER["src"], time.perf_counter(), time.process_time()

@@ -66,9 +66,9 @@ def _stop_signals(world):
 
 
 def _stage(until: str, recipe: Path, output: Path | None, overrides, model, force) -> None:
-    from quant.dist import close_world, init_world
-    from quant.layerwise import pick_device
-    from quant.pipeline import run
+    from quant.dist.world import close_world, init_world
+    from quant.engine.layerwise import pick_device
+    from quant.run.pipeline import run
 
     r = _recipe(recipe, overrides, model)
     run_dir = output or Path("runs") / r.name
@@ -125,7 +125,7 @@ def estimate(recipe: RecipeArg, set_: SetOpt = None, model: ModelOpt = None,
              gpu_memory_gb: Annotated[float, typer.Option("--gpu-memory-gb", help="memory of one GPU")] = 80.0) -> None:
     """Forecast peak GPU/host memory, disk and time per stage from config.json and tensor shapes (no weights);
     exit 1 if the plan cannot fit."""
-    from quant.estimate import check_fits, forecast, render
+    from quant.forecast.estimate import check_fits, forecast, render
     from quant.models.headers import load_headers
 
     r = _recipe(recipe, set_, model)
@@ -148,7 +148,7 @@ def publish(run_dir: Annotated[Path, typer.Argument(help="a finished run directo
             repo_id: Annotated[str, typer.Option("--repo-id", help="ORG/NAME on the Hugging Face hub")],
             private: bool = False) -> None:
     """Upload the run's checkpoint (refused unless the run passed its gates)."""
-    from quant.export.publish import publish_run
+    from quant.publish import publish_run
 
     url = publish_run(run_dir, repo_id, private=private)
     typer.echo(f"published {run_dir / 'checkpoint'} -> {url}")
@@ -252,7 +252,7 @@ def _report_crash(e: _Crash, log_path: Path | None) -> int:
 
 
 def main() -> None:
-    from quant.dist import exit_process
+    from quant.dist.world import exit_process
 
     exit_process(cli_exit_code())
 

@@ -110,7 +110,7 @@ class CalibrationSpec(_Strict):
 
 class LayerSensitivitySpec(_Strict):
     """Per MoE layer and scheme: KL(model ‖ model with only that layer's experts at the scheme, RTN), measured
-    in the profile stage on ``n_samples`` calibration samples (``quant.layer_damage``)."""
+    in the profile stage on ``n_samples`` calibration samples (``quant.measure.layer_damage``)."""
 
     schemes: tuple[str, ...] = ("w4g128", "w4g64", "w4g32", "w8g128")
     n_samples: int = Field(16, ge=1)

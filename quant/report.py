@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
+from quant.io.rundir import atomic_write_text
+from quant.measure.profile import RoutingProfile
 from quant.models import ModelSource
-from quant.plan import KEEP_BITS, BitPlan
-from quant.plan_summary import summarize
-from quant.profile import RoutingProfile
+from quant.plan.bitplan import KEEP_BITS, BitPlan
+from quant.plan.summary import summarize
 from quant.recipe import Recipe
-from quant.rundir import atomic_write_text
 
 
 def _bit_grid(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> torch.Tensor:

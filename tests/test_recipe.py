@@ -183,7 +183,7 @@ def test_device_syntax_is_checked_at_load(device):
 def test_absent_device_is_refused_before_any_work(tmp_path):
     import torch
 
-    from quant.pipeline import run
+    from quant.run.pipeline import run
 
     if torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")

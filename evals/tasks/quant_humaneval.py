@@ -1,7 +1,7 @@
 """lm-eval hooks for `quant_humaneval.yaml`: bundled data, stop-sequence truncation, sandboxed pass@1.
 
 lm-eval imports this file by path (`!function`), so it only adapts lm-eval's calling conventions to
-`quant.humaneval`; all code execution happens in `quant.sandbox` subprocesses.
+`quant.eval.humaneval`; all code execution happens in `quant.eval.sandbox` subprocesses.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 _DATA_PATH = _REPO_ROOT / "evals" / "data" / "HumanEval.jsonl.gz"
 
 try:
-    from quant import humaneval
+    from quant.eval import humaneval
 except ModuleNotFoundError:  # a source checkout that is not installed: use the package beside evals/
     sys.path.insert(0, str(_REPO_ROOT))
-    from quant import humaneval
+    from quant.eval import humaneval
 
 
 @functools.lru_cache(maxsize=1)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quant.dist import SINGLE, World
+from quant.dist.world import SINGLE, World
 from quant.export.writer import CARD, add_to_manifest, checkpoint_digest
 from quant.models import ModelSource
-from quant.plan import BitPlan
+from quant.plan.bitplan import BitPlan
 from quant.recipe import Recipe
 
 __all__ = ["CARD", "check_formats", "checkpoint_digest", "checkpoint_dirs", "export_all", "runtime_notes", "write_cards"]
@@ -46,10 +46,10 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
 
     from quant import version
     from quant.export.card import RUNTIMES, render_card
-    from quant.plan_summary import summarize
-    from quant.profile import RoutingProfile
-    from quant.rundir import atomic_write_text
-    from quant.runtimes import gptqmodel_kernel_problem, problems_for
+    from quant.io.rundir import atomic_write_text
+    from quant.measure.profile import RoutingProfile
+    from quant.plan.runtimes import gptqmodel_kernel_problem, problems_for
+    from quant.plan.summary import summarize
 
     plan = BitPlan.load(run_dir / "plan.json")
     summary = summarize(plan, source, RoutingProfile.load(run_dir / "profile.json"))
@@ -67,7 +67,7 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
 def runtime_notes(plan: BitPlan, source: ModelSource, fmt: str) -> dict[str, str]:
     """Warnings the card shows per runtime: where a runtime would load the checkpoint without an error and compute
     wrong outputs (read from their code, docs/runtimes.md), and which GPTQModel backend the plan needs."""
-    from quant.runtimes import expert_schemes_by_layer, gptqmodel_kernel_problem
+    from quant.plan.runtimes import expert_schemes_by_layer, gptqmodel_kernel_problem
 
     by_layer = expert_schemes_by_layer(plan, source)
     notes = {}

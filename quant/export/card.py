@@ -18,8 +18,8 @@ import yaml
 
 from quant.models import ModelSource
 from quant.models.source import layer_of_key
+from quant.plan.runtimes import GPTQMODEL_NEEDS_GPTQ, TRANSFORMERS_NO_GPTQ
 from quant.recipe import Recipe
-from quant.runtimes import GPTQMODEL_NEEDS_GPTQ, TRANSFORMERS_NO_GPTQ
 
 RUNTIMES = ("vllm", "sglang", "transformers", "gptqmodel")
 RUNTIME_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "transformers": "transformers", "gptqmodel": "GPTQModel"}
@@ -207,7 +207,7 @@ def render_card(recipe: Recipe, source: ModelSource, plan_summary: dict, eval_re
     transformers / vLLM that can. ``runtime_notes``: runtime -> a line shown in its section (warnings).
     ``gptqmodel_backend``: the ``BACKEND`` member the GPTQModel snippet must name (its default kernel cannot run
     the plan). ``repo_id`` goes into the snippets (default ``ORG/NAME``). ``serving``: the plan's
-    ``quant.servable.serving_summary`` (names the best plan vLLM/SGLang serve when they cannot serve this one)."""
+    ``quant.plan.servable.serving_summary`` (names the best plan vLLM/SGLang serve when they cannot serve this one)."""
     fmt = fmt or recipe.export.formats[0]
     repo = repo_id or "ORG/NAME"
     title = repo_id.split("/")[-1] if repo_id else f"{source.display_name.split('/')[-1]} ({recipe.name})"

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from quant.dist import SINGLE, World
+from quant.dist.world import SINGLE, World
+from quant.engine.qstore import packed_words, with_codes
 from quant.export.targets import name_regexes
 from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
-from quant.plan import BitPlan
-from quant.qstore import packed_words, with_codes
+from quant.plan.bitplan import BitPlan
 
 log = logging.getLogger(__name__)
 

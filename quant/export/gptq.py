@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from quant.dist import SINGLE, World
+from quant.dist.world import SINGLE, World
+from quant.engine.qstore import packed_words, with_codes
 from quant.errors import PlanError
 from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
-from quant.plan import BitPlan
-from quant.qstore import packed_words, with_codes
+from quant.plan.bitplan import BitPlan
 
 GPTQ_BITS = (2, 4, 8)
 # Appended to a rule that matches only vLLM's fused MoE prefix (``model.layers.3.mlp.experts``, never GPTQModel's

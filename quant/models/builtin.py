@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from quant.errors import ModelError
-from quant.storage import cache_root, remove_stale
+from quant.io.storage import cache_root, remove_stale
 
 BUILTIN_VERSION = 7
 _COMMON = dict(vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

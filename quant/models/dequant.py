@@ -5,7 +5,7 @@
 ...) and returns its dense weight. Subclasses say which stored tensors make up a dense one (``parts``) and how to
 dequantize them (``_dense``, ``_dense_shape``). Used for a quantized release read as the base model (DeepSeek-V3's
 FP8 block-scaled weights, ``quant.models.fp8``) and for quant's own exported checkpoint in the streamed eval
-(``quant.evalstream.ShippedCheckpoint``), so every layer walk (profile, quantize, eval) sees dense weights.
+(``quant.eval.stream.ShippedCheckpoint``), so every layer walk (profile, quantize, eval) sees dense weights.
 
 On a GPU the stored tensors (a quarter to a half of the dense bytes) are read with parallel preads, uploaded and
 dequantized there ~``DEQUANT_CHUNK_BYTES`` at a time on a stream of their own, and the dense weights are copied
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from quant.models.direct_read import DTYPE_NAMES
+from quant.io.direct_read import DTYPE_NAMES
+from quant.io.staging import Staging, pin_budget, views_into
 from quant.models.source import ModelSource, read_safetensors
-from quant.staging import Staging, pin_budget, views_into
 
 # stored bytes uploaded and dequantized at a time on a GPU: ~1 GB dense at 4 bits, plus the dequantizer's
 # temporaries (int32 codes, float products) of a few GB

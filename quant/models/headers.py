@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quant.errors import ModelError
-from quant.models.direct_read import DTYPE_NAMES, TORCH_DTYPES, header_table
+from quant.io.direct_read import DTYPE_NAMES, TORCH_DTYPES, header_table
 from quant.models.source import (
     ModelSource,
     fp8_block_size,

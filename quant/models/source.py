@@ -23,9 +23,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from quant.errors import ModelError
-from quant.models.direct_read import read_into
+from quant.io.direct_read import read_into
+from quant.io.storage import file_sha256
 from quant.models.families import FAMILIES, FamilySpec, expert_of, family_for, layer_of, module_kind
-from quant.storage import file_sha256
 
 log = logging.getLogger(__name__)
 

@@ -214,7 +214,7 @@ def test_host_reads_per_solve(monkeypatch) -> None:
     """One read before the column loop (input checks, dead inputs, the factorization's success together) and one
     after it (divergence), or none after it when the caller reads the flags: on a GPU each read drains the
     queue of launched kernels (it was seven a solve). A Hessian that needs more dampening may read more."""
-    from quant.hostsync import HostSyncs
+    from quant.diag.hostsync import HostSyncs
 
     w, H = random_weights(3), correlated_hessians(3, N_IN)
     H[0, 5, :] = H[0, :, 5] = 0.0  # a dead input: still one read

@@ -194,7 +194,7 @@ def test_cards_of_a_per_expert_mixtral_run(tmp_path):
     """Real plan, both formats: the CT card warns in bold that vLLM and transformers would load it silently wrong,
     the GPTQ card says vLLM refuses it; nothing points Mixtral users to GPTQModel; no library can serve it."""
     from quant.export import write_cards
-    from quant.pipeline import run
+    from quant.run.pipeline import run
 
     recipe = parse_recipe({"name": "headline"}, overrides=("calibration.n_samples=4", "calibration.seq_len=32",
                                                            "export.formats=[compressed-tensors,gptq]"),

@@ -29,9 +29,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from quant.engine.qstore import dequantize_2d, layer_file, read_layer
 from quant.models import resolve_model
-from quant.plan import BitPlan
-from quant.qstore import dequantize_2d, layer_file, read_layer
+from quant.plan.bitplan import BitPlan
 from tests.conftest import REPO
 
 RECIPE = REPO / "recipes" / "mixed_int8_int4.yaml"
@@ -150,8 +150,8 @@ class Run:
 
 @pytest.fixture(scope="module")
 def runs(quant_cache, tmp_path_factory) -> dict[str, Run]:
-    from quant.pipeline import run
     from quant.recipe import load_recipe
+    from quant.run.pipeline import run
 
     out = {}
     for run_id, (builtin, sym) in RUNS.items():
@@ -381,8 +381,8 @@ def test_per_expert_checkpoint_carries_a_guard_vllm_refuses(runs):
 
 def test_per_layer_checkpoint_has_no_guard(tmp_path):
     from quant.export.gptq import quantize_config
-    from quant.pipeline import run
     from quant.recipe import load_recipe
+    from quant.run.pipeline import run
 
     recipe = load_recipe(RECIPE, overrides=(*SMALL, "plan.granularity=per_layer", "plan.target_runtime=vllm",
                                             "export.formats=[compressed-tensors,gptq]"))
@@ -407,8 +407,8 @@ def test_group_16_needs_the_backend_the_card_names(tmp_path):
     """The card's GPTQModel snippet names BACKEND.TORCH for 4-bit groups outside 32/64/128/256: the default CPU
     kernel (TorchAtenLinear) fails at generate, the named one works."""
     from quant.export import write_cards
-    from quant.pipeline import run
     from quant.recipe import load_recipe
+    from quant.run.pipeline import run
 
     recipe = load_recipe(RECIPE, overrides=("calibration.n_samples=4", "calibration.seq_len=32", "plan.group_size=16",
                                             "export.formats=[gptq]"))

@@ -57,11 +57,11 @@ def store(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from quant.calibration import build_calibration
-    from quant.layerwise import Layerwise
+    from quant.engine.layerwise import Layerwise
+    from quant.engine.quantize import quantize_model
+    from quant.measure.profile import profile_routing
     from quant.models import resolve_model
-    from quant.plan import plan_bits
-    from quant.profile import profile_routing
-    from quant.quantize import quantize_model
+    from quant.plan.bitplan import plan_bits
     from quant.recipe import PlanSpec, QuantizeSpec
 
     src = resolve_model("builtin:qwen3-moe-tiny")

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from quant.engine.qstore import dequantize_2d, read_layer
 from quant.models import resolve_model
-from quant.qstore import dequantize_2d, read_layer
 from tests.conftest import REPO
 
 VLLM_PYTHON = os.environ.get("QUANT_VLLM_PYTHON") or (sys.executable if importlib.util.find_spec("vllm") else None)
@@ -111,8 +111,8 @@ def _teacher_forced(path: Path, dense_tensors: dict | None, tmp: Path, served: l
 
 
 def test_vllm_cpu_serves_compressed_tensors_like_transformers(quant_cache, tmp_path):
-    from quant.pipeline import run
     from quant.recipe import load_recipe
+    from quant.run.pipeline import run
 
     model_dir = _tiny_qwen3_moe_head_dim_32(tmp_path / "model")
     run_dir = tmp_path / "run"

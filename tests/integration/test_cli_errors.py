@@ -91,7 +91,7 @@ def test_crash_in_export_exits_70_logs_traceback_and_records_failure(tmp_path):
 
 def test_ctrl_c_exits_130_and_records_interruption(tmp_path):
     out = tmp_path / "k"
-    slow = ("import time, quant.qstore as q\n"
+    slow = ("import time, quant.engine.qstore as q\n"
             "orig = q.write_layer\n"
             "def slow(path, *a, **k):\n    orig(path, *a, **k)\n    open(str(path) + '.written', 'w').close()\n"
             "    time.sleep(60)\n"

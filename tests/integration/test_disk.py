@@ -42,9 +42,9 @@ def test_run_refuses_before_quantize_when_the_disk_is_too_small(small_fs):
                   r"store [\d.]+ MB, compressed-tensors checkpoint [\d.]+ MB, gptq checkpoint [\d.]+ MB\) and "
                   r"([\d.]+) MB is free", errors[0])
     assert m, errors[0]
-    from quant.footprint import estimate
+    from quant.forecast.footprint import estimate
     from quant.models import resolve_model
-    from quant.plan import BitPlan
+    from quant.plan.bitplan import BitPlan
 
     need = estimate(resolve_model("builtin:qwen3-moe-tiny"), BitPlan.load(out / "plan.json"),
                     ("compressed-tensors", "gptq")).total(with_store=True)
@@ -59,9 +59,9 @@ def test_the_estimate_bounds_what_a_run_writes(tmp_path):
     p = run_cli("export", HEADLINE, "-o", str(out), "--model", "builtin:deepseek-v3-tiny",
                 "--set", "export.formats=[compressed-tensors,gptq]", "--set", "plan.symmetric=false")
     assert p.returncode == 0, p.stderr[-2000:]
-    from quant.footprint import MARGIN_BYTES, estimate
+    from quant.forecast.footprint import MARGIN_BYTES, estimate
     from quant.models import resolve_model
-    from quant.plan import BitPlan
+    from quant.plan.bitplan import BitPlan
 
     f = estimate(resolve_model("builtin:deepseek-v3-tiny"), BitPlan.load(out / "plan.json"), ("compressed-tensors",
                                                                                               "gptq"))

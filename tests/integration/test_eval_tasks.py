@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from quant.errors import GateFailed
-from quant.pipeline import run
 from quant.recipe import load_recipe
+from quant.run.pipeline import run
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,

@@ -11,9 +11,9 @@ import pytest
 from quant.errors import PlanError
 from quant.export.inspect import read_checkpoint_bits
 from quant.models import BUILTINS, resolve_model
-from quant.pipeline import run
-from quant.plan import BitPlan
+from quant.plan.bitplan import BitPlan
 from quant.recipe import load_recipe
+from quant.run.pipeline import run
 
 REPO = Path(__file__).resolve().parents[2]
 HEADLINE = REPO / "recipes" / "mixed_int8_int4.yaml"

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from quant.engine.qstore import dequantize_2d, layer_file, load_into_layer, read_layer
 from quant.models import BUILTINS, resolve_model
-from quant.pipeline import STAGES, run
-from quant.qstore import dequantize_2d, layer_file, load_into_layer, read_layer
 from quant.recipe import load_recipe
+from quant.run.pipeline import STAGES, run
 
 REPO = Path(__file__).resolve().parents[2]
 HEADLINE = REPO / "recipes" / "mixed_int8_int4.yaml"
@@ -55,7 +55,7 @@ def test_checkpoint_decompresses_bit_exactly(family_runs, name):
     from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
     from safetensors.torch import load_file
 
-    from quant.plan import BitPlan
+    from quant.plan.bitplan import BitPlan
 
     _, result = family_runs[name]
     d = result.run_dir
@@ -128,7 +128,7 @@ def test_awq_folds_ship_in_the_checkpoint(tmp_path, name):
     transformers' model equals the pipeline's in-memory quantized layers."""
     from transformers import AutoModelForCausalLM
 
-    from quant.qstore import read_params
+    from quant.engine.qstore import read_params
 
     _, result = _run(tmp_path, name, "quantize.algorithm=awq", "plan.policy=uniform", "plan.group_size=32",
                      "plan.target_runtime=transformers", until="export")
@@ -178,7 +178,7 @@ def _proxies_close(a: dict, b: dict) -> None:
 def test_streamed_eval_equals_whole_model_eval_on_a_mixed_plan(family_runs, name):
     """The run's eval (auto picks whole models for these tiny ones, through the dense copy a per-expert 4/8-bit
     mix needs) and the streamed path (per-layer compressed-tensors dequantization) agree to 1e-4."""
-    from quant.evaluate import evaluate_run
+    from quant.eval.evaluate import evaluate_run
 
     _, result = family_runs[name]
     ev = json.loads((result.run_dir / "eval.json").read_text())
@@ -194,7 +194,7 @@ def test_streamed_eval_equals_whole_model_eval_on_a_mixed_plan(family_runs, name
 def test_streamed_eval_equals_transformers_loading_the_checkpoint(tmp_path, name):
     """A plan transformers loads directly (its own compressed-tensors decompression, whole model) and the streamed
     path give the same proxies to 1e-4."""
-    from quant.evaluate import evaluate_run
+    from quant.eval.evaluate import evaluate_run
 
     overrides = ("plan.policy=uniform", "plan.group_size=32", "plan.target_runtime=transformers")
     _, result = _run(tmp_path, name, *overrides, until="export")

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from quant.export.writer import CARD
-from quant.layer_plan import storage_bits
+from quant.measure.profile import RoutingProfile
 from quant.models import resolve_model
-from quant.pipeline import run
-from quant.plan import BitPlan
-from quant.profile import RoutingProfile
+from quant.plan.bitplan import BitPlan
+from quant.plan.layer_policy import storage_bits
 from quant.recipe import load_recipe
+from quant.run.pipeline import run
 from tests.conftest import expert_schemes_by_layer
 
 REPO = Path(__file__).resolve().parents[2]

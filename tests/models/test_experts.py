@@ -10,16 +10,16 @@ import torch
 from torch import nn
 
 from quant.calibration import build_calibration
+from quant.engine.awq_layer import run_awq
+from quant.engine.layerwise import Layerwise
+from quant.engine.qstore import layer_file, read_layer
+from quant.engine.quantize import _LayerJob, quantize_model
 from quant.errors import ModelError
-from quant.layerwise import Layerwise
+from quant.measure.profile import profile_routing
 from quant.models import resolve_model
 from quant.models.layers import experts_of, layer_weights
-from quant.plan import plan_bits
-from quant.profile import profile_routing
-from quant.qstore import layer_file, read_layer
-from quant.quantize import _LayerJob, quantize_model
+from quant.plan.bitplan import plan_bits
 from quant.recipe import PlanSpec, QuantizeSpec
-from quant.smooth import run_awq
 
 
 @pytest.fixture(scope="module")

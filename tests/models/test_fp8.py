@@ -124,7 +124,7 @@ def test_reads_into_a_staging_buffer_in_chunks(release, monkeypatch):
 def test_estimate_sizes_an_fp8_release_as_its_dense_model(release, dequantized):
     """`quant estimate` on the release: the dense model's shapes, dtypes, GPU memory and checkpoint; the host holds
     half a layer more per rank (the stored bytes' buffer); the eval streams."""
-    from quant.estimate import forecast
+    from quant.forecast.estimate import forecast
     from quant.models.headers import load_headers
 
     fp8, bf16 = load_headers(str(release)), load_headers(str(dequantized))
@@ -197,8 +197,8 @@ def test_a_run_on_the_release_equals_a_run_on_its_dequantized_copy(release, dequ
     kept tensors ship in bf16."""
     from safetensors import safe_open
 
-    from quant.pipeline import run
-    from quant.qstore import layer_file
+    from quant.engine.qstore import layer_file
+    from quant.run.pipeline import run
 
     runs = {name: run(_recipe(path), tmp_path / name).run_dir for name, path in
             (("fp8", release), ("bf16", dequantized))}

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from quant.engine.layerwise import Layerwise
 from quant.errors import ModelError
-from quant.layerwise import Layerwise
 from quant.models import BUILTINS, resolve_model
 from quant.models.families import FAMILIES
 
@@ -96,7 +96,7 @@ def test_stacking_a_layer_s_experts_holds_them_once(name):
     the stacked experts (plus the few kept tensors) are allocated; per-expert concatenations and their stack held
     ~2x (and on a GPU the per-expert uploads a third copy: a DeepSeek-V3 layer's load peaked at 54.5 GB for 22.5 GB
     of experts). The stacked tensors equal concatenating and stacking the experts read from disk."""
-    from quant.memtrace import LiveBytes
+    from quant.diag.memtrace import LiveBytes
     from quant.models.layers import _layer_state, read_layer_tensors
 
     src = resolve_model(name)
@@ -127,7 +127,7 @@ def test_experts_of_different_shapes_are_one_clear_error():
 
 def test_experts_are_stacked_in_the_compute_dtype_as_they_are_copied():
     """Cast on the way into the stacked tensors: no stacked copy in the stored dtype first."""
-    from quant.memtrace import LiveBytes
+    from quant.diag.memtrace import LiveBytes
     from quant.models.layers import _layer_state, read_layer_tensors
 
     src = resolve_model("builtin:qwen3-moe-tiny")
@@ -144,7 +144,7 @@ def test_experts_are_stacked_in_the_compute_dtype_as_they_are_copied():
 def test_experts_received_into_their_slots_are_not_copied_and_misplaced_ones_are():
     """``expert_slots`` views filled with the experts are the stacked tensors themselves (no copy, no allocation);
     views in the wrong slots (two experts swapped) or a cast are stacked by copying, and the result is still right."""
-    from quant.memtrace import LiveBytes
+    from quant.diag.memtrace import LiveBytes
     from quant.models.layers import _layer_state, expert_slots, read_layer_tensors
 
     src = resolve_model("builtin:deepseek-v3-tiny")

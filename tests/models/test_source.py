@@ -141,8 +141,8 @@ def test_fingerprint_sees_damage_in_the_middle_and_survives_a_copy(model, tmp_pa
 
 
 def test_profile_reruns_after_a_shard_is_damaged_in_the_middle(model, tmp_path):
-    from quant.pipeline import run
     from quant.recipe import load_recipe
+    from quant.run.pipeline import run
     from tests.conftest import REPO
 
     _pad(model)
@@ -158,8 +158,8 @@ def test_profile_reruns_after_a_shard_is_damaged_in_the_middle(model, tmp_path):
 
 def test_nan_in_an_expert_is_an_error_naming_it(model, tmp_path):
     from quant.errors import NumericalError
-    from quant.pipeline import run
     from quant.recipe import load_recipe
+    from quant.run.pipeline import run
     from tests.conftest import REPO
 
     src = resolve_model(str(model))
@@ -175,8 +175,8 @@ def test_nan_in_an_expert_is_an_error_naming_it(model, tmp_path):
 
 def test_nan_in_a_kept_tensor_is_refused_at_export(model, tmp_path):
     from quant.errors import NumericalError
-    from quant.pipeline import run
     from quant.recipe import load_recipe
+    from quant.run.pipeline import run
     from tests.conftest import REPO
 
     tensors = load_file(str(_shard(model)))
@@ -281,8 +281,8 @@ def test_a_layer_the_config_does_not_declare_is_one_clear_error(tmp_path, quant_
 def test_a_model_with_a_prediction_layer_runs_end_to_end_without_it(tmp_path, quant_cache):
     """The whole run on such a folder: the checkpoint holds no tensor of the left-out layer, transformers loads it,
     and the model card says what is not included."""
-    from quant.pipeline import run
     from quant.recipe import load_recipe
+    from quant.run.pipeline import run
 
     path = _with_layer_past_the_config(tmp_path, declared=1)
     recipe = load_recipe(Path("recipes/mixed_int8_int4.yaml"), model=str(path), overrides=(

@@ -1,0 +1,1 @@
+"""Diagnostics for GPU runs: live tensor bytes and host syncs by source line."""

@@ -1,0 +1,324 @@
+"""lm-eval integration: score an exported model directory on lm-eval tasks, offline or on a cluster.
+
+`run_lm_eval(model_dir, tasks, ...)` calls `lm_eval.simple_evaluate` with the `hf` backend (or `vllm` when
+asked and installed) on the directory as written by export, `trust_remote_code` off unless asked for, and
+returns one `TaskScore` per requested task. lm-eval is imported lazily, only when this runs.
+
+Models bigger than one GPU: with `gpus > 1` the hf backend loads the model over GPUs 0..gpus-1 through
+accelerate's big-model dispatch (`dispatch_map`: `infer_auto_device_map` over a balanced `max_memory`, whole
+decoder layers per GPU, passed to lm-eval with `parallelize=True`); the vllm backend takes
+`tensor_parallel_size` / `data_parallel_size` in `model_args`. In a torchrun job lm-eval runs in the calling
+(writer) process alone: the launcher's variables are hidden from it, so accelerate does not make it one member
+of a data-parallel group the other ranks never join.
+
+Task names:
+- Offline equivalents live in `<repo>/evals/tasks` and are registered through
+  `TaskManager(include_path=...)`: `quant_mmlu` (the MMLU test set bundled in `evals/data`, 4-way
+  log-likelihood multiple choice, 5-shot from a held-out per-subject pool) and `quant_humaneval` (the 164
+  bundled HumanEval problems, greedy generation, pass@1). They need no network and no hub.
+- Any other name (`mmlu`, `humaneval`, `gsm8k`, ...) passes straight to lm-eval's own registry, for
+  cluster runs with hub access; lm-eval's built-in tasks are only indexed (~10 s) when such a name is asked.
+
+Code execution: `quant_humaneval` scores with its own metric function, `evals/tasks/quant_humaneval.py`
+(wired into the task YAML with `!function`), which runs every completion through `quant.eval.humaneval` /
+`quant.eval.sandbox`: a separate process group with rlimits, an empty network namespace and an audit hook. It
+does not use lm-eval's `code_eval` metric (that one is fetched from the hub by the `evaluate` library and
+executes code in-process-tree with only `HF_ALLOW_CODE_EVAL=1` as a guard), so the offline task needs
+neither. lm-eval's own `humaneval` is refused unless `allow_unsandboxed_code=True` (and the caller exports
+`HF_ALLOW_CODE_EVAL=1`), because it would run generated code outside our sandbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import logging
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quant.errors import CheckpointError, RecipeError
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("hf", "vllm")
+OFFLINE_TASK_PREFIX = "quant_"
+# Metric reported for a task, first match wins; within a metric, the first matching lm-eval filter wins.
+PRIMARY_METRICS = ("acc", "pass@1", "exact_match", "acc_norm", "mc2", "f1", "em")
+PREFERRED_FILTERS = ("none", "sandbox", "strict-match", "create_test", "flexible-extract")
+DEFAULT_BOOTSTRAP_ITERS = 1000
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    """A task's headline number: `value` of lm-eval `metric` (e.g. "acc", "pass@1"), its standard error
+    (None when lm-eval reports none), and `n`, the number of documents scored (summed over subtasks for
+    a group such as `mmlu`)."""
+
+    value: float
+    stderr: float | None
+    n: int
+    metric: str
+
+
+def default_tasks_dir() -> Path:
+    """`<repo>/evals/tasks`, located relative to this package (source checkouts and editable installs)."""
+    return Path(__file__).resolve().parents[2] / "evals" / "tasks"
+
+
+def run_lm_eval(
+    model_dir: str | Path,
+    tasks: Sequence[str],
+    *,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 1,
+    seed: int = 0,
+    device: str = "cpu",
+    backend: str = "hf",
+    max_gen_toks: int | None = None,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    model_args: Mapping[str, Any] | None = None,
+    tasks_dir: str | Path | None = None,
+    allow_unsandboxed_code: bool = False,
+    gpus: int = 1,
+    max_memory_per_gpu: int | None = None,
+) -> dict[str, TaskScore]:
+    """Evaluate the model saved in `model_dir` on `tasks`; returns {task name: TaskScore} in input order.
+
+    `limit` caps documents per task (per subtask for groups), `num_fewshot=None` keeps each task's own
+    default, `max_gen_toks=None` keeps each generative task's own budget. `model_args` adds backend options
+    (e.g. `tensor_parallel_size`, `max_model_len` for vllm). `tasks_dir` defaults to `default_tasks_dir()`.
+    `gpus > 1` (hf): the model is dispatched over GPUs 0..gpus-1 by an accelerate device map (`dispatch_map`,
+    at most `max_memory_per_gpu` bytes each) and lm-eval loads it with `parallelize=True`.
+    Raises CheckpointError for a directory without config.json; RecipeError for an unknown backend or task
+    name (naming the closest ones), misplaced `model_args`, or an lm-eval task that would execute code
+    outside the sandbox; FileNotFoundError for a missing tasks directory; ModuleNotFoundError when lm-eval
+    (or vllm for that backend) is not installed.
+    """
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise CheckpointError(
+            f"{model_dir} is not a model directory (no config.json); pass an exported model"
+        )
+    if not tasks:
+        raise RecipeError("run_lm_eval needs at least one task name")
+    lm_eval = _import_lm_eval()
+    task_manager = _task_manager(list(tasks), Path(tasks_dir) if tasks_dir else default_tasks_dir())
+    if gpus > 1 and backend != "hf":
+        raise RecipeError("gpus dispatches an hf model over GPUs; vllm takes tensor_parallel_size instead")
+    args = _model_args(backend, model_dir, dtype, trust_remote_code, seed, model_args)
+    if gpus > 1:
+        args.update(parallelize=True, device_map=dispatch_map(model_dir, gpus, max_memory_per_gpu,
+                                                              trust_remote_code=trust_remote_code))
+    logger.info("lm-eval %s on %s: tasks=%s limit=%s", backend, model_dir, list(tasks), limit)
+    try:
+        with _one_process():
+            results = lm_eval.simple_evaluate(
+                model=backend,
+                model_args=args,
+                tasks=list(tasks),
+                num_fewshot=num_fewshot,
+                batch_size=batch_size,
+                device=device,
+                limit=limit,
+                task_manager=task_manager,
+                gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks is not None else None,
+                log_samples=False,
+                bootstrap_iters=DEFAULT_BOOTSTRAP_ITERS,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+                confirm_run_unsafe_code=allow_unsandboxed_code,
+            )
+    except ValueError as exc:
+        if "unsafe" not in str(exc):
+            raise
+        raise RecipeError(
+            f"{exc} -- quant runs generated code only in its sandbox: use quant_humaneval, or pass "
+            "allow_unsandboxed_code=True (and export HF_ALLOW_CODE_EVAL=1) on a disposable machine"
+        ) from exc
+    scores = scores_from_results(results, tasks)
+    for name, score in scores.items():
+        logger.info("%s: %s=%.4f (n=%d)", name, score.metric, score.value, score.n)
+    return scores
+
+
+# torchrun / srun variables: accelerate (inside lm-eval's hf backend) reads LOCAL_RANK and would turn a torchrun
+# rank into one process of a data-parallel lm-eval run that the other ranks never join
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """lm-eval runs in this process alone (the writer rank of a torchrun job): launcher variables are hidden from it
+    for the duration and restored afterwards."""
+    saved = {k: os.environ.pop(k) for k in LAUNCHER_VARIABLES if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _import_lm_eval():
+    try:
+        import lm_eval
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            "lm-eval is not installed; install the eval extra: pip install 'moe-quant[eval]'"
+        ) from exc
+    return lm_eval
+
+
+def _task_manager(tasks: list[str], tasks_dir: Path):
+    """A TaskManager over our offline tasks; lm-eval's built-ins are indexed only if a task needs them."""
+    from lm_eval.tasks import TaskManager
+
+    if not tasks_dir.is_dir():
+        raise FileNotFoundError(f"offline lm-eval task directory {tasks_dir} not found; pass tasks_dir")
+    offline = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+    if all(name in offline.all_tasks for name in tasks):
+        return offline
+    unknown_offline = [n for n in tasks if n.startswith(OFFLINE_TASK_PREFIX) and n not in offline.all_tasks]
+    if unknown_offline:
+        raise RecipeError(_unknown_tasks_message(unknown_offline, offline.all_tasks))
+    manager = TaskManager(include_path=str(tasks_dir), include_defaults=True)
+    unknown = [n for n in tasks if n not in manager.all_tasks]
+    if unknown:
+        raise RecipeError(_unknown_tasks_message(unknown, manager.all_tasks))
+    return manager
+
+
+def _unknown_tasks_message(unknown: list[str], known: Sequence[str]) -> str:
+    hints = {n: difflib.get_close_matches(n, known, n=3) for n in unknown}
+    return "unknown lm-eval task(s): " + "; ".join(
+        f"{n!r} (closest: {', '.join(h) or 'none'})" for n, h in hints.items()
+    )
+
+
+def _model_args(
+    backend: str,
+    model_dir: Path,
+    dtype: str,
+    trust_remote_code: bool,
+    seed: int,
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """lm-eval `model_args` for `backend`; `extra` may add options but not re-enable remote code."""
+    if backend not in BACKENDS:
+        raise RecipeError(f"unknown lm-eval backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ModuleNotFoundError("backend='vllm' needs vllm installed (pip install vllm); or use 'hf'")
+    extra = dict(extra or {})
+    if "trust_remote_code" in extra or "pretrained" in extra:
+        raise RecipeError("set trust_remote_code and the model directory through run_lm_eval's own arguments")
+    args: dict[str, Any] = {
+        "pretrained": str(model_dir),
+        "dtype": dtype,
+        "trust_remote_code": trust_remote_code,
+    }
+    if backend == "vllm":
+        args["seed"] = seed
+    return {**args, **extra}
+
+
+def dispatch_map(model_dir: Path, gpus: int, max_memory_per_gpu: int | None = None,
+                 dtype: str = "auto", trust_remote_code: bool = False) -> dict[str, int]:
+    """accelerate's big-model dispatch for an hf model over GPUs ``0..gpus-1``: module name -> GPU, whole decoder
+    layers (the model's ``_no_split_modules``) in order, balanced over the GPUs (``get_balanced_memory``) within
+    ``max_memory_per_gpu`` bytes each (default: each GPU's free memory). Built on the meta device: no weights
+    are read. Raises CheckpointError when the model does not fit (accelerate would offload to cpu/disk)."""
+    import torch
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from accelerate.utils import get_balanced_memory
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    torch_dtype = getattr(torch, dtype) if dtype != "auto" else (getattr(config, "dtype", None) or torch.bfloat16)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=torch_dtype)
+    if max_memory_per_gpu is None:
+        max_memory = {i: torch.cuda.mem_get_info(i)[0] for i in range(gpus)}
+    else:
+        max_memory = {i: max_memory_per_gpu for i in range(gpus)}
+    no_split = list(model._no_split_modules or [])
+    balanced = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=torch_dtype)
+    device_map = infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split,
+                                       dtype=torch_dtype)
+    offloaded = [name for name, dev in device_map.items() if not isinstance(dev, int)]
+    if offloaded:
+        raise CheckpointError(
+            f"{model_dir} does not fit on {gpus} GPU(s) of {min(max_memory.values()) / 1e9:.3g} GB "
+            f"({offloaded[0] or 'the model'} would go to {device_map[offloaded[0]]}); raise eval.gpus or "
+            "eval.max_memory_per_gpu_gb"
+        )
+    logger.info("dispatching %s over %d GPUs: %s", model_dir, gpus, _placement(device_map))
+    return device_map
+
+
+def _placement(device_map: Mapping[str, int]) -> str:
+    """``{gpu: number of top-level modules}`` for the log line."""
+    counts: dict[int, int] = {}
+    for dev in device_map.values():
+        counts[dev] = counts.get(dev, 0) + 1
+    return ", ".join(f"GPU {d}: {n} modules" for d, n in sorted(counts.items()))
+
+
+def scores_from_results(results: Mapping[str, Any], tasks: Sequence[str]) -> dict[str, TaskScore]:
+    """Extract one TaskScore per requested task from an lm-eval `simple_evaluate` result dict.
+
+    The metric is the first of `PRIMARY_METRICS` the task reports (filters ranked by
+    `PREFERRED_FILTERS`). Raises ValueError when a task is missing or reports no numeric metric.
+    """
+    table = results["results"]
+    scores = {}
+    for name in tasks:
+        if name not in table:
+            raise ValueError(f"lm-eval returned no result for {name!r}; it reported {sorted(table)}")
+        metric, filter_name = _pick_metric(name, table[name])
+        stderr = table[name].get(f"{metric}_stderr,{filter_name}")
+        scores[name] = TaskScore(
+            value=float(table[name][f"{metric},{filter_name}"]),
+            stderr=float(stderr) if isinstance(stderr, (int, float)) and math.isfinite(stderr) else None,
+            n=_n_documents(name, results),
+            metric=metric,
+        )
+    return scores
+
+
+def _pick_metric(name: str, row: Mapping[str, Any]) -> tuple[str, str]:
+    """(metric, filter) of the headline number in one lm-eval results row."""
+    keys = [k.split(",", 1) for k in row if "," in k and "_stderr" not in k]
+    keys = [(m, f) for m, f in keys if isinstance(row[f"{m},{f}"], (int, float))]
+    if not keys:
+        raise ValueError(f"lm-eval reported no numeric metric for {name!r}: {dict(row)}")
+
+    def rank(key: tuple[str, str]) -> tuple[int, int]:
+        metric, filter_name = key
+        metric_rank = PRIMARY_METRICS.index(metric) if metric in PRIMARY_METRICS else len(PRIMARY_METRICS)
+        filter_rank = (
+            PREFERRED_FILTERS.index(filter_name)
+            if filter_name in PREFERRED_FILTERS
+            else len(PREFERRED_FILTERS)
+        )
+        return metric_rank, filter_rank
+
+    return min(keys, key=rank)
+
+
+def _n_documents(name: str, results: Mapping[str, Any]) -> int:
+    """Documents scored for a task, or summed over a group's subtasks (recursively)."""
+    n_samples = results.get("n-samples", {})
+    if name in n_samples:
+        return int(n_samples[name]["effective"])
+    subtasks = results.get("group_subtasks", {}).get(name, [])
+    return sum(_n_documents(sub, results) for sub in subtasks)

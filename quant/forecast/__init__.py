@@ -1,0 +1,1 @@
+"""Forecasts before a run: memory, disk and time per stage."""

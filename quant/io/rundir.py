@@ -1,0 +1,188 @@
+"""The run directory: manifest (stage status, input/output hashes, time, memory, versions), atomic writes, lock.
+
+A stage is finished only when its manifest entry says ``done`` and its outputs still hash to what the entry
+recorded; the entry is written after the outputs are in place, so a crash (SIGKILL included) between the two
+leaves the stage unfinished, never half-finished. A stage that raises is recorded as ``failed`` (``interrupted``
+for Ctrl-C) with the error, and whatever outputs it had are removed. Temporaries of killed processes are removed
+when the directory is next claimed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+from quant.errors import RunDirError
+from quant.io.storage import file_sha256, free_bytes, is_disk_full, remove_stale
+
+MANIFEST = "manifest.json"
+# OSErrors that are the environment's, not a bug: reported as one line naming the file
+ENVIRONMENT_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
+                      errno.EIO, errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EDQUOT}
+
+
+def temp_path(path: Path) -> Path:
+    """Where to write ``path`` before renaming it into place (names the writer's pid: see storage.remove_stale)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary beside ``path``, then rename it over ``path``; on failure (a full disk) the
+    temporary is removed and ``path`` is unchanged."""
+    tmp = temp_path(path)
+    try:
+        tmp.write_text(text)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def hash_path(path: Path) -> str | None:
+    """Content hash of a file, or of a directory (names + full SHA-256 of every file, cached by stat: see
+    ``storage.file_sha256``); None when ``path`` does not exist."""
+    if not path.exists():
+        return None
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    for p in files:
+        h.update(str(p.relative_to(path.parent if path.is_file() else path)).encode())
+        h.update(file_sha256(p).encode())
+    return h.hexdigest()[:16]
+
+
+def _mb(n_bytes: float) -> str:
+    return f"{n_bytes / 1e6:,.1f} MB" if n_bytes < 10e6 else f"{n_bytes / 1e6:,.0f} MB"
+
+
+def environment_error(error: BaseException, where: Path, needed_bytes=None) -> RunDirError | None:
+    """A one-line RunDirError for a full disk, a read-only or forbidden path, ...; None for anything else.
+    ``needed_bytes()`` estimates what the failed step needed (for the disk-full message)."""
+    target = Path(getattr(error, "filename", None) or where)
+    if is_disk_full(error):
+        folder = target
+        while not folder.is_dir() and folder != folder.parent:  # the nearest existing folder
+            folder = folder.parent
+        try:
+            need = f", about {_mb(needed_bytes())} needed" if needed_bytes else ""
+        except Exception:  # noqa: BLE001 - an estimate must not hide the disk-full error
+            need = ""
+        return RunDirError(f"no space left on {folder}: {_mb(free_bytes(folder))} free{need}; free some space or use "
+                           "another --output (or TMPDIR for eval's temporary files)")
+    if isinstance(error, OSError) and error.errno in ENVIRONMENT_ERRNOS:
+        return RunDirError(f"cannot write {target}: {error.strerror}")
+    return None
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    from quant import version
+
+    out = {"python": platform.python_version(), "moe-quant": version()}
+    for pkg in ("torch", "transformers", "compressed-tensors", "safetensors", "lm_eval"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+class RunDir:
+    """``runs/<name>/``: holds the manifest and every stage's artifacts."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._lock_file = None
+
+    def manifest(self) -> dict:
+        p = self.path / MANIFEST
+        if not p.is_file():
+            return {}
+        try:
+            return json.loads(p.read_text())
+        except json.JSONDecodeError:
+            raise RunDirError(f"{p} is corrupt; remove the run directory or use another --output") from None
+
+    def save_manifest(self, data: dict) -> None:
+        atomic_write_text(self.path / MANIFEST, json.dumps(data, indent=1))
+
+    def claim(self, identity: dict, force: bool) -> dict:
+        """Create or reopen the run dir for ``identity`` (recipe hash, model); refuse a different run."""
+        try:
+            return self._claim(identity, force)
+        except OSError as e:
+            raise environment_error(e, self.path) or RunDirError(f"cannot create or use run directory {self.path}: "
+                                                                 f"{e.strerror or e}") from None
+
+    def _claim(self, identity: dict, force: bool) -> dict:
+        if self.path.exists() and not self.path.is_dir():
+            raise RunDirError(f"{self.path} is a file, not a run directory; use another --output")
+        if self.path.exists() and not (self.path / MANIFEST).is_file() and any(self.path.iterdir()) and not force:
+            raise RunDirError(f"{self.path} exists and is not a quant run directory; use another --output or --force")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        for d in (self.path, self.path / "quantize.partial"):
+            remove_stale(d)
+        m = self.manifest()
+        finished = any(s.get("status") == "done" for s in m.get("stages", {}).values())
+        old = m.get("identity", {})
+        if m and finished and old != identity and not force and {**old, "fingerprint": None} == {**identity,
+                                                                                                 "fingerprint": None}:
+            raise RunDirError(f"the model {identity.get('model')} changed since {self.path} was made (its files no "
+                              "longer match the recorded fingerprint: damaged or replaced); restore it, or --force "
+                              "all to redo the run on it")
+        if m and finished and old != identity and not force:
+            raise RunDirError(
+                f"{self.path} holds a different run (recipe '{m.get('identity', {}).get('recipe')}', "
+                f"model {m.get('identity', {}).get('model')}); use another --output, or --force STAGE to redo it"
+            )
+        m = {"identity": identity, "stages": m.get("stages", {}) if m.get("identity") == identity or force else {},
+             "versions": versions()}
+        self.save_manifest(m)
+        return m
+
+    def _lock(self) -> None:
+        self._lock_file = open(self.path / ".lock", "w")  # noqa: SIM115 - held for the process lifetime
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirError(f"another quant process is using {self.path}") from None
+
+    def is_fresh(self, m: dict, stage: str, input_hash: str, output_hashes) -> bool:
+        """Done with these inputs, and ``output_hashes()`` (None for a missing or damaged output) as recorded."""
+        entry = m["stages"].get(stage, {})
+        if entry.get("status") != "done" or entry.get("input_hash") != input_hash:
+            return False
+        now = output_hashes()
+        return None not in now.values() and entry.get("outputs") == now
+
+    def mark(self, m: dict, stage: str, **fields) -> None:
+        m["stages"].setdefault(stage, {}).update(fields, updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        self.save_manifest(m)
+
+    def fail(self, m: dict, stage: str, error: BaseException, outputs: list[str]) -> None:
+        """Record ``stage`` as failed (or interrupted) with the error and remove its outputs, so nothing it left
+        looks finished. Best effort: a full disk must not hide the original error."""
+        for o in outputs:
+            p = self.path / o
+            try:
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+            except OSError:
+                pass
+        status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+        message = (str(error).strip().splitlines() or [""])[0]
+        try:
+            m["stages"].setdefault(stage, {}).pop("outputs", None)
+            self.mark(m, stage, status=status, error=f"{type(error).__name__}: {message}"[:500])
+        except OSError:
+            pass

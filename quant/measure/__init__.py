@@ -1,0 +1,1 @@
+"""What the model does on calibration tokens: the routing profile and each MoE layer's damage."""

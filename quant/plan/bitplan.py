@@ -1,0 +1,278 @@
+"""BitPlan: every quantizable weight -> bits, group size, symmetry, algorithm, or keep. ``plan_bits`` is pure.
+
+Expert decisions come from a policy over per-expert scores (routing profile); rules for attention, shared
+experts, dense MLPs, super experts and edge layers override scores; router, embeddings and lm_head are always
+kept. ``per_layer`` granularity projects expert decisions onto whole MoE layers under the same budget, which is
+what vLLM can serve (one scheme per fused MoE layer). Layer policies (``quant.plan.layer_policy.LAYER_POLICIES``:
+``layer_sensitivity``) decide bits and group size per MoE layer directly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from quant.algos.grid import shared_group_size
+from quant.errors import PlanError
+from quant.measure.profile import RoutingProfile
+from quant.models import ModuleInfo
+from quant.plan.layer_policy import LAYER_POLICIES
+from quant.recipe import PlanSpec
+
+SCHEMA_VERSION = 1
+KEEP_BITS = 16  # what a kept (bf16/fp16) weight costs
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """``bits`` None means keep in the model dtype."""
+
+    bits: int | None
+    group_size: int = 0
+    symmetric: bool = True
+    reason: str = ""
+
+    @property
+    def keep(self) -> bool:
+        return self.bits is None
+
+
+@dataclass
+class BitPlan:
+    modules: dict[str, ModulePlan]
+    algorithm: str
+    granularity: str
+    target_runtime: str
+    policy: str
+    model_fingerprint: str
+    schema_version: int = SCHEMA_VERSION
+    notes: list[str] = field(default_factory=list)
+    group_rule: str = ""  # how each module's group size was chosen (see ``resolve_group_sizes``)
+    # quant.plan.servable.serving_summary: vLLM/SGLang problems, predicted KL, the best plan they serve (plan stage)
+    serving: dict = field(default_factory=dict)
+
+    def quantized(self) -> dict[str, ModulePlan]:
+        return {n: p for n, p in self.modules.items() if not p.keep}
+
+    def save(self, path: Path) -> None:
+        d = asdict(self)
+        d["modules"] = {n: asdict(p) for n, p in self.modules.items()}
+        path.write_text(json.dumps(d, indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> BitPlan:
+        d = json.loads(path.read_text())
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise PlanError(f"{path}: plan schema_version {d.get('schema_version')} != {SCHEMA_VERSION}")
+        d["modules"] = {n: ModulePlan(**p) for n, p in d["modules"].items()}
+        return cls(**d)
+
+
+def expert_scores(profile: RoutingProfile, score: str) -> torch.Tensor:
+    """``[L, E]`` score per expert: routed tokens, routing-weight mass, or their product (MC-MoE style)."""
+    if score == "tokens":
+        return profile.counts.clone()
+    if score == "weight_mass":
+        return profile.weight_mass.clone()
+    share = profile.share()
+    mass = profile.weight_mass / profile.weight_mass.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    return share * mass
+
+
+def _top_mask(scores: torch.Tensor, n: int, largest: bool = True) -> torch.Tensor:
+    """Boolean mask of the n best entries of a 1-D tensor; ties go to the lower index (stable)."""
+    order = torch.sort(scores if largest else -scores, descending=True, stable=True).indices
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    mask[order[:n]] = True
+    return mask
+
+
+def _fraction_mask(scores: torch.Tensor, spec: PlanSpec) -> torch.Tensor:
+    """``[L, E]`` True where the expert gets high bits under top_fraction / inverse / random policies."""
+    L, E = scores.shape
+    if spec.policy == "random":
+        gen = torch.Generator().manual_seed(spec.seed)
+        scores = torch.rand(L, E, generator=gen, dtype=torch.float64)
+    largest = spec.policy != "inverse"
+    if spec.ranking == "per_layer":
+        n = round(spec.top_fraction * E)
+        return torch.stack([_top_mask(scores[i], n, largest) for i in range(L)])
+    norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    return _top_mask(norm.reshape(-1), round(spec.top_fraction * L * E), largest).reshape(L, E)
+
+
+def _budget_mask(scores: torch.Tensor, expert_bits: torch.Tensor, spec: PlanSpec) -> torch.Tensor:
+    """Greedy by score per extra bit: upgrade experts low->high while average expert bits stay <= target.
+
+    ``expert_bits [L, E]`` is the number of weights of each expert (all three projections).
+    """
+    numel = expert_bits.double()
+    total = numel.sum()
+    if spec.budget_avg_bits is not None:
+        allowance = (spec.budget_avg_bits - spec.low_bits) * total
+    else:
+        allowance = spec.budget_gb * 8e9 - spec.low_bits * total
+        if allowance < 0:  # not even every expert at low_bits fits: refuse rather than plan all-low silently
+            raise PlanError(f"plan.budget_gb {spec.budget_gb:g} is below the size of every expert at "
+                            f"{spec.low_bits} bits ({spec.low_bits * total.item() / 8e9:.4g} GB); raise it or lower "
+                            "plan.low_bits")
+    cost = (spec.high_bits - spec.low_bits) * numel
+    norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    order = torch.sort((norm / cost).reshape(-1), descending=True, stable=True).indices
+    mask = torch.zeros(numel.numel(), dtype=torch.bool)
+    spent = 0.0
+    for i in order.tolist():  # O(L*E) scalar loop over a score list, not a tensor hot path
+        c = cost.reshape(-1)[i].item()
+        if spent + c <= allowance + 1e-6:
+            mask[i] = True
+            spent += c
+    return mask.reshape(scores.shape)
+
+
+def _per_layer(mask: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Project an expert mask onto whole layers with the same number of upgraded experts (rounded)."""
+    L, E = mask.shape
+    n_layers_high = round(mask.sum().item() / E)
+    norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-12)
+    layer_score = (norm * mask).sum(dim=1)  # traffic the per-expert plan sent to high bits, per layer
+    chosen = _top_mask(layer_score, n_layers_high)
+    return chosen.unsqueeze(1).expand(L, E).clone()
+
+
+def _expert_numel(modules: dict[str, ModuleInfo], profile: RoutingProfile) -> torch.Tensor:
+    numel = torch.zeros(len(profile.layers), profile.n_experts, dtype=torch.float64)
+    for m in modules.values():
+        if m.kind == "expert":
+            numel[profile.row(m.layer), m.expert] += m.numel
+    return numel
+
+
+def _high_mask(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec) -> torch.Tensor:
+    """``[L, E]`` True where an expert gets ``high_bits``, before protection rules."""
+    if spec.policy == "sensitivity":
+        if profile.sensitivity is None:
+            raise PlanError("plan.policy 'sensitivity' needs a profile with sensitivity scores; re-run `quant profile`")
+        scores = profile.sensitivity.clone()
+    else:
+        scores = expert_scores(profile, spec.score)
+    if spec.policy == "uniform":
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+    elif spec.policy == "budget":
+        mask = _budget_mask(scores, _expert_numel(modules, profile), spec)
+    elif spec.policy == "sensitivity" and spec.budget_avg_bits is not None:
+        mask = _budget_mask(scores, _expert_numel(modules, profile), spec)
+    else:
+        mask = _fraction_mask(scores, spec)
+    if spec.granularity == "per_layer":
+        mask = _per_layer(mask, scores)
+    return mask
+
+
+GROUP_RULE = (
+    "plan.group_size {requested} is the largest group: every scheme unit gets one group size, the largest power of "
+    "two <= {requested} dividing the input width of each of its projections (-1: one group per row). Units: the "
+    "experts of one MoE layer (gate, up and down of every expert: vLLM and SGLang build one scheme per fused MoE "
+    "layer, GPTQ rules address whole experts); with GPTQ export also each attention, shared-expert and dense-MLP "
+    "block (one dynamic rule per block); any other module alone."
+)
+
+
+def scheme_unit(m: ModuleInfo, formats: tuple[str, ...]) -> str:
+    """Name of the group of modules that must share one group size (see ``GROUP_RULE``)."""
+    if m.kind == "expert":
+        return f"layers.{m.layer}.experts"
+    if "gptq" in formats and m.kind in ("attn", "shared", "dense_mlp"):
+        return m.name.rsplit(".", 1)[0]
+    return m.name
+
+
+def resolve_group_sizes(modules: dict[str, ModuleInfo], requested: int, formats: tuple[str, ...]) -> dict[str, int]:
+    """Module name -> effective group size along its input dim, one per scheme unit (``GROUP_RULE``).
+
+    A unit whose widths are all >= ``requested`` takes ``requested`` (each width must be a multiple of it); a unit
+    with a narrower projection (tiny models: down_proj 32 wide under a 128 request) takes the largest power of two
+    that divides every width, so one expert never mixes group sizes. ``-1``: each module's own width.
+    """
+    units: dict[str, list[ModuleInfo]] = defaultdict(list)
+    for m in modules.values():
+        units[scheme_unit(m, formats)].append(m)
+    out: dict[str, int] = {}
+    for unit, members in units.items():
+        widths = sorted({m.in_features for m in members})
+        if requested == -1:
+            out.update({m.name: m.in_features for m in members})
+            continue
+        bad = [w for w in widths if w >= requested and w % requested]
+        if bad:
+            raise PlanError(f"{unit}: in_features {bad[0]} is not divisible by plan.group_size {requested}; use a "
+                            f"group size dividing {bad[0]} (e.g. 32, 64) or -1 (per channel)")
+        group = shared_group_size(requested, widths)
+        out.update({m.name: group for m in members})
+    return out
+
+
+LAYER_GROUP_RULE = (" Layer policies ask for one group size per MoE layer (its scheme's); the same rule resolves it for "
+                    "that layer's experts.")
+
+
+def _resolve_requested(quantized: dict[str, ModuleInfo], requested: dict[str, int],
+                       formats: tuple[str, ...]) -> dict[str, int]:
+    """``resolve_group_sizes`` for each requested group size in turn (layer policies ask per MoE layer)."""
+    groups: dict[str, int] = {}
+    for g in sorted({requested[n] for n in quantized}):
+        groups.update(resolve_group_sizes({n: m for n, m in quantized.items() if requested[n] == g}, g, formats))
+    return groups
+
+
+def _rule_bits(m: ModuleInfo, spec: PlanSpec, n_layers: int) -> tuple[int | str | None, str] | None:
+    """Bits (or 'keep') a protection rule forces on module ``m``, with the rule's name; None if no rule."""
+    p = spec.protect
+    if m.kind in ("router", "embed", "lm_head"):
+        return "keep", m.kind
+    if m.kind == "attn":
+        return p.attention, "protect.attention"
+    if m.kind == "shared":
+        return p.shared_experts, "protect.shared_experts"
+    if m.kind == "dense_mlp":
+        return p.dense_mlp, "protect.dense_mlp"
+    if m.layer is not None and (m.layer < p.first_layers or m.layer >= n_layers - p.last_layers):
+        return p.edge_layer_bits, "protect.edge_layers"
+    return None
+
+
+def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec, algorithm: str,
+              n_layers: int, formats: tuple[str, ...] = ("compressed-tensors",)) -> BitPlan:
+    """Decide every module's bits from the profile and the plan spec (pure: no I/O, no model). ``formats``: the
+    checkpoint formats the plan will be exported to (they decide which modules share a group size)."""
+    layer_schemes = LAYER_POLICIES[spec.policy](profile, modules, spec) if spec.policy in LAYER_POLICIES else None
+    high = _high_mask(profile, modules, spec) if layer_schemes is None else None
+    supers = set(profile.super_experts(spec.protect.super_expert_ratio)) if spec.protect.super_experts else set()
+    decided: dict[str, tuple[int | None, str]] = {}
+    requested: dict[str, int] = {}  # the group size asked for: plan.group_size, or a layer policy's per MoE layer
+    for name, m in modules.items():
+        rule = _rule_bits(m, spec, n_layers)
+        if rule is None and (m.layer, m.expert) in supers:
+            rule = (spec.protect.super_experts, "protect.super_experts")
+        group_size = spec.group_size
+        if rule is not None:
+            bits, reason = rule
+        elif layer_schemes is not None:
+            bits, group_size = layer_schemes[m.layer]
+            reason = f"{spec.policy}:w{bits}g{group_size}"
+        elif high[profile.row(m.layer), m.expert]:
+            bits, reason = spec.high_bits, f"{spec.policy}:high"
+        else:
+            bits, reason = spec.low_bits, f"{spec.policy}:low"
+        decided[name] = (None if bits == "keep" else int(bits), reason)
+        requested[name] = group_size
+    groups = _resolve_requested({n: modules[n] for n, (bits, _) in decided.items() if bits is not None}, requested,
+                                formats)
+    out = {n: ModulePlan(bits, groups[n], spec.symmetric, reason) if bits is not None else ModulePlan(None, reason=reason)
+           for n, (bits, reason) in decided.items()}
+    rule = GROUP_RULE.format(requested=spec.group_size) + (LAYER_GROUP_RULE if layer_schemes is not None else "")
+    return BitPlan(out, algorithm, spec.granularity, spec.target_runtime, spec.policy, profile.model_fingerprint,
+                   group_rule=rule)

@@ -1,0 +1,183 @@
+"""Can the target runtime serve this plan? Checked before any GPU hour is spent.
+
+Facts (read from vLLM 0.33, SGLang 0.5.23, transformers 5.17, GPTQModel 7.6; see docs/runtimes.md):
+- vLLM builds one quantization method per fused MoE layer from expert 0's scheme
+  (``<layer>.experts.0.gate_proj``) and applies it to every expert of that layer: bits may differ between
+  layers, never between experts of one layer. Its MoE kernels take int4 (sym/asym) or symmetric int8, group
+  size 32/64/128 or per channel. It fuses q/k/v (and DeepSeek's q_a/kv_a, MLP gate/up): fused shards must share
+  a scheme.
+- SGLang: the same per-layer rule; asymmetric experts only at 4 bits; its GPTQ-Marlin MoE path ignores
+  ``dynamic`` rules, so GPTQ checkpoints need one expert scheme for the whole model.
+- transformers 5.17 decompresses all fused experts of a compressed-tensors checkpoint with a single scheme
+  (``get_experts_scheme``), symmetric only; any other expert scheme is silently loaded as garbage. It cannot
+  load GPTQ MoE checkpoints at all.
+- GPTQModel unfuses experts into per-expert Linear modules and honours per-expert ``dynamic`` rules: the one
+  runtime here that serves per-expert mixed bits (GPTQ format; it cannot read Mixtral's original
+  ``block_sparse_moe.experts.N.w1`` names).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from quant.errors import PlanError
+from quant.models import ModelSource
+from quant.plan.bitplan import BitPlan
+
+RUNTIMES = ("any", "vllm", "sglang", "transformers", "gptqmodel")
+ATEN_INT4_GROUPS = (32, 64, 128, 256)  # torch's _weight_int4pack_mm_for_cpu (GPTQModel's TorchAtenLinear)
+TRANSFORMERS_NO_GPTQ = ("transformers cannot load GPTQ-format MoE checkpoints (fused experts); export "
+                        "compressed-tensors or serve the GPTQ checkpoint with gptqmodel/vllm")
+GPTQMODEL_NEEDS_GPTQ = "GPTQModel loads GPTQ-format checkpoints only; add gptq to export.formats"
+# canonical leaf groups a runtime fuses into one module, so they must share one scheme
+FUSED = (("attn", ("q", "k", "v")), ("attn", ("q_a", "kv_a_proj_with_mqa")), ("mlp", ("gate", "up")),
+         ("shared", ("gate", "up")))
+
+
+def _scheme(plan: BitPlan, name: str) -> tuple:
+    p = plan.modules[name]
+    return ("keep",) if p.keep else (p.bits, p.group_size, p.symmetric)
+
+
+def _fmt(s: tuple) -> str:
+    return "bf16 (kept)" if s == ("keep",) else f"W{s[0]} g{s[1]} {'sym' if s[2] else 'asym'}"
+
+
+def expert_schemes_by_layer(plan: BitPlan, source: ModelSource) -> dict[int, set[tuple]]:
+    out: dict[int, set[tuple]] = defaultdict(set)
+    for name, m in source.modules.items():
+        if m.kind == "expert":
+            out[m.layer].add(_scheme(plan, name))
+    return out
+
+
+def _per_expert_hint(source: ModelSource) -> str:
+    if source.family.name == "mixtral":  # GPTQModel renames Mixtral's experts and cannot read quant's checkpoint
+        return ""
+    return ", or plan.target_runtime: gptqmodel with export.formats: [gptq] for per-expert bits"
+
+
+def _mix_hint(plan: BitPlan, source: ModelSource, layer: int, schemes: set[tuple]) -> str:
+    """What to change when a layer's experts mix schemes: depends on what made them differ."""
+    if len({s[0::2] for s in schemes}) == 1:  # same bits and symmetry: only the group sizes differ
+        widths = ", ".join(sorted({str(s[1]) for s in schemes}, key=int))
+        return (f"only their group sizes differ ({widths}: per-channel groups follow each projection's width); set "
+                f"plan.group_size to 32, 64 or 128")
+    if plan.granularity == "per_expert":
+        return "set plan.granularity: per_layer (bits per MoE layer)" + _per_expert_hint(source)
+    reasons = sorted({plan.modules[n].reason for n, m in source.modules.items()
+                      if m.kind == "expert" and m.layer == layer and not plan.modules[n].reason.endswith((":high", ":low"))})
+    rules = ", ".join(f"plan.{r}" for r in reasons) or "a protection rule"
+    return (f"plan.granularity is per_layer, but {rules} gives single experts of the layer other bits; unset it or "
+            f"give it the layer's bits" + _per_expert_hint(source))
+
+
+def _per_layer_uniform(plan: BitPlan, source: ModelSource, runtime: str) -> list[str]:
+    for layer, schemes in sorted(expert_schemes_by_layer(plan, source).items()):
+        if len(schemes) > 1:
+            return [f"{runtime} applies one quantization scheme to all experts of a fused MoE layer (it reads expert "
+                    f"0's gate, up and down), but layer {layer} mixes {', '.join(sorted(map(_fmt, schemes)))}; "
+                    f"{_mix_hint(plan, source, layer, schemes)}"]
+    return []
+
+
+def _moe_kernels(plan: BitPlan, source: ModelSource, runtime: str) -> list[str]:
+    for name, m in source.modules.items():
+        p = plan.modules[name]
+        if m.kind != "expert" or p.keep:
+            continue
+        if p.bits not in (4, 8) or (p.bits == 8 and not p.symmetric):
+            return [f"{runtime}'s MoE kernels take int4 (sym/asym) or symmetric int8 experts, not "
+                    f"{_fmt(_scheme(plan, name))} ({name}); change plan.high_bits/low_bits or plan.symmetric"]
+        if p.group_size not in (32, 64, 128, m.in_features):
+            return [f"{runtime}'s MoE kernels take group size 32, 64 or 128 (or per channel), not {p.group_size} "
+                    f"({name}); set plan.group_size"]
+    return []
+
+
+def _fused_shards(plan: BitPlan, source: ModelSource, runtime: str) -> list[str]:
+    by_parent: dict[tuple, dict[str, tuple]] = defaultdict(dict)
+    for name in source.modules:
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) == 4:
+            by_parent[(parts[1], parts[2])][parts[3]] = _scheme(plan, name)
+    for (layer, block), leaves in by_parent.items():
+        for fused_block, group in FUSED:
+            present = [leaves[g] for g in group if g in leaves and block == fused_block]
+            if len(set(present)) > 1:
+                return [f"{runtime} fuses layers.{layer}.{block}.{{{','.join(group)}}} into one module; they must share "
+                        f"one scheme but the plan gives {', '.join(sorted(map(_fmt, set(present))))}"]
+    return []
+
+
+def _transformers(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> list[str]:
+    schemes = set().union(*expert_schemes_by_layer(plan, source).values())
+    problems = []
+    if len(schemes) > 1:
+        problems.append(
+            f"transformers 5.x decompresses every fused expert of a compressed-tensors checkpoint with one scheme "
+            f"for the whole model, but the plan uses {', '.join(sorted(map(_fmt, schemes)))} (other experts would "
+            f"load as garbage); use plan.policy: uniform, or serve with vllm (per_layer) / gptqmodel (per_expert)"
+        )
+    if any(s != ("keep",) and not s[2] for s in schemes):
+        problems.append("transformers 5.x cannot load asymmetric (zero-point) experts; set plan.symmetric: true")
+    if "gptq" in formats:
+        problems.append(TRANSFORMERS_NO_GPTQ)
+    return problems
+
+
+def _gptq_types(plan: BitPlan, runtime: str, formats: tuple[str, ...]) -> list[str]:
+    """vLLM's and SGLang's GPTQ loaders take symmetric 4- or 8-bit weights only (their TYPE_MAP)."""
+    if "gptq" not in formats:
+        return []
+    for name, p in plan.quantized().items():
+        if p.bits not in (4, 8) or not p.symmetric:
+            return [f"{runtime}'s GPTQ loader takes symmetric 4- or 8-bit weights, not {_fmt(_scheme(plan, name))} "
+                    f"({name}); export compressed-tensors, or set plan.symmetric: true and bits 4/8"]
+    return []
+
+
+def gptqmodel_kernel_problem(plan: BitPlan) -> str | None:
+    """Why GPTQModel's default 4-bit CPU kernel (TorchAtenLinear: ``_weight_int4pack_mm_for_cpu``, group 32, 64,
+    128 or 256) cannot run this plan; its ``BACKEND.TORCH`` kernel (TorchLinear) takes any group. None if it can."""
+    for name, p in plan.quantized().items():
+        if p.bits == 4 and p.group_size not in ATEN_INT4_GROUPS:
+            return (f"GPTQModel's default 4-bit CPU kernel (TorchAtenLinear) takes group sizes "
+                    f"{', '.join(map(str, ATEN_INT4_GROUPS))}, not {p.group_size} ({name}); load with "
+                    f"backend=BACKEND.TORCH")
+    return None
+
+
+def _gptqmodel(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> list[str]:
+    if formats and "gptq" not in formats:
+        return [GPTQMODEL_NEEDS_GPTQ]
+    if source.family.name == "mixtral":
+        return ["gptqmodel reads Mixtral experts as mlp.experts.N.gate_proj, not the original "
+                "block_sparse_moe.experts.N.w1 names the checkpoint keeps; serve Mixtral with vllm (per_layer)"]
+    return []
+
+
+def problems_for(plan: BitPlan, source: ModelSource, runtime: str, formats: tuple[str, ...] = ()) -> list[str]:
+    """Reasons ``runtime`` cannot serve ``plan`` exported as ``formats`` (empty when it can)."""
+    if runtime == "any":
+        return []
+    if runtime == "transformers":
+        return _transformers(plan, source, formats)
+    if runtime == "gptqmodel":
+        return _gptqmodel(plan, source, formats)
+    problems = _per_layer_uniform(plan, source, runtime) + _fused_shards(plan, source, runtime)
+    problems += _moe_kernels(plan, source, runtime) + _gptq_types(plan, runtime, formats)
+    if runtime == "sglang" and "gptq" in formats and len(set().union(*expert_schemes_by_layer(plan, source).values())) > 1:
+        problems.append("sglang's GPTQ-Marlin MoE ignores dynamic rules: GPTQ checkpoints need one expert scheme "
+                        "for the whole model; export compressed-tensors for per-layer bits")
+    return problems
+
+
+def check_runtime(plan: BitPlan, source: ModelSource, runtime: str, formats: tuple[str, ...] = ()) -> None:
+    """Raise PlanError with the first reason ``runtime`` cannot serve the plan; for ``gptqmodel`` group sizes its
+    default CPU kernel rejects are kept out of the plan too (the model card names the backend otherwise)."""
+    problems = problems_for(plan, source, runtime, formats)
+    if runtime == "gptqmodel" and (kernel := gptqmodel_kernel_problem(plan)):
+        problems.append(kernel.replace("; load with", "; set plan.group_size to 32, 64 or 128, or load with"))
+    if problems:
+        raise PlanError(f"plan cannot be served by {runtime}: {problems[0]}")

@@ -1,0 +1,84 @@
+"""What a plan costs and whom it serves: average bits, checkpoint size, traffic at high precision, per layer.
+
+``traffic-weighted bits`` is the mean bit width of the expert weights a routed token actually reads (each
+expert weighted by its share of the layer's routed assignments): what decode bandwidth sees.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from quant.measure.profile import RoutingProfile
+from quant.models import ModelSource
+from quant.plan.bitplan import KEEP_BITS, BitPlan
+
+SCALE_BYTES = 2
+
+
+def module_bytes(bits: int | None, out_f: int, in_f: int, group: int, symmetric: bool) -> float:
+    """Checkpoint bytes of one weight: packed codes + scales (+ zero points), or the dense weight."""
+    if bits is None:
+        return out_f * in_f * KEEP_BITS / 8
+    n_groups = out_f * (in_f // group)
+    return out_f * in_f * bits / 8 + n_groups * SCALE_BYTES + (0 if symmetric else n_groups * bits / 8) + 16
+
+
+def _bits(plan: BitPlan, name: str) -> int:
+    p = plan.modules[name]
+    return KEEP_BITS if p.keep else p.bits
+
+
+def summarize(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> dict:
+    """Headline numbers and a per-layer table (bits in keys: 16 means kept in the model dtype)."""
+    mods = source.modules
+    share = profile.share()
+    e_bits = e_numel = all_bits = all_numel = size = 0.0
+    expert_mods_by_bits: dict[int, int] = defaultdict(int)
+    traffic_by_bits: dict[int, float] = defaultdict(float)
+    per_layer: dict[int, dict] = defaultdict(lambda: {"bits": defaultdict(int), "traffic_bits": 0.0, "numel": 0.0,
+                                                      "traffic": defaultdict(float)})
+    for name, m in mods.items():
+        p = plan.modules[name]
+        b = _bits(plan, name)
+        size += module_bytes(p.bits, m.out_features, m.in_features, p.group_size or 1, p.symmetric)
+        all_bits, all_numel = all_bits + b * m.numel, all_numel + m.numel
+        if m.kind != "expert":
+            continue
+        e_bits, e_numel = e_bits + b * m.numel, e_numel + m.numel
+        s = share[profile.row(m.layer), m.expert].item() / 3  # three projections per expert
+        lay = per_layer[m.layer]
+        lay["bits"][b] += 1
+        lay["traffic"][b] += s
+        lay["traffic_bits"] += s * b
+        expert_mods_by_bits[b] += 1
+    size += _other_bytes(source)
+    table = [{"layer": layer, "modules_by_bits": dict(sorted(lay["bits"].items())),
+              "traffic_share_by_bits": {b: round(v, 4) for b, v in sorted(lay["traffic"].items())},
+              "traffic_weighted_bits": round(lay["traffic_bits"], 3)}
+             for layer, lay in sorted(per_layer.items())]
+    for row in table:
+        for b, v in row["traffic_share_by_bits"].items():
+            traffic_by_bits[b] += v / len(table)
+    n_expert_mods = sum(expert_mods_by_bits.values())
+    headline = {
+        "avg_bits_experts": round(e_bits / max(e_numel, 1), 3),
+        "avg_bits_all": round(all_bits / max(all_numel, 1), 3),
+        "size_gb": round(size / 1e9, 4),
+        "expert_pct_by_bits": {b: round(100 * n / max(n_expert_mods, 1), 2) for b, n in sorted(expert_mods_by_bits.items())},
+        "traffic_share_by_bits": {b: round(v, 4) for b, v in sorted(traffic_by_bits.items())},
+        "traffic_weighted_bits": round(sum(r["traffic_weighted_bits"] for r in table) / max(len(table), 1), 3),
+    }
+    return {"headline": headline, "per_layer": table}
+
+
+def _other_bytes(source: ModelSource) -> float:
+    """Bytes of tensors that are not quantizable modules (norms, biases, buffers), at 2 bytes each."""
+    module_keys = {m.disk_prefix + ".weight" for m in source.modules.values()}
+    total = 0
+    for key, shape in source.shapes().items():
+        if key not in module_keys:
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * 2
+    return float(total)

@@ -1,0 +1,1 @@
+"""The pipeline: stage order, stage bodies."""

@@ -1,0 +1,219 @@
+"""The one place where stage order lives: calibrate -> profile -> plan -> quantize -> export -> eval -> report.
+
+Each stage is a function of typed inputs that writes its artifact into the run directory. The pipeline hashes
+every stage's inputs (recipe sections, model fingerprint, upstream outputs); a stage whose inputs did not
+change and whose outputs are intact is skipped, so rerunning a killed run resumes it. ``force`` redoes a
+stage and everything after it. A stage that raises is recorded as failed and its outputs removed; a full disk or
+an unwritable path becomes one line naming the path.
+
+Under torchrun every rank runs the pipeline: the writer (rank 0) alone claims the run directory, decides which
+stages are fresh, writes the manifest and runs the single-rank stages while the other ranks wait;
+``profile``, ``quantize``, ``export`` and ``eval`` (``DISTRIBUTED``) run on every rank. Between stages a stop request
+(signal, stop file) ends the run, resumable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from quant.dist.world import SINGLE, World
+from quant.engine.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
+from quant.errors import GateFailed, RunDirError, StopRequested
+from quant.io.rundir import RunDir, environment_error, hash_path
+from quant.models import ModelSource, resolve_model
+from quant.progress import step as progress_step
+from quant.recipe import Recipe
+from quant.run import stages
+
+log = logging.getLogger(__name__)
+
+STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "report")
+# stage -> (recipe sections it reads, upstream stages whose outputs it reads, its outputs)
+DEPENDS = {
+    "calibrate": (("model", "calibration"), (), ("calibration.safetensors", "calibration.json")),
+    "profile": (("model", "profile"), ("calibrate",), ("profile.json",)),
+    "plan": (("plan", "quantize", "export"), ("profile",), ("plan.json",)),  # formats decide group units
+    "quantize": (("model", "quantize"), ("calibrate", "plan"), ("quantized",)),
+    "export": (("export",), ("plan", "quantize"), ()),  # outputs: one folder per format
+    "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
+    "report": (("report", "eval"), ("profile", "plan", "quantize", "export", "eval"), ("report.md", "metrics.json")),
+}
+# stages every rank runs (``run_<stage>(..., world)``); the others run on the writer alone
+DISTRIBUTED = ("profile", "quantize", "export", "eval")
+STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop a run after the layer in hand (Slurm job scripts do)
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    ran: list[str]
+    skipped: list[str]
+    passed: bool | None
+
+
+def share_fingerprint(world: World, source: ModelSource) -> str:
+    """The writer's model fingerprint, set on every rank's ``source``. A fingerprint reads every shard whole the
+    first time (digests are cached per machine, by stat): computed by each rank, the nodes of a multi-node job with
+    node-local caches would each read the whole model from shared storage, eight ranks at a time, for a value the
+    writer already has."""
+    fingerprint = world.on_writer(lambda: source.fingerprint)
+    source.__dict__["fingerprint"] = fingerprint  # the cached_property's slot
+    return fingerprint
+
+
+class Run:
+    """One recipe applied to one run directory."""
+
+    def __init__(self, recipe: Recipe, run_dir: Path, world: World = SINGLE):
+        self.recipe = recipe
+        self.dir = RunDir(run_dir)
+        self.world = world
+        world.stop.file = self.dir.path / STOP_FILE
+
+    @cached_property
+    def source(self) -> ModelSource:
+        m = self.recipe.model
+        return resolve_model(m.path, trust_remote_code=m.trust_remote_code, family=m.family)
+
+    def identity(self) -> dict:
+        return {"recipe": self.recipe.name, "model": self.recipe.model.path,
+                "fingerprint": self.source.fingerprint}
+
+    def input_hash(self, stage: str, m: dict) -> str:
+        sections, upstream, _ = DEPENDS[stage]
+        blob = {
+            "recipe": self.recipe.section_hash(*sections),
+            "model": self.source.fingerprint,
+            "upstream": {u: m["stages"].get(u, {}).get("outputs") for u in upstream},
+        }
+        if stage == "calibrate":
+            blob["dataset"] = stages.dataset_hash(self.recipe.calibration.dataset)
+        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+    def outputs(self, stage: str) -> list[str]:
+        """Run-dir-relative outputs: export's are the checkpoint folders, report's include their model cards."""
+        from quant.export import CARD, checkpoint_dirs
+
+        if stage == "export":
+            return list(checkpoint_dirs(self.recipe).values())
+        cards = [f"{d}/{CARD}" for d in checkpoint_dirs(self.recipe).values()] if stage == "report" else []
+        return list(DEPENDS[stage][2]) + cards
+
+    def output_hashes(self, stage: str) -> dict[str, str | None]:
+        """What each output holds now (None: missing or damaged). A checkpoint counts by the SHA-256 manifest it
+        carries, verified file by file (digests cached by stat, so an unchanged checkpoint is not re-read)."""
+        if stage == "export":
+            from quant.export import checkpoint_digest
+
+            return {o: checkpoint_digest(self.dir.path / o) for o in self.outputs(stage)}
+        return {o: hash_path(self.dir.path / o) for o in self.outputs(stage)}
+
+    def execute(self, until: str = "report", force: str | None = None) -> RunResult:
+        if until not in STAGES:
+            raise RunDirError(f"unknown stage '{until}'; stages: {', '.join(STAGES)}")
+        if force is not None and force not in STAGES and force != "all":
+            raise RunDirError(f"--force takes a stage name or 'all', got '{force}'; stages: {', '.join(STAGES)}")
+        for device in {self.recipe.quantize.device, self.recipe.eval.device}:  # absent devices fail before any work
+            pick_device(device)
+        w = self.world
+
+        def claim() -> dict:  # on the writer, which resolves the model first (a hub model downloads once)
+            if STAGES.index(until) >= STAGES.index("eval"):
+                stages.check_eval(self.recipe, self.source)  # a recipe the model cannot serve fails before any work
+            return self.dir.claim(self.identity(), force=force is not None)
+
+        m = w.on_writer(claim)
+        share_fingerprint(w, self.source)
+        first_forced = 0 if force == "all" else (STAGES.index(force) if force else len(STAGES))
+        ran, skipped = [], []
+        todo = STAGES[: STAGES.index(until) + 1]
+        for i, stage in enumerate(todo):
+            fresh, h = w.on_writer(lambda i=i, stage=stage: self._decide(stage, i < first_forced, m))
+            if fresh:
+                skipped.append(stage)
+                log.info("stage %s: up to date, skipped", stage)
+                continue
+            if stage == "quantize" or (stage == "export" and "quantize" not in ran):
+                w.on_writer(lambda stage=stage: stages.check_disk(self.recipe, self.source, self.dir.path, stage))
+            position = (i, len(todo))
+            if stage in DISTRIBUTED:
+                self._run_stage(stage, h, m, position)
+            else:
+                w.on_writer(lambda stage=stage, h=h, p=position: self._run_stage(stage, h, m, p))
+            ran.append(stage)
+            if i + 1 < len(todo):
+                w.raise_if_stopped(f"stage {stage}")
+        passed = w.on_writer(lambda: self._finish(m, until))
+        return RunResult(self.dir.path, ran, skipped, passed)
+
+    def _decide(self, stage: str, may_skip: bool, m: dict) -> tuple[bool, str]:
+        h = self.input_hash(stage, m)
+        return may_skip and self.dir.is_fresh(m, stage, h, lambda: self.output_hashes(stage)), h
+
+    def _finish(self, m: dict, until: str) -> bool | None:
+        passed = m["stages"].get("eval", {}).get("passed")
+        m["passed"] = passed
+        self.dir.save_manifest(m)
+        if passed is False and until in ("eval", "report"):
+            failed = m["stages"]["eval"].get("failed_gates", [])
+            raise GateFailed(f"quality gates failed: {'; '.join(failed)} (see {self.dir.path / 'report.md'})")
+        return passed
+
+    def _run_stage(self, stage: str, input_hash: str, m: dict, position: tuple[int, int]) -> None:
+        """Run one stage (on every rank when it is distributed, else on the writer alone); the writer records it:
+        done, stopped, or failed (its outputs removed). ``position``: (stages before it, stages in this invocation)
+        for the progress display."""
+        w, distributed, (i, n) = self.world, stage in DISTRIBUTED, position
+        log.info("stage %s: running", stage, extra=progress_step("run", i, n, "stages", eta=False))
+        device = pick_device(self.recipe.quantize.device)
+        reset_peak_memory(device)
+        if w.is_writer:
+            upstream = {u: m["stages"].get(u, {}).get("outputs") for u in DEPENDS[stage][1]}
+            self.dir.mark(m, stage, status="running", input_hash=input_hash, upstream=upstream)
+        t0 = time.perf_counter()
+        fn = getattr(stages, f"run_{stage}")
+        try:
+            info = (fn(self.recipe, self.source, self.dir.path, w) if distributed
+                    else fn(self.recipe, self.source, self.dir.path)) or {}
+            peak = w.max_over_ranks(peak_memory_bytes(device)) if distributed else peak_memory_bytes(device)
+            if w.is_writer:
+                self.dir.mark(m, stage, status="done", input_hash=input_hash, wall_s=round(time.perf_counter() - t0, 3),
+                              peak_memory_bytes=peak, device=str(device), ranks=w.size if distributed else 1,
+                              outputs=self.output_hashes(stage), **info)
+        except StopRequested:
+            if w.is_writer:
+                self.dir.mark(m, stage, status="stopped")
+            raise
+        except BaseException as e:
+            if w.is_writer:
+                self._record_failure(stage, m, e)
+            raise
+        if w.is_writer:
+            log.info("stage %s: done in %.1fs", stage, m["stages"][stage]["wall_s"],
+                     extra=progress_step("run", i + 1, n, "stages", eta=False))
+
+    def _record_failure(self, stage: str, m: dict, error: BaseException) -> None:
+        """Mark ``stage`` failed (interrupted) and remove its outputs; a full disk or unwritable path is raised as
+        one line naming it."""
+        self.dir.fail(m, stage, error, self.outputs(stage))
+        plain = environment_error(error, self.dir.path,
+                                  lambda: stages.output_bytes(stage, self.recipe, self.source, self.dir.path))
+        if plain is not None:
+            raise plain from None
+
+
+def run(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None,
+        world: World = SINGLE) -> RunResult:
+    try:
+        return Run(recipe, run_dir, world).execute(until=until, force=force)
+    except OSError as e:  # a full disk or unwritable path outside a stage (manifest writes)
+        plain = environment_error(e, Path(run_dir))
+        if plain is None:
+            raise
+        raise plain from None

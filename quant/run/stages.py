@@ -1,0 +1,202 @@
+"""Stage bodies: read upstream artifacts from the run directory, call the stage's module, write its artifact.
+
+Each ``run_<stage>(recipe, source, run_dir) -> dict`` writes only its own outputs (atomically) and returns a
+few numbers for the manifest. Stages never call each other; ``pipeline`` decides order and freshness.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from quant.calibration import CalibrationSet, build_calibration, load_manifest, resolve_dataset_path
+from quant.dist.world import SINGLE, World
+from quant.engine.layerwise import Layerwise
+from quant.io.rundir import atomic_write_text, temp_path
+from quant.measure.profile import RoutingProfile, profile_routing
+from quant.models import ModelSource
+from quant.plan.bitplan import BitPlan, plan_bits
+from quant.plan.summary import summarize
+from quant.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+
+def dataset_hash(dataset: str) -> str:
+    """Hash of a calibration manifest and the local files it names."""
+    path = resolve_dataset_path(dataset)
+    h = hashlib.sha256(path.read_bytes())
+    for src in load_manifest(path).sources:
+        if src.path and (path.parent / src.path).is_file():
+            h.update((path.parent / src.path).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def save_calibration(calib: CalibrationSet, run_dir: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = temp_path(run_dir / "calibration.safetensors")
+    save_file({"tokens": calib.tokens.contiguous()}, str(tmp))
+    tmp.replace(run_dir / "calibration.safetensors")
+    meta = {"dataset": calib.manifest, "seed": calib.seed, "n_samples": len(calib.sample_ids),
+            "seq_len": int(calib.tokens.shape[1]), "sample_ids": list(calib.sample_ids), "domains": list(calib.domains)}
+    atomic_write_text(run_dir / "calibration.json", json.dumps(meta, indent=1))
+
+
+def load_calibration(run_dir: Path) -> CalibrationSet:
+    from safetensors.torch import load_file
+
+    meta = json.loads((run_dir / "calibration.json").read_text())
+    tokens = load_file(str(run_dir / "calibration.safetensors"))["tokens"]
+    return CalibrationSet(tokens, tuple(meta["sample_ids"]), tuple(meta["domains"]), meta["seed"], meta["dataset"])
+
+
+def _layerwise(recipe: Recipe, source: ModelSource, batch_size: int, world: World) -> Layerwise:
+    return Layerwise(source, recipe.model.dtype, recipe.quantize.device, batch_size, world=world)
+
+
+def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    c = recipe.calibration
+    calib = build_calibration(c.dataset, source.tokenizer(), c.n_samples, c.seq_len, c.seed)
+    save_calibration(calib, run_dir)
+    return {"n_tokens": int(calib.tokens.numel())}
+
+
+def _layer_damage(recipe: Recipe, source: ModelSource, calib: CalibrationSet) -> dict:
+    from quant.measure.layer_damage import measure_layer_damage, spread_rows
+
+    ls = recipe.profile.layer_sensitivity
+    tokens = calib.tokens[spread_rows(calib.tokens.shape[0], ls.n_samples)]
+    lw = Layerwise(source, ls.dtype, recipe.quantize.device, recipe.profile.batch_size)
+    return measure_layer_damage(source, tokens, lw, ls.schemes)
+
+
+def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+    calib = load_calibration(run_dir)
+    profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size, world))
+    if recipe.profile.layer_sensitivity is not None:  # one pass on the writer, its result on every rank
+        profile.layer_damage = world.on_writer(lambda: _layer_damage(recipe, source, calib))
+    if world.is_writer:
+        tmp = temp_path(run_dir / "profile.json")
+        profile.save(tmp)
+        tmp.replace(run_dir / "profile.json")
+    return {"moe_layers": len(profile.layers), "n_experts": profile.n_experts}
+
+
+def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    from quant.export import check_formats
+    from quant.plan.runtimes import check_runtime
+    from quant.plan.servable import serving_summary
+
+    profile = RoutingProfile.load(run_dir / "profile.json")
+    formats = recipe.export.formats
+    plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers, formats)
+    check_runtime(plan, source, recipe.plan.target_runtime, formats)
+    check_formats(plan, source, formats)
+    plan.serving = serving_summary(plan, source, profile, formats)
+    summary = summarize(plan, source, profile)
+    plan.notes.append(json.dumps(summary["headline"]))
+    tmp = temp_path(run_dir / "plan.json")
+    plan.save(tmp)
+    tmp.replace(run_dir / "plan.json")
+    log.info("plan: %s", summary["headline"])
+    return {"headline": summary["headline"]}
+
+
+def check_eval(recipe: Recipe, source: ModelSource) -> None:
+    """The eval stage's recipe against the model, before any work (``evaluate.check_mode``)."""
+    from quant.eval.evaluate import check_mode
+
+    check_mode(recipe.eval.mode, source)
+
+
+def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -> None:
+    """Before ``quantize`` (or ``export`` alone): refuse when the run directory's disk cannot hold the quantized
+    store and the checkpoints (layers already in ``quantize.partial/`` count as written)."""
+    from quant.forecast.footprint import check_free_disk, estimate
+
+    plan = BitPlan.load(run_dir / "plan.json")
+    need = estimate(source, plan, recipe.export.formats, scale_bytes=2 if recipe.model.dtype != "float32" else 4)
+    partial = run_dir / "quantize.partial"
+    written = sum(f.stat().st_size for f in partial.glob("layer_*.safetensors")) if stage == "quantize" else 0
+    check_free_disk(run_dir, need, with_store=stage == "quantize", existing_bytes=written)
+
+
+def _partial_dir(recipe: Recipe, run_dir: Path) -> Path:
+    """``quantize.partial/`` kept across crashes when its key (plan, quantize section, tokens) still matches."""
+    partial = run_dir / "quantize.partial"
+    key = hashlib.sha256((run_dir / "plan.json").read_bytes() + recipe.section_hash("quantize").encode()
+                         + (run_dir / "calibration.safetensors").read_bytes()).hexdigest()[:16]
+    if partial.exists() and (not (partial / "key").is_file() or (partial / "key").read_text() != key):
+        shutil.rmtree(partial)
+    partial.mkdir(exist_ok=True)
+    (partial / "key").write_text(key)
+    return partial
+
+
+def _publish_partial(partial: Path, final: Path) -> None:
+    if final.exists():
+        shutil.rmtree(final)
+    partial.rename(final)
+
+
+def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+    """Layer files go to ``quantize.partial/`` (kept across crashes, keyed by the plan); renamed when done.
+    Every rank runs this; the writer alone touches the run directory."""
+    from quant.engine.quantize import quantize_model
+
+    plan = BitPlan.load(run_dir / "plan.json")
+    partial = world.on_writer(lambda: _partial_dir(recipe, run_dir))
+    reports = quantize_model(source, load_calibration(run_dir), plan, recipe.quantize,
+                             _layerwise(recipe, source, recipe.quantize.batch_size, world), partial)
+    world.on_writer(lambda: _publish_partial(partial, run_dir / "quantized"))
+    return {"layers": len(reports), "rtn_fallbacks": sum(len(r.rtn_fallbacks) for r in reports),
+            "resumed_layers": sum(r.resumed for r in reports)}
+
+
+def run_export(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+    """Every rank writes its share of each checkpoint's shard files; the writer alone finishes each checkpoint."""
+    from quant.export import export_all
+
+    plan = BitPlan.load(run_dir / "plan.json")
+    written = export_all(source, plan, recipe, run_dir, world)
+    return {"formats": list(written)}
+
+
+def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+    from quant.eval.evaluate import evaluate_run
+
+    result = evaluate_run(recipe, source, run_dir, world)
+    if world.is_writer:
+        tmp = temp_path(run_dir / "eval.json")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(run_dir / "eval.json")
+    failed = [f"{g['name']} {g['observed']:.4g} vs limit {g['limit']:.4g}" for g in result["gates"] if not g["passed"]]
+    return {"passed": not failed, "failed_gates": failed}
+
+
+def run_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    from quant.export import write_cards
+    from quant.report import write_report
+
+    write_report(recipe, source, run_dir)
+    write_cards(recipe, source, run_dir)
+    return {}
+
+
+def output_bytes(stage: str, recipe: Recipe, source: ModelSource, run_dir: Path) -> int:
+    """About how many bytes ``stage`` writes (for the disk-full message): tokens, the quantized store, the
+    checkpoints (``footprint.estimate``), or the dense copy eval may make in the temp dir; 1 MB for the rest."""
+    if stage in ("quantize", "export"):
+        from quant.forecast.footprint import estimate
+
+        fp = estimate(source, BitPlan.load(run_dir / "plan.json"), recipe.export.formats)
+        return fp.store_bytes if stage == "quantize" else sum(fp.checkpoint_bytes.values())
+    if stage == "calibrate":
+        return recipe.calibration.n_samples * recipe.calibration.seq_len * 8
+    if stage == "eval":
+        return sum((source.path / f).stat().st_size for f in set(source.weight_map.values()))
+    return 1 << 20

@@ -1,0 +1,419 @@
+"""quant estimate: the forecast against the GPU runs recorded in BENCHMARKS.md (peak memory within 25 %), shapes read
+from headers only (local and hub metadata), refusal of plans that cannot fit, the per-rank split."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from quant.errors import ModelError, PlanError
+from quant.forecast.estimate import check_fits, forecast, render
+from quant.forecast.throughputs import gptq_solve_seconds
+from quant.models import ModelSource, resolve_model
+from quant.models.headers import HeaderSource, load_headers, read_safetensors_header
+from quant.recipe import load_recipe, parse_recipe
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO))
+from benchmarks.engine import write_shapes_only  # noqa: E402
+
+BENCHMARKS = (REPO / "BENCHMARKS.md").read_text()
+
+
+def _cell(row_start: str, column: int) -> float:
+    """A number from the BENCHMARKS.md table row starting with ``row_start`` (bold marks stripped)."""
+    row = next(ln for ln in BENCHMARKS.splitlines() if ln.startswith(row_start))
+    return float(row.strip("|").split("|")[column].strip().strip("*"))
+
+
+def _text(pattern: str) -> float:
+    m = re.search(pattern, BENCHMARKS)
+    assert m, pattern
+    return float(m.group(1))
+
+
+# (record, shape, saved layers, samples, algorithm, solve budget, measured peak GB or None, measured s/layer or None,
+# GPTQ column loop the record ran: the second session's records ran the CUDA-graph loop, which the fused Triton loop
+# has since replaced, so their times are reproduced with the kernel they measured; the current engine's solve time
+# is checked against the fused loop's own measurements (test_fused_solve_model_matches_the_sub_batch_table))
+# Peaks measured before the fused solve, packed codes and the in-place Hessian normalization (second to fourth
+# sessions) are retired as peak checks: the forecast models today's engine, whose peaks are the eleventh and tenth
+# sessions' records below; their times stay checked with the kernel they ran.
+RECORDS = [
+    ("Qwen3-30B-A3B GPTQ at defaults (second session)", "qwen3-30b-a3b", 2, 256, "gptq", 3.0,
+     None, _cell("| quant GPTQ (act-order, static groups)", 1), "cuda-graph"),
+    ("Qwen3-30B-A3B GPTQ, eleventh session", "qwen3-30b-a3b", 2, 256, "gptq", 3.0,
+     _text(r"\| quant GPTQ \| \*\*[\d.]+\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* \| \*\*0"),
+     _text(r"\| quant GPTQ \| \*\*([\d.]+)\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*[\d.]+\*\* \| \*\*0"),
+     "fused"),
+    ("DeepSeek-V3 layer GPTQ, tenth session", "deepseek-v3", 1, 32, "gptq", 3.0,
+     _text(r"\| quant GPTQ \| \*\*[\d.]+\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* \|\n"),
+     _text(r"\| quant GPTQ \| \*\*([\d.]+)\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*[\d.]+\*\* \|\n"),
+     "fused"),
+    # AWQ's DeepSeek-V3 time was measured before its fused trial kernel (37.3 s): the peak only
+    ("DeepSeek-V3 layer AWQ, tenth session", "deepseek-v3", 1, 32, "awq", 3.0,
+     _text(r"\| quant AWQ \| \*\*[\d.]+\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* \|\n"),
+     None, "fused"),
+    # AWQ's peak (15.6 GB) was measured before its statistics came in expert chunks and its searches took their rows
+    # a few experts at a time (whole-group copies then): the engine now holds less; its time is unchanged
+    ("Qwen3-30B-A3B AWQ at defaults", "qwen3-30b-a3b", 2, 256, "awq", 3.0,
+     None, _text(r"then measured ([\d.]+) s/layer \(solve [\d.]+\), \*\*[\d.]+ GB\*\* peak"), "fused"),
+    # its time (2.01 s/layer) is over-forecast by half: the time rates predate the read-ahead and the warm fused
+    # solve (throughputs.py says where each comes from); the peak is today's
+    ("Qwen3-30B-A3B GPTQ, 48 layers, 1 M tokens, tenth session", "qwen3-30b-a3b", 48, 512, "gptq", 3.0,
+     _text(r"export [\d.]+ s; peak ([\d.]+) GB\. Per-layer"), None, "fused"),
+    ("DeepSeek-V3 layer GPTQ at defaults", "deepseek-v3", 1, 32, "gptq", 3.0,
+     None, _cell("| quant GPTQ, second session at defaults", 1), "cuda-graph"),
+    # the fourth session's device run, after the forecasts were written (out of sample: the fused loop's layer time
+    # and AWQ's chunked statistics had not been measured in a layer run before)
+    ("DeepSeek-V3 layer GPTQ, fused loop", "deepseek-v3", 1, 32, "gptq", 3.0,
+     None, _cell("| GPTQ, 1 GPU |", 2), "fused"),
+    ("DeepSeek-V3 layer AWQ in expert chunks", "deepseek-v3", 1, 32, "awq", 3.0,
+     None, _cell("| AWQ, 1 GPU (beside the suite) |", 1), "fused"),
+    # the sixth session's new shape, forecast before it was run; its time is right in total only by compensation
+    # (BENCHMARKS.md says which rates miss), so the record checks the peak
+    ("Mixtral-8x7B layer GPTQ, a new shape", "mixtral-8x7b", 1, 256, "gptq", 3.0,
+     _text(r"\| quantize peak GPU \| [\d.]+ GB \| ([\d.]+) GB"), None, "fused"),
+]
+
+
+@pytest.fixture(scope="module")
+def shapes_dir(tmp_path_factory):
+    cache: dict[tuple, Path] = {}
+
+    def get(shape: str, layers: int) -> Path:
+        if (shape, layers) not in cache:
+            cache[(shape, layers)] = write_shapes_only(shape, layers, tmp_path_factory.mktemp(f"{shape}-{layers}"))
+        return cache[(shape, layers)]
+
+    return get
+
+
+def _bench_recipe(path: Path, samples: int, algorithm: str, solve: float, *extra: str):
+    """engine.py's plan: every expert and attention projection W4 g128 (GPTQ symmetric, AWQ asymmetric)."""
+    return parse_recipe({"name": "bench"}, model=str(path), overrides=(
+        "plan.policy=uniform", "plan.low_bits=4", "plan.high_bits=4", "plan.protect.attention=4",
+        "plan.protect.shared_experts=4", "plan.protect.dense_mlp=4", f"plan.symmetric={str(algorithm != 'awq').lower()}",
+        f"quantize.algorithm={algorithm}", f"quantize.solve_budget_gb={solve}", f"calibration.n_samples={samples}",
+        "calibration.seq_len=2048", *extra))
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=[r[0] for r in RECORDS])
+def test_forecast_matches_benchmark_records(record, shapes_dir):
+    name, shape, layers, samples, algorithm, solve, peak_gb, s_per_layer, kernel = record
+    path = shapes_dir(shape, layers)
+    f = forecast(_bench_recipe(path, samples, algorithm, solve), load_headers(str(path)), gpu_memory_gb=143,
+                 solve_kernel=kernel)
+    quant = next(s for s in f.stages if s.stage == "quantize")
+    if peak_gb is not None:
+        assert quant.gpu_bytes / 1e9 == pytest.approx(peak_gb, rel=0.25), (name, quant.parts)
+    if s_per_layer is not None:
+        assert quant.seconds / layers == pytest.approx(s_per_layer, rel=0.3), name
+
+
+def _fused_solve_table() -> list[tuple[int, int, int, float]]:
+    """``(B, O, I, seconds)`` of the "GPTQ solve: fused column loop" table: each sub-batch's fused solve (the last
+    figure of the column when it holds two)."""
+    rows = []
+    for ln in BENCHMARKS.splitlines():
+        m = re.match(r"\| [^|\[]+\[(\d+), (\d+), (\d+)\] \| \d+ \|", ln)
+        if m:
+            fused = ln.strip("|").split("|")[5]
+            rows.append((*map(int, m.groups()), float(fused.split("/")[-1].strip().strip("*"))))
+    return rows
+
+
+def test_fused_solve_model_matches_the_sub_batch_table():
+    """The engine's GPTQ solve time (fp32 work at the fused loop's rate plus a cost per sub-batch) against every
+    sub-batch BENCHMARKS.md measured with the fused loop, within 25 %; the CUDA-graph loop's column model, which
+    older records need, would be off by up to 8x on the same sub-batches."""
+    rows = _fused_solve_table()
+    assert len(rows) == 4, rows
+    for B, O, I, seconds in rows:
+        assert gptq_solve_seconds([(B, O, I)]) == pytest.approx(seconds, rel=0.25), (B, O, I)
+    graph = [gptq_solve_seconds([(B, O, I)], "cuda-graph") / seconds for B, O, I, seconds in rows]
+    assert max(graph) > 5
+
+
+def test_deepseek_v3_awq_fits_80gb_at_defaults(shapes_dir):
+    """AWQ on the DeepSeek-V3 layer at the recipe's defaults fits an 80 GB card, profile included: its expert
+    statistics come in hessian_budget_gb chunks (one pass each, as GPTQ's) and its searches take a few experts at a
+    time, sized as quant/engine/awq_layer.py sizes them; the profile's probe rounds a few experts at a time."""
+    from quant.engine.awq_layer import search_bytes
+    from quant.forecast.estimate import AWQ_FACTOR
+
+    path = shapes_dir("deepseek-v3", 1)
+    recipe = _bench_recipe(path, 32, "awq", 3.0)
+    f = forecast(recipe, load_headers(str(path)), gpu_memory_gb=80)
+    check_fits(f, recipe)
+    assert f.fitting_budgets == (recipe.quantize.hessian_budget_gb, recipe.quantize.solve_budget_gb)
+    quant = next(s for s in f.stages if s.stage == "quantize")
+    per = [search_bytes(4096, 7168), search_bytes(7168, 2048)]  # gate/up, down
+    assert quant.parts["solve working set"] == pytest.approx(AWQ_FACTOR * max(int(3e9) // b * b for b in per))
+    assert quant.parts["expert Hessians + codes"] < 16e9 + 256 * 3 * 7168 * 2048 * 1.05  # one chunk + every code
+    assert "fit the card" in render(f, recipe)
+
+
+def test_headers_only_and_equal_to_the_real_source(quant_cache, tmp_path):
+    """A builtin read through its headers has the same module inventory as the loaded source; a header-only file
+    (no data section) is enough, and weights can never be read from it."""
+    real = resolve_model("builtin:qwen3-moe-tiny")
+    headers = load_headers("builtin:qwen3-moe-tiny")
+    assert headers.modules == real.modules and headers.shapes() == real.shapes()
+    path = write_shapes_only("tiny", 2, tmp_path / "m")
+    assert (path / "model.safetensors").stat().st_size < 100_000  # headers, no data
+    src = load_headers(str(path))
+    assert src.n_layers == 2 and len(src.moe_layers()) == 2
+    with pytest.raises(ModelError, match="only tensor shapes"):
+        src.read_tensors(["lm_head.weight"])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text((path / "config.json").read_text())
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\x01")
+    with pytest.raises(ModelError, match="not a safetensors file"):
+        load_headers(str(tmp_path / "bad"))
+
+
+class FakeHub:
+    """huggingface_hub's two calls, answered from a local folder with huggingface_hub's own metadata types (the
+    hub itself is unreachable here); records what was asked."""
+
+    def __init__(self, folder: Path, fail: bool = False):
+        self.folder, self.fail, self.calls = folder, fail, []
+
+    def hf_hub_download(self, repo_id: str, filename: str) -> str:
+        self.calls.append(("download", repo_id, filename))
+        if self.fail:
+            raise OSError("offline")
+        return str(self.folder / filename)
+
+    def get_safetensors_metadata(self, repo_id: str):
+        from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+
+        self.calls.append(("metadata", repo_id))
+        header = read_safetensors_header(self.folder / "model.safetensors")
+        offsets, tensors = 0, {}
+        for k, (dtype, shape) in header.items():
+            tensors[k] = TensorInfo(dtype=dtype, shape=list(shape), data_offsets=(offsets, offsets))
+        files = {"model.safetensors": SafetensorsFileMetadata(metadata={}, tensors=tensors)}
+        return SafetensorsRepoMetadata(metadata=None, sharded=False, weight_map={k: "model.safetensors" for k in tensors},
+                                       files_metadata=files)
+
+
+def test_hub_model_reads_config_and_safetensors_metadata_only(quant_cache):
+    local = resolve_model("builtin:olmoe-tiny")
+    hub = FakeHub(local.path)
+    src = load_headers("acme/Tiny-OLMoE", hub=hub)
+    assert isinstance(src, HeaderSource) and src.modules == local.modules
+    assert hub.calls == [("download", "acme/Tiny-OLMoE", "config.json"), ("metadata", "acme/Tiny-OLMoE")]
+    with pytest.raises(ModelError, match="could not be read from the hub: offline"):
+        load_headers("acme/Tiny-OLMoE", hub=FakeHub(local.path, fail=True))
+
+
+def test_more_gpus_split_expert_work_and_activations_not_the_layer(shapes_dir):
+    path = shapes_dir("deepseek-v3", 1)
+    recipe, src = _bench_recipe(path, 32, "gptq", 3.0), load_headers(str(path))
+    one, four = forecast(recipe, src, gpus=1, gpu_memory_gb=143), forecast(recipe, src, gpus=4, gpu_memory_gb=143)
+    q1, q4 = (next(s for s in f.stages if s.stage == "quantize") for f in (one, four))
+    assert q4.parts["layer"] == q1.parts["layer"] and q4.parts["activations"] == q1.parts["activations"] / 4
+    assert q4.parts["expert Hessians + codes"] < q1.parts["expert Hessians + codes"]  # 64 experts per rank, one chunk
+    assert q4.seconds < q1.seconds and q4.gpu_bytes < q1.gpu_bytes
+
+
+def test_host_memory_counts_only_the_activations_of_the_ranks_own_batches(shapes_dir):
+    """512 x 2048 tokens of DeepSeek-V3 hidden states are 15 GB: over the 8 GiB activation budget on one GPU (kept on
+    the host), 1.9 GB per rank on 8 (kept on the GPU): the host forecast must not hold them on every rank."""
+    path = shapes_dir("deepseek-v3", 1)
+    recipe, src = _bench_recipe(path, 512, "gptq", 3.0), load_headers(str(path))
+    layer = sum(math.prod(s) * 2 for k, s in src.shapes().items() if k.startswith("model.layers.0."))
+    acts = 512 * 2048 * 7168 * 2
+    h1, h8 = (next(s for s in forecast(recipe, src, gpus=n, gpu_memory_gb=143).stages if s.stage == "quantize").host_bytes
+              for n in (1, 8))
+    assert h1 - h8 == pytest.approx(acts + 2 * layer * 7 / 8, rel=0.02)
+
+
+def test_host_memory_holds_two_staged_shares_of_the_layer(shapes_dir):
+    """The read-ahead pins two buffers, each a rank's share of a layer (one uploading, one being read): on 8 ranks
+    the host forecast drops by 2 x 7/8 of the 23 GB DeepSeek-V3 layer, nothing else changes at these tokens."""
+    path = shapes_dir("deepseek-v3", 1)
+    recipe, src = _bench_recipe(path, 32, "gptq", 3.0), load_headers(str(path))
+    layer = sum(math.prod(s) * 2 for k, s in src.shapes().items() if k.startswith("model.layers.0."))
+    h1, h8 = (next(s for s in forecast(recipe, src, gpus=n, gpu_memory_gb=143).stages if s.stage == "quantize").host_bytes
+              for n in (1, 8))
+    assert layer > 20e9 and h1 - h8 == pytest.approx(2 * layer * 7 / 8, rel=0.02)
+
+
+def test_reduced_statistics_hold_every_experts_hessians_on_each_rank(shapes_dir):
+    """Qwen3-30B-A3B at 2 GPUs: its 128 experts' Hessians (2.4 GB) fit one pass, so by default on GPUs each rank
+    sums its own batches for every expert (``quantize.statistics: reduce``) and holds all of them, as one GPU does;
+    ``ordered`` holds only the rank's 64. DeepSeek-V3's (56 GB) need chunks: ordered either way."""
+    from quant.engine.quantize import expert_hessian_bytes
+
+    per = expert_hessian_bytes(2048, 768)
+    path = shapes_dir("qwen3-30b-a3b", 1)
+    src = load_headers(str(path))
+    hess = {}
+    for mode in ("auto", "reduce", "ordered"):
+        recipe = _bench_recipe(path, 256, "gptq", 3.0, f"quantize.statistics={mode}")
+        q = next(s for s in forecast(recipe, src, gpus=2, gpu_memory_gb=143).stages if s.stage == "quantize")
+        hess[mode] = q.parts["expert Hessians + codes"]
+    codes = hess["ordered"] - 64 * per
+    assert hess["auto"] == hess["reduce"] == pytest.approx(128 * per + codes) and 0 < codes < 64 * per
+    path = shapes_dir("deepseek-v3", 1)
+    dsv3 = [next(s for s in forecast(_bench_recipe(path, 32, "gptq", 3.0, f"quantize.statistics={m}"),
+                                     load_headers(str(path)), gpus=2, gpu_memory_gb=143).stages
+                 if s.stage == "quantize").parts["expert Hessians + codes"] for m in ("reduce", "ordered")]
+    assert dsv3[0] == dsv3[1]
+
+
+def test_export_divides_over_ranks_up_to_the_storage_bandwidth(shapes_dir):
+    from quant.forecast.estimate import STORAGE_BYTES_PER_S
+    from quant.forecast.throughputs import THROUGHPUTS
+
+    path = shapes_dir("deepseek-v3", 1)
+    recipe, src = _bench_recipe(path, 32, "gptq", 3.0), load_headers(str(path))
+    e1, e8, e64 = (next(s for s in forecast(recipe, src, gpus=n, gpu_memory_gb=143).stages if s.stage == "export")
+                   for n in (1, 8, 64))
+    assert e1.disk_bytes == e8.disk_bytes and e1.seconds == pytest.approx(e1.disk_bytes / THROUGHPUTS["export_bytes_per_s"])
+    assert e8.seconds == pytest.approx(e1.seconds / 8) and "8 ranks write shards" in e8.note
+    assert e64.seconds == pytest.approx(e1.disk_bytes / STORAGE_BYTES_PER_S)  # 64 x 0.34 GB/s is past the storage
+
+
+def test_more_gpus_divide_awq_searches_not_its_statistics(shapes_dir):
+    """AWQ (quant/engine/awq_layer.py): at 4 GPUs each rank still holds every expert's statistics chunks (same expert
+    memory, same passes) but searches a quarter of the experts; its share of the batches' activations and forward
+    passes shrinks too. The rendered assumptions say so."""
+    path = shapes_dir("deepseek-v3", 1)
+    recipe, src = _bench_recipe(path, 32, "awq", 3.0), load_headers(str(path))
+    one, four = forecast(recipe, src, gpus=1, gpu_memory_gb=143), forecast(recipe, src, gpus=4, gpu_memory_gb=143)
+    q1, q4 = (next(s for s in f.stages if s.stage == "quantize") for f in (one, four))
+    assert q4.parts["activations"] == q1.parts["activations"] / 4
+    for part in ("layer", "expert Hessians + codes", "solve working set"):
+        assert q4.parts[part] == q1.parts[part], part
+    assert q1.seconds / q4.seconds > 2.5  # the searches dominate this layer
+    assert "AWQ searches divided over ranks" in render(four, recipe)
+    ordered = _bench_recipe(path, 32, "awq", 3.0, "quantize.statistics=ordered")
+    qo = next(s for s in forecast(ordered, src, gpus=4, gpu_memory_gb=143).stages if s.stage == "quantize")
+    assert qo.seconds > q4.seconds and qo.parts == q4.parts  # reduced statistics: each rank sums its own batches
+
+
+def test_refuses_what_cannot_fit_and_names_budgets_that_do(shapes_dir):
+    path = shapes_dir("deepseek-v3", 1)
+    src = load_headers(str(path))
+    # 48 GB cards: quantize needs ~49 GB at the recipe's budgets; smaller Hessian chunks make it fit
+    recipe = _bench_recipe(path, 32, "gptq", 3.0, "quantize.hessian_budget_gb=32")
+    f = forecast(recipe, src, gpus=4, gpu_memory_gb=48)
+    assert f.too_big() is not None and f.too_big().stage == "quantize"
+    with pytest.raises(PlanError) as e:
+        check_fits(f, recipe)
+    h, s = f.fitting_budgets
+    assert f"quantize.hessian_budget_gb: {h:g} and quantize.solve_budget_gb: {s:g}" in str(e.value)
+    refit = forecast(_bench_recipe(path, 32, "gptq", s, f"quantize.hessian_budget_gb={h}"), src, gpus=4, gpu_memory_gb=48)
+    assert refit.too_big() is None and "fit the card" in render(refit, recipe)
+    # a card smaller than one layer: nothing to tune
+    with pytest.raises(PlanError, match="use more or larger GPUs"):
+        check_fits(forecast(recipe, src, gpu_memory_gb=16), recipe)
+    with pytest.raises(PlanError, match="--gpus must be >= 1"):
+        forecast(recipe, src, gpus=0)
+
+
+def test_cli_estimate(shapes_dir, capsys):
+    from tests.export.test_gptq_format import quant_cli
+
+    path = shapes_dir("qwen3-30b-a3b", 2)
+    recipe = str(REPO / "recipes" / "mixed_int8_int4.yaml")
+    code, out, err = quant_cli(capsys, "estimate", recipe, "--model", str(path), "--set", "quantize.algorithm=gptq",
+                               "--gpus", "2", "--gpu-memory-gb", "80")
+    assert code == 0, err
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.split() and ln.split()[0] in
+            ("calibrate", "profile", "plan", "quantize", "export", "eval")}
+    assert len(rows) == 6 and "GB" in rows["quantize"]
+    assert "checkpoints: compressed-tensors" in out and "experts divided over ranks" in out
+    code, out, err = quant_cli(capsys, "estimate", recipe, "--model", str(path), "--gpu-memory-gb", "2")
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "per GPU" in errors[0], err
+    assert json.loads(json.dumps(out))  # the table still went to stdout
+
+
+def test_real_source_and_header_source_forecast_alike(quant_cache):
+    recipe = parse_recipe({"name": "x"}, model="builtin:deepseek-v3-tiny")
+    a = forecast(recipe, load_headers("builtin:deepseek-v3-tiny"))
+    b = forecast(recipe, ModelSource(resolve_model("builtin:deepseek-v3-tiny").path))
+    assert [(s.stage, s.gpu_bytes, s.disk_bytes) for s in a.stages] == [(s.stage, s.gpu_bytes, s.disk_bytes)
+                                                                        for s in b.stages]
+
+
+def test_mixed_vllm_recipe_forecasts_the_layer_damage_pass(shapes_dir):
+    """recipes/mixed_vllm.yaml on a DeepSeek-V3-shaped model: the plan is made (synthetic damage), and the profile
+    stage adds the damage pass: sum over layers of the streams alive there (1 + 4 schemes per MoE layer so far)."""
+    from quant.recipe import load_recipe
+
+    path = shapes_dir("deepseek-v3", 1)
+    src = load_headers(str(path))
+    with_damage = forecast(load_recipe(REPO / "recipes" / "mixed_vllm.yaml", model=str(path)), src)
+    without = forecast(load_recipe(REPO / "recipes" / "mixed_vllm.yaml", model=str(path), overrides=(
+        "plan.policy=top_fraction", "plan.budget_avg_bits=null", "plan.layer_group_sizes=[]",
+        "profile.layer_sensitivity=null")), src)
+    p1, p0 = (next(s for s in f.stages if s.stage == "profile") for f in (with_damage, without))
+    moe = [L for L in range(src.n_layers) if L in src.moe_layers()]
+    streams, forwards = 1, 0
+    for layer in range(src.n_layers):
+        forwards += streams + (4 if layer in moe else 0)
+        streams += 4 if layer in moe else 0
+    assert f"{forwards} layer forwards over {16 * 256} tokens" in p1.note
+    assert p1.seconds > p0.seconds and p1.gpu_bytes >= p0.gpu_bytes
+
+
+@pytest.mark.parametrize("mode", ["whole", "streamed"])
+def test_eval_forecast_matches_the_streamed_and_whole_records(mode, shapes_dir):
+    """The eval stage's peak against the two paths measured in BENCHMARKS.md (Qwen3-30B-A3B shape, 2 layers, the
+    headline mix, 16 x 1024 tokens, batch 8) within 25 %; auto follows evaluate's rule (whole up to half the card)."""
+    measured = _cell(f"| {mode} (", 2)
+    path = shapes_dir("qwen3-30b-a3b", 2)
+    recipe = parse_recipe({"name": "x", "eval": {"mode": mode, "batch_size": 8,
+                                                 "perplexity": {"n_samples": 16, "seq_len": 1024}}}, model=str(path))
+    ev = next(s for s in forecast(recipe, load_headers(str(path)), gpu_memory_gb=143).stages if s.stage == "eval")
+    assert abs(ev.gpu_bytes / 1e9 - measured) <= 0.25 * measured, (ev.gpu_bytes / 1e9, measured)
+    assert ev.note.startswith(f"proxies {mode}")
+    auto = parse_recipe({"name": "x"}, model=str(path))
+    notes = {gb: next(s for s in forecast(auto, load_headers(str(path)), gpu_memory_gb=gb).stages
+                      if s.stage == "eval").note for gb in (4, 80)}
+    assert notes == {4: "proxies streamed", 80: "proxies whole"}  # the dense model is 2.75 GB
+
+
+def test_the_whole_pipeline_run_on_the_deepseek_v3_shape_is_forecast_within_25_percent(shapes_dir):
+    """benchmarks/node.py's one-GPU run (BENCHMARKS.md, thirteenth session): the headline mix with GPTQ on
+    DeepSeek-V3 layers, 32 x 2048 calibration tokens, streamed eval on 16 x 2048: the profile's and quantize's
+    measured peaks over three tiled layers and the streamed eval's, against the forecast."""
+    cells = lambda stage: [c.strip() for c in next(  # noqa: E731
+        ln for ln in BENCHMARKS.splitlines() if ln.startswith(f"| {stage} |")).strip("|").split("|")]
+    measured = {"profile": float(cells("profile")[3]), "quantize": float(cells("quantize")[3]),
+                "eval": float(cells("eval (streamed)")[4])}
+    path = shapes_dir("deepseek-v3", 3)
+    recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model=str(path), overrides=(
+        "profile.layer_sensitivity=null", "quantize.algorithm=gptq", "quantize.batch_size=8",
+        "calibration.n_samples=32", "calibration.seq_len=2048", "eval.mode=streamed", "eval.batch_size=8",
+        "eval.perplexity.n_samples=16", "eval.perplexity.seq_len=2048"))
+    stages = {s.stage: s for s in forecast(recipe, load_headers(str(path)), gpu_memory_gb=141).stages}
+    for stage, peak_gb in measured.items():
+        assert stages[stage].gpu_bytes / 1e9 == pytest.approx(peak_gb, rel=0.25), (stage, stages[stage].gpu_bytes)
+
+
+@pytest.mark.parametrize("algorithm", ["gptq", "awq", "rtn"])
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_every_builtin_family_is_forecast_at_any_world_size(algorithm, gpus):
+    """Dense decoder layers (DeepSeek-V3's first three; the tiny one's layer 0) have no expert Hessians: GPTQ at 2+
+    GPUs divided by their zero size (ZeroDivisionError from `quant estimate --gpus 8` on DeepSeek-V3)."""
+    from quant.models import BUILTINS
+
+    for name in BUILTINS:
+        src = load_headers(f"builtin:{name}")
+        recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model=f"builtin:{name}",
+                             overrides=(f"quantize.algorithm={algorithm}",))
+        f = forecast(recipe, src, gpus=gpus)
+        assert {s.stage for s in f.stages} >= {"profile", "quantize", "export", "eval"}
+        assert all(s.gpu_bytes >= 0 and s.seconds >= 0 for s in f.stages), name
