@@ -35,33 +35,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quant.calibration import CalibrationSet  # noqa: E402
+from quant.calibration import random_calibration as calibration  # noqa: E402,F401
 from quant.diag.memtrace import CudaTrace  # noqa: E402
 from quant.engine.layerwise import Layerwise  # noqa: E402
 from quant.engine.quantize import quantize_model  # noqa: E402
 from quant.measure.profile import profile_routing  # noqa: E402
 from quant.models import ModelSource  # noqa: E402
+from quant.models.synthetic import (  # noqa: E402,F401 (re-exported to the other benchmarks)
+    SHAPES,
+    TiledSource,
+    build_model,
+    random_words,
+    write_shapes_only,
+)
 from quant.plan.bitplan import plan_bits  # noqa: E402
 from quant.recipe import PlanSpec, QuantizeSpec  # noqa: E402
-
-SHAPES = {
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=32000, hidden_size=2048, intermediate_size=6144,
-                          moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=4096,
-                          tie_word_embeddings=False),
-    "deepseek-v3": dict(model_type="deepseek_v3", vocab_size=32000, hidden_size=7168, intermediate_size=18432,
-                        moe_intermediate_size=2048, num_attention_heads=128, num_key_value_heads=128,
-                        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=0,
-                        n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                        qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=2.5, norm_topk_prob=True,
-                        max_position_embeddings=4096, tie_word_embeddings=False),
-    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_local_experts=8,
-                         num_experts_per_tok=2, max_position_embeddings=4096, tie_word_embeddings=False),
-    "tiny": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=256, intermediate_size=512,
-                 moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
-                 num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False),
-}
-
 
 TIMERS: dict[str, float] = {}  # seconds spent in the wrapped functions (layer loads, layer writes)
 
@@ -102,127 +90,6 @@ def reset_peak() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-
-
-def build_model(shape: str, n_layers: int, path: Path, seed: int) -> None:
-    """Random-weight model (transformers' own init, seeded) saved as bf16 safetensors + a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    kw = dict(SHAPES[shape])
-    cfg = AutoConfig.for_model(kw.pop("model_type"), num_hidden_layers=n_layers, **kw)
-    torch.manual_seed(seed)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(dev):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():  # fused expert params may be left uninitialized by from_config
-        for layer in model.model.layers:
-            ex = getattr(layer.mlp, "experts", None)
-            if ex is not None and hasattr(ex, "gate_up_proj"):
-                ex.gate_up_proj.normal_(0, cfg.initializer_range)
-                ex.down_proj.normal_(0, cfg.initializer_range)
-    model.save_pretrained(path, max_shard_size="50GB")
-    # word-level over the whole vocabulary (word tN is token N), so text of random words (random_words) is random
-    # tokens through quant's own calibration path (benchmarks/node.py)
-    vocab = {"[UNK]": 0} | {f"t{i}": i for i in range(1, cfg.vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[UNK]", eos_token="[UNK]")
-    tok.save_pretrained(path)
-    del model
-    reset_peak()
-
-
-def write_shapes_only(shape: str, n_layers: int, path: Path) -> Path:
-    """config.json and a header-only model.safetensors (names, dtypes, shapes; no data) of a ``shape`` model with
-    ``n_layers`` layers, in the per-expert on-disk layout save_pretrained writes: what ``quant estimate`` reads.
-    The model is built on the meta device, so a 671 B architecture costs no memory."""
-    import re
-    import struct
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from quant.models.families import family_for
-
-    kw = dict(SHAPES[shape])
-    cfg = AutoConfig.for_model(kw.pop("model_type"), num_hidden_layers=n_layers, **kw)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    fam = family_for(cfg.model_type)
-    shapes: dict[str, list[int]] = {}
-    for key, t in model.state_dict().items():
-        m = re.match(r"model\.layers\.(\d+)\.(.+)\.experts\.(gate_up_proj|down_proj)$", key)
-        if not m:
-            layer = re.match(r"model\.layers\.(\d+)\.(.+)$", key)
-            shapes[fam.disk_key(int(layer[1]), layer[2]) if layer else key] = list(t.shape)
-            continue
-        layer, block, E = int(m[1]), m[2], t.shape[0]
-        parts = ({"gate": t.shape[1] // 2, "up": t.shape[1] // 2} if m[3] == "gate_up_proj" else {"down": t.shape[1]})
-        for e in range(E):
-            for proj, rows in parts.items():
-                local = f"{block}.experts.{e}.{fam.expert_proj[proj]}.weight"
-                shapes[fam.disk_key(layer, local)] = [rows, t.shape[2]]
-    header, offset = {}, 0
-    for key, shp in sorted(shapes.items()):
-        n = 2 * int(torch.Size(shp).numel())
-        header[key] = {"dtype": "BF16", "shape": shp, "data_offsets": [offset, offset + n]}
-        offset += n
-    path.mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(path)
-    blob = json.dumps(header).encode()
-    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob)
-    return path
-
-
-class TiledSource(ModelSource):
-    """An N-layer view of a K-layer checkpoint: layer i's tensors are read from saved layer i mod K."""
-
-    def __init__(self, path: Path, n_virtual: int):
-        super().__init__(path)
-        self.n_saved = int(self.config_dict["num_hidden_layers"])
-        self.n_virtual = n_virtual
-        self.config_dict["num_hidden_layers"] = n_virtual
-        self.config.num_hidden_layers = n_virtual
-        real = dict(self.weight_map)
-        self.weight_map = {}
-        for key, file in real.items():
-            parts = key.split(".")
-            if key.startswith("model.layers."):
-                for i in range(int(parts[2]), n_virtual, self.n_saved):
-                    self.weight_map[".".join(parts[:2] + [str(i)] + parts[3:])] = file
-            else:
-                self.weight_map[key] = file
-
-    def _real(self, key: str) -> str:
-        parts = key.split(".")
-        if key.startswith("model.layers."):
-            parts[2] = str(int(parts[2]) % self.n_saved)
-        return ".".join(parts)
-
-    def read_tensors(self, keys, device="cpu", into=None):
-        real = {k: self._real(k) for k in keys}
-        loaded = super().read_tensors(sorted(set(real.values())), device, into)
-        return {k: loaded[r] for k, r in real.items()}
-
-    def shapes(self):
-        real = super().shapes()
-        return {k: real[self._real(k)] for k in self.weight_map}
-
-    def dtypes(self):
-        real = super().dtypes()
-        return {k: real[self._real(k)] for k in self.weight_map}
-
-
-def random_words(n_tokens: int, vocab: int, seed: int) -> str:
-    """Text of ``n_tokens`` seeded random words of build_model's tokenizer (never [UNK])."""
-    g = torch.Generator().manual_seed(seed)
-    return " ".join(f"t{i}" for i in torch.randint(1, vocab, (n_tokens,), generator=g).tolist())
-
-
-def calibration(n: int, seqlen: int, vocab: int, seed: int) -> CalibrationSet:
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (n, seqlen), generator=g)
-    return CalibrationSet(tokens, tuple(f"random:{i}" for i in range(n)), ("random",) * n, seed, "random")
 
 
 def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, batch: int, quant_all: bool,

@@ -177,3 +177,10 @@ def build_calibration(dataset: str, tokenizer, n_samples: int, seq_len: int, see
             ids.append(f"{src.name}:{start}")
             domains.append(src.name)
     return CalibrationSet(torch.stack(rows), tuple(ids), tuple(domains), seed, str(dataset))
+
+
+def random_calibration(n: int, seqlen: int, vocab: int, seed: int) -> CalibrationSet:
+    """``n`` seeded random token rows of ``seqlen`` (ids below ``vocab``) as a calibration set."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (n, seqlen), generator=g)
+    return CalibrationSet(tokens, tuple(f"random:{i}" for i in range(n)), ("random",) * n, seed, "random")
