@@ -29,6 +29,7 @@ Keep = Literal["keep"]
 BitsOrKeep = Union[int, Keep]  # noqa: UP007 - a runtime alias pydantic evaluates
 MAX_SEED = 2**63 - 1
 MAX_GB = 1e6  # a petabyte: any larger size or budget is a typo
+MAX_CARRY_LAYERS = 64  # profile.layer_sensitivity.carry_layers: past this, method exact costs no more
 DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
 # proxy gates -> the limit each one takes; any other gate names an eval task and takes max_drop (points)
 PROXY_GATES = {"perplexity": "max_rel_increase", "kl": "max_value", "top1_agreement": "max_value"}
@@ -110,12 +111,17 @@ class CalibrationSpec(_Strict):
 
 class LayerSensitivitySpec(_Strict):
     """Per MoE layer and scheme: KL(model ‖ model with only that layer's experts at the scheme, RTN), measured
-    in the profile stage on ``n_samples`` calibration samples (``quant.measure.layer_damage``)."""
+    in the profile stage on ``n_samples`` calibration samples (``quant.measure.layer_damage``). ``method``: ``bounded``
+    (each scheme's copy of the model runs ``carry_layers`` decoder layers past its own, the rest is valued by
+    gradients and each MoE layer's routing flips: cost linear in depth) or ``exact`` (every copy runs to the output:
+    cost quadratic in depth, for studies)."""
 
     schemes: tuple[str, ...] = ("w4g128", "w4g64", "w4g32", "w8g128")
     n_samples: int = Field(16, ge=1)
     # float32 keeps the residual stream's rounding out of the small (W8) damages; the model dtype halves memory
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    method: Literal["bounded", "exact"] = "bounded"
+    carry_layers: int = Field(1, ge=1, le=MAX_CARRY_LAYERS)
 
     @field_validator("schemes")
     @classmethod
@@ -126,6 +132,13 @@ class LayerSensitivitySpec(_Strict):
         if len(set(parsed)) != len(parsed):
             raise ValueError(f"profile.layer_sensitivity.schemes has duplicates: {list(v)}")
         return tuple(scheme_name(*p) for p in parsed)
+
+    @model_validator(mode="after")
+    def _carry_read(self) -> LayerSensitivitySpec:
+        if self.method == "exact" and "carry_layers" in self.model_fields_set:
+            raise ValueError("profile.layer_sensitivity.carry_layers is read by method 'bounded' only (method "
+                             "'exact' runs every copy to the output)")
+        return self
 
 
 class ProfileSpec(_Strict):

@@ -109,6 +109,9 @@ LAYER_POLICY = {"policy": "layer_sensitivity", "granularity": "per_layer", "budg
     ({"profile": {"layer_sensitivity": {"schemes": ["w4g128", "w4g128"]}}}, "duplicates"),
     ({"profile": {"layer_sensitivity": {"n_samples": 0}}}, "n_samples"),
     ({"profile": {"layer_sensitivity": {"dtype": "int8"}}}, "dtype"),
+    ({"profile": {"layer_sensitivity": {"method": "full"}}}, "'bounded' or 'exact'"),
+    ({"profile": {"layer_sensitivity": {"method": "exact", "carry_layers": 2}}}, "read by method 'bounded' only"),
+    ({"profile": {"layer_sensitivity": {"carry_layers": 0}}}, "carry_layers.*greater than or equal to 1"),
 ])
 def test_layer_policy_needs_its_measurements_and_settings(data, message):
     with pytest.raises(RecipeError, match=message):
@@ -120,7 +123,10 @@ def test_layer_policy_recipe_resolves():
                       "profile": {"layer_sensitivity": {}}})
     assert r.profile.layer_sensitivity.schemes == ("w4g128", "w4g64", "w4g32", "w8g128")
     assert r.profile.layer_sensitivity.n_samples == 16 and r.profile.layer_sensitivity.dtype == "float32"
+    assert (r.profile.layer_sensitivity.method, r.profile.layer_sensitivity.carry_layers) == ("bounded", 1)
     assert r.plan.layer_group_sizes == (32, 64)
+    exact = parse_recipe({"name": "x", "profile": {"layer_sensitivity": {"method": "exact"}}})
+    assert exact.profile.layer_sensitivity.method == "exact"
 
 
 def test_eval_parallel_keys_belong_to_their_backend():

@@ -139,9 +139,11 @@ class _LayerReader:
         at a time (one uploading, the next being read), so at most half the host's available memory."""
         return pin_budget()
 
-    def take(self, idx: int) -> dict[str, torch.Tensor] | None:
-        """Layer ``idx``'s tensors (None: ``load_layer`` reads them itself), and start reading ``idx + 1``. On a GPU a
-        layer not read ahead (the first) is read here, into its staging buffer: far faster than a read to the device."""
+    def take(self, idx: int, ahead: int | None = None) -> dict[str, torch.Tensor] | None:
+        """Layer ``idx``'s tensors (None: ``load_layer`` reads them itself), and start reading layer ``ahead`` (default
+        ``idx + 1``; ``idx - 1`` for a walk back down). On a GPU a layer not read ahead (the first) is read here, into
+        its staging buffer: far faster than a read to the device."""
+        ahead = idx + 1 if ahead is None else ahead
         mine = None
         if self._ahead is not None:
             ahead_idx, fut = self._ahead
@@ -154,8 +156,8 @@ class _LayerReader:
             self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="quant-prefetch")
             if mine is None:  # on the read thread: CUDA's last error is per thread, a refused registration stays there
                 mine = self._pool.submit(self._read, idx, "cpu").result()
-            if idx + 1 < self.source.n_layers:
-                self._ahead = (idx + 1, self._pool.submit(self._read, idx + 1, "cpu"))
+            if 0 <= ahead < self.source.n_layers:
+                self._ahead = (ahead, self._pool.submit(self._read, ahead, "cpu"))
         if not self.shared:
             return mine
         return self._gather(idx, mine if mine is not None else self._read(idx, self.device))
@@ -227,9 +229,10 @@ class Layerwise:
         return hidden
 
     @contextlib.contextmanager
-    def layer(self, idx: int) -> Iterator[nn.Module]:
-        """Layer ``idx`` materialized on the device for the duration of the block."""
-        layer = load_layer(self.source, self.model, idx, self.device, self.dtype, self.reader.take(idx))
+    def layer(self, idx: int, ahead: int | None = None) -> Iterator[nn.Module]:
+        """Layer ``idx`` materialized on the device for the duration of the block; on a GPU layer ``ahead`` (default
+        the next) is read meanwhile."""
+        layer = load_layer(self.source, self.model, idx, self.device, self.dtype, self.reader.take(idx, ahead))
         self.reader.uploaded(idx)
         try:
             yield layer
@@ -252,6 +255,30 @@ class Layerwise:
 
         self._batches(layer, hidden, before_batch, keep, after_step)
         return out
+
+    def vjp(self, layer: nn.Module, hidden: torch.Tensor, cotangent: torch.Tensor, out: torch.Tensor) -> None:
+        """Vector-Jacobian products through ``layer`` at its inputs ``hidden [n, S, D]``: for each ``cotangent[r]``
+        (``[R, n, S, D]``, at the layer's outputs) ``out[r] = cotangent[r] · d layer(hidden) / d hidden``, batch by
+        batch (one forward with autograd per batch, then R backward passes). The layer's weights get no gradients.
+        ``out`` may alias ``cotangent``: each batch is read before it is overwritten. A world of one only."""
+        assert not self.world.distributed, "vjp runs in a world of one"
+        frozen = [p for p in layer.parameters() if p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(False)
+        try:
+            with torch.enable_grad():
+                for s in range(0, hidden.shape[0], self.batch_size):
+                    rows = slice(s, s + self.batch_size)
+                    x = hidden[rows].to(self.device, non_blocking=True).requires_grad_()
+                    y = self.runner(layer, x)
+                    cots = cotangent[:, rows].to(self.device, y.dtype, non_blocking=True)
+                    for r in range(cots.shape[0]):
+                        (grad,) = torch.autograd.grad(y, x, cots[r], retain_graph=r + 1 < cots.shape[0])
+                        out[r, rows] = grad.to(out.device, non_blocking=True)
+                    del y, x
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
 
     def run(self, layer: nn.Module, hidden: torch.Tensor, before_batch: Callable[[slice], None] | None = None,
             after_step: Callable[[], None] | None = None) -> None:

@@ -26,25 +26,36 @@ does not use lm-eval's `code_eval` metric (that one is fetched from the hub by t
 executes code in-process-tree with only `HF_ALLOW_CODE_EVAL=1` as a guard), so the offline task needs
 neither. lm-eval's own `humaneval` is refused unless `allow_unsandboxed_code=True` (and the caller exports
 `HF_ALLOW_CODE_EVAL=1`), because it would run generated code outside our sandbox.
+
+Progress: while lm-eval runs, its progress bars are replaced (`_bars_as_steps`): nothing is drawn on stderr (its
+request bars pass `disable=False`, which overrides `TQDM_DISABLE`), and each bar with a description (`Running
+loglikelihood requests`, `Running generate_until requests`, ...) reports as quant progress steps
+(`quant.progress`, stage `lm-eval`, unit requests): a log line when it starts, at every tenth of its total and at
+its end, which the console shows as a bar on a TTY and as plain lines with elapsed time and ETA in a batch log.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib
 import logging
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from quant.errors import CheckpointError, RecipeError
+from quant.progress import step
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("hf", "vllm")
+BACKEND_MODULES = {"hf": "lm_eval.models.huggingface", "vllm": "lm_eval.models.vllm_causallms"}
+PROGRESS_STEPS = 10  # log lines per lm-eval bar (besides its start)
 OFFLINE_TASK_PREFIX = "quant_"
 # Metric reported for a task, first match wins; within a metric, the first matching lm-eval filter wins.
 PRIMARY_METRICS = ("acc", "pass@1", "exact_match", "acc_norm", "mc2", "f1", "em")
@@ -117,7 +128,7 @@ def run_lm_eval(
                                                               trust_remote_code=trust_remote_code))
     logger.info("lm-eval %s on %s: tasks=%s limit=%s", backend, model_dir, list(tasks), limit)
     try:
-        with _one_process():
+        with _one_process(), _bars_as_steps(backend):
             results = lm_eval.simple_evaluate(
                 model=backend,
                 model_args=args,
@@ -164,6 +175,85 @@ def _one_process() -> Iterator[None]:
         yield
     finally:
         os.environ.update(saved)
+
+
+class _Steps:
+    """Stands in for ``tqdm`` inside lm-eval: draws nothing; a bar with a description and a known total logs
+    progress steps (start, each tenth of the total, end). The subset of tqdm's interface lm-eval uses: iterate,
+    ``update``, ``close``, context manager, ``set_description`` / ``set_postfix`` (ignored)."""
+
+    def __init__(self, iterable: Iterable | None = None, desc: str | None = None, total: int | None = None,
+                 *_args, **_kwargs):
+        self.iterable, self.desc, self.n = iterable, desc, 0
+        if total is None and iterable is not None and hasattr(iterable, "__len__"):
+            total = len(iterable)
+        self.total = total
+        self._reported = -1
+        self._report()
+
+    def _report(self, final: bool = False) -> None:
+        if not self.desc or not self.total or self.n <= self._reported:
+            return
+        done = min(self.n, self.total)
+        every = max(1, math.ceil(self.total / PROGRESS_STEPS))
+        if final or done in (0, self.total) or done // every > max(self._reported, 0) // every:
+            self._reported = self.n
+            logger.info("lm-eval: %s %d/%d", self.desc, done, self.total,
+                        extra=step("lm-eval", done, self.total, "requests"))
+
+    def __iter__(self) -> Iterator:
+        for item in self.iterable:
+            yield item
+            self.update(1)
+
+    def __len__(self) -> int:
+        return self.total or 0
+
+    def __enter__(self) -> _Steps:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self._report()
+
+    def close(self) -> None:
+        self._report(final=True)
+
+    def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
+        pass
+
+    def set_postfix(self, *args, **kwargs) -> None:
+        pass
+
+    @staticmethod
+    def write(text: str, *args, **kwargs) -> None:
+        logger.info("lm-eval: %s", text)
+
+
+@contextlib.contextmanager
+def _bars_as_steps(backend: str) -> Iterator[None]:
+    """For the duration: every loaded lm-eval module's ``tqdm`` (the backend's module imported first, so that its
+    request bars are among them) is ``_Steps``; restored afterwards."""
+    with contextlib.suppress(ImportError):
+        importlib.import_module(BACKEND_MODULES[backend])
+    import tqdm
+    import tqdm.auto
+    import tqdm.std
+
+    real = {tqdm.tqdm, tqdm.std.tqdm, tqdm.auto.tqdm}
+    swapped = [m for name, m in list(sys.modules.items())
+               if name.split(".")[0] == "lm_eval" and getattr(m, "tqdm", None) in real]
+    saved = [m.tqdm for m in swapped]
+    for m in swapped:
+        m.tqdm = _Steps
+    try:
+        yield
+    finally:
+        for m, original in zip(swapped, saved, strict=True):
+            m.tqdm = original
 
 
 def _import_lm_eval():

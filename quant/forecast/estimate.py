@@ -348,25 +348,30 @@ def _profile_stage(layers: list[LayerShape], run: Run, d: Dims, recipe: Recipe) 
 
 
 def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Run, d: Dims, ls) -> StageForecast:
-    """The profile stage plus quant.measure.layer_damage's pass: the weights once more (in ``ls.dtype``), every stream
-    through every later layer; branches on the GPU while they fit the activation budget, else on the host."""
+    """The profile stage plus quant.measure.layer_damage's pass (``ls.method``): its walks over the weights (in
+    ``ls.dtype``) and its layer forwards (``pass_cost``); its hidden states (exact: every branch; bounded: every
+    layer's input, the gradients, the branches alive) on the GPU while they fit the activation budget, else on the
+    host; bounded also holds one batch's autograd graph through a layer (~3 forward transients)."""
     dt = DTYPE_BYTES[ls.dtype]
     tokens = ls.n_samples * run.seq_len
-    forwards, param_tokens, streams = pass_cost([(L.active_params, L.n_experts > 0) for L in layers],
-                                                len(ls.schemes), tokens)
-    branches = streams * tokens * d.hidden * dt
+    cost = pass_cost([(L.active_params, L.n_experts > 0) for L in layers], len(ls.schemes), tokens, ls.method,
+                     ls.carry_layers)
+    branches = tokens * d.hidden * (cost.streams * dt + cost.grad_streams * DTYPE_BYTES["bfloat16"])
     worst = max(layers, key=lambda L: L.weight_bytes)
-    parts = {"layer damage: branches": branches if branches <= ACTIVATION_BUDGET else 0.0,
+    parts = {"layer damage: hidden states": branches if branches <= ACTIVATION_BUDGET else 0.0,
              "layer damage: layer": worst.weight_bytes * dt / run.dtype_bytes,
              "layer damage: RTN of 16 experts": 12 * 16 * worst.expert_numel}
-    seconds = (sum(L.weight_bytes for L in layers) / THROUGHPUTS["load_bytes_per_s"]
-               + param_tokens / THROUGHPUTS["profile_param_tokens_per_s"])
+    if ls.method == "bounded":
+        parts["layer damage: backward through a layer"] = 3 * forward_transient(worst, run, d, 0) * dt / run.dtype_bytes
+    seconds = (cost.weight_walks * sum(L.weight_bytes for L in layers) / THROUGHPUTS["load_bytes_per_s"]
+               + cost.param_tokens / THROUGHPUTS["profile_param_tokens_per_s"])
     gpu = max(stage.gpu_bytes, sum(parts.values()))
     originals = worst.n_experts * worst.expert_numel * dt  # the layer's expert weights, kept on the host
-    host = HOST_BASE + parts["layer damage: layer"] + originals + branches - parts["layer damage: branches"]
+    host = HOST_BASE + parts["layer damage: layer"] + originals + branches - parts["layer damage: hidden states"]
     return dataclasses.replace(stage, gpu_bytes=gpu, host_bytes=max(stage.host_bytes, host),
                                seconds=stage.seconds + seconds, parts=stage.parts if gpu == stage.gpu_bytes else parts,
-                               note=f"includes the layer-damage pass: {forwards} layer forwards over {tokens} tokens")
+                               note=f"includes the layer-damage pass ({ls.method}): {cost.layer_forwards} layer "
+                                    f"forwards over {tokens} tokens")
 
 
 def _host(layers: list[LayerShape], run: Run, d: Dims) -> float:

@@ -1,43 +1,79 @@
 """Per-MoE-layer damage: how far the model's next-token distribution moves when only one MoE layer's routed
-experts are quantized, for each of several schemes, measured in one streamed pass over calibration tokens.
+experts are quantized, for each of several schemes, measured in streamed passes over calibration tokens.
 
-Dimensions: M MoE layers, K schemes, N samples, S sequence length, D hidden, V vocabulary.
+Dimensions: L decoder layers, M MoE layers, K schemes, R gradient draws, N samples, S sequence length, D hidden,
+V vocabulary.
 
-The pass carries the clean hidden states ``[N, S, D]`` plus one *branch* per (MoE layer, scheme): at MoE layer
-``l`` each scheme's branch starts from the clean input, runs layer ``l`` with its routed experts round-to-nearest
-at that scheme (symmetric, one group size for the layer's projections, resolved like the plan does), and
-runs every later layer unquantized. After the last layer each branch's next-token distribution is compared with
-the clean one: ``damage[scheme][l] = mean over N·S positions of KL(clean ‖ branch)`` in nats.
+``damage[scheme][l]`` estimates the mean over N·S positions of KL(clean ‖ branch) in nats, where the *branch* is the
+model with only MoE layer ``l``'s routed experts round-to-nearest at the scheme (symmetric, one group size for the
+layer's projections, resolved like the plan does). Two methods:
 
-Cost (what it takes on a 61-layer, 58-MoE-layer DeepSeek-V3): every layer's weights are read once, as in
-profiling; layer forwards ≈ n_layers + K·M(M+1)/2 over N·S tokens (K = 4, N·S = 16 × 256: ~6.9 k forwards over
-4 k tokens, about the compute of 1.8 profiling passes over 128 × 2048 tokens); branch activations (1 + K·M)·N·S·D in
-the pass's dtype (27 GB there in fp32), kept on the device when they fit ``Layerwise``'s activation budget, else on the
-CPU; one copy of one layer's expert weights in host memory while its branches are made.
+- ``exact``: one branch per (MoE layer, scheme) starts at its layer from the clean input and runs every later layer;
+  after the last layer each branch's distribution is compared with the clean one. Layer forwards
+  ≈ L + K·M(M+1)/2: quadratic in depth (DeepSeek-V3, 58 MoE layers: ~6.9 k), activations (1 + K·M)·N·S·D.
+- ``bounded`` (the default): each branch runs only its own layer and the next ``carry`` decoder layers. What happens
+  after is valued at the layer where it stops, two ways. (1) The Fisher quadratic form of the branch's perturbation
+  ``Δ = h_branch - h_clean`` of the hidden state there, ``½ Σ_positions (g · Δ)²`` with ``g`` the gradient of
+  ``log p(y)`` for labels ``y`` drawn from the clean distribution (R draws): the second-order KL it causes at the
+  output, through the clean network linearized, so every later layer's smooth response is counted. (2) What the
+  linearization misses: a perturbation flips routing choices in the later MoE layers (near-tie experts swap: 4-15 %
+  of tokens per layer at W4 on the reference MoE), which moves the output by more than its second-order term,
+  and for W8 dominates its damage. Each MoE layer's share of that is measured on the branches that do reach it (the
+  increase of their Fisher form across the layer), fit as ``a · s^b`` in the perturbation's mean relative size
+  ``s = ‖Δ‖² / ‖h‖²`` arriving there, and added for the layers past each branch's stop at its size there. Branches
+  whose carry reaches the output get their exact KL. Layer forwards ≈ L (clean, inputs kept) + (1 + 2R) per layer
+  walked back for the gradients + K·(1 + carry) per MoE layer: linear in depth; activations L·N·S·D (every layer's
+  input) + R·N·S·D per gradient kept + the branches alive (K·carry). On the reference MoE (8 layers) it ranks the
+  layers per scheme as the exact pass does to within the exact pass's own variation between calibration samples
+  (STUDY.md).
+
+Both read every layer's weights once per pass (exact: one pass; bounded: three) and keep one copy of a layer's expert
+weights in host memory while its branches are made. Activations stay on the device when they fit ``Layerwise``'s
+activation budget, else on the CPU.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
 from quant.algos.grid import QuantSpec, quantize_weight, shared_group_size
 from quant.engine.layerwise import Layerwise
 from quant.models import ModelSource
-from quant.models.layers import ExpertsView, experts_of
+from quant.models.layers import ExpertsView, experts_of, release
+from quant.progress import step
 from quant.recipe import parse_scheme
 
 log = logging.getLogger(__name__)
 _EXPERT_CHUNK = 16  # experts quantized at once while writing a scheme into a layer (bounds the fp32 temporaries)
+STAGE = "layer damage"
+UNIT = "layer forwards"
+BACKWARD_FORWARDS = 2  # a backward pass through a layer counts as two forwards (progress, forecast)
+GRAD_DTYPE = torch.bfloat16  # gradients only weigh a perturbation (the Fisher form): bf16 halves what is kept
+HEAD_CHUNK_BYTES = 1 << 30  # the head's fp32 logits, softmax and gradient for a few sequences at a time
 
 
 @dataclass(frozen=True)
+class LayerDamage:
+    """``damage``: scheme -> ``[M]`` mean KL per position (MoE layers in model order); ``layer_forwards``: what the
+    pass ran, counted as ``pass_cost`` forecasts it."""
+
+    damage: dict[str, torch.Tensor]
+    layer_forwards: int
+
+
+@dataclass
 class _Branch:
     row: int  # index among the MoE layers
     scheme: str
-    hidden: torch.Tensor  # [N, S, D]
+    start: int  # decoder layer whose experts it quantizes
+    stop: int  # last decoder layer it runs (bounded)
+    hidden: torch.Tensor | None  # [N, S, D] after the last layer it ran
+    fisher: dict[int, float] = field(default_factory=dict)  # decoder layer -> Fisher form of Δ at its output
+    size: dict[int, float] = field(default_factory=dict)  # decoder layer -> mean ‖Δ‖² / ‖h‖² at its output
 
 
 def spread_rows(n_total: int, n: int) -> torch.Tensor:
@@ -57,13 +93,14 @@ def _write_rtn(view: ExpertsView, originals: tuple[torch.Tensor, torch.Tensor], 
             param.data[s : s + _EXPERT_CHUNK] = quantize_weight(chunk, spec, chunk.dtype).dequantize()
 
 
-def _branch_device(lw: Layerwise, clean: torch.Tensor, n_branches: int) -> torch.device:
-    total = (1 + n_branches) * clean.numel() * clean.element_size()
+def _store(lw: Layerwise, clean: torch.Tensor, n_streams: int) -> torch.device:
+    """Where ``n_streams`` tensors like ``clean`` live: the device while they fit the activation budget."""
+    total = n_streams * clean.numel() * clean.element_size()
     return lw.device if total <= lw.budget or lw.device.type == "cpu" else torch.device("cpu")
 
 
-def _branch_kl(lw: Layerwise, clean: torch.Tensor, branches: list[_Branch]) -> list[float]:
-    """Mean KL(clean ‖ branch) per position for every branch, batch by batch (logits in fp32)."""
+def _branch_kl(lw: Layerwise, clean: torch.Tensor, branches: list[torch.Tensor]) -> list[float]:
+    """Mean KL(clean ‖ branch) per position for every branch's final hidden states, batch by batch (fp32 logits)."""
     norm, head = lw.logits_fn()
     w_head = head.weight.float()
     totals = [0.0] * len(branches)
@@ -77,55 +114,300 @@ def _branch_kl(lw: Layerwise, clean: torch.Tensor, branches: list[_Branch]) -> l
             base = logprobs(clean[rows])
             p = base.exp()
             for i, b in enumerate(branches):
-                totals[i] += (p * (base - logprobs(b.hidden[rows]))).sum().item()
+                totals[i] += (p * (base - logprobs(b[rows]))).sum().item()
+    release(norm)
+    release(head)
     n_positions = clean.shape[0] * clean.shape[1]
     return [t / n_positions for t in totals]
 
 
-def measure_layer_damage(source: ModelSource, tokens: torch.Tensor, lw: Layerwise,
-                         schemes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """``tokens [N, S]`` -> scheme name -> ``[M]`` mean KL per position (MoE layers in model order)."""
+class _Experts:
+    """One MoE layer's experts written at each scheme in turn, the originals restored on exit."""
+
+    def __init__(self, view: ExpertsView):
+        self.view = view
+        self.originals = (view.gate_up.data.to("cpu", copy=True), view.down.data.to("cpu", copy=True))
+
+    def write(self, bits: int, group: int) -> None:
+        _write_rtn(self.view, self.originals, bits, group)
+
+    def __enter__(self) -> _Experts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.view.gate_up.data.copy_(self.originals[0])
+        self.view.down.data.copy_(self.originals[1])
+        self.view, self.originals = None, None  # the view holds the layer's expert weights
+
+
+def measure_layer_damage(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, schemes: tuple[str, ...],
+                         method: str = "bounded", carry: int = 1, draws: int = 1, seed: int = 0) -> LayerDamage:
+    """``tokens [N, S]`` -> each scheme's damage per MoE layer (module docstring). ``carry``: decoder layers a branch
+    runs past its own (bounded); ``draws``: label draws for the gradients (bounded); ``seed``: their generator."""
     parsed = {name: parse_scheme(name) for name in schemes}
+    if method == "exact":
+        damage, forwards = _exact(source, tokens, lw, parsed)
+    elif method == "bounded":
+        damage, forwards = _bounded(source, tokens, lw, parsed, carry, draws, seed)
+    else:
+        raise ValueError(f"layer damage method {method!r}; known: bounded, exact")
+    log.info("layer damage (%s): %d MoE layers x %d schemes on %d tokens, %d layer forwards; KL x1e3 per layer: %s",
+             method, len(source.moe_layers()), len(parsed), tokens.numel(), forwards,
+             "; ".join(f"{k} {[round(1e3 * v, 3) for v in d.tolist()]}" for k, d in damage.items()))
+    return LayerDamage(damage, forwards)
+
+
+def _progress(done: int, total: int, what: str, idx: int) -> None:
+    log.info("layer damage: %s layer %d", what, idx, extra=step(STAGE, done, total, UNIT))
+
+
+def _exact(source: ModelSource, tokens: torch.Tensor, lw: Layerwise,
+           parsed: dict[str, tuple[int, int]]) -> tuple[dict[str, torch.Tensor], int]:
     clean = lw.embed(tokens)
-    store = _branch_device(lw, clean, len(parsed) * len(source.moe_layers()))
+    moe = source.moe_layers()
+    store = _store(lw, clean, 1 + len(parsed) * len(moe))
+    total = pass_cost([(0.0, i in moe) for i in range(source.n_layers)], len(parsed), 0, "exact").layer_forwards
+    log.info("layer damage: exact pass over %d layers", source.n_layers, extra=step(STAGE, 0, total, UNIT))
     branches: list[_Branch] = []
-    n_moe, n_forwards = 0, 0
+    forwards = 0
     for idx in range(source.n_layers):
         with lw.layer(idx) as layer:
             for b in branches:
                 lw.forward(layer, b.hidden, out=b.hidden)
-            n_forwards += len(branches) + 1
             view = experts_of(source, layer, idx)
             if view is not None:
-                originals = (view.gate_up.data.to("cpu", copy=True), view.down.data.to("cpu", copy=True))
-                for name, (bits, group) in parsed.items():
-                    _write_rtn(view, originals, bits, group)
-                    out = torch.empty(clean.shape, dtype=clean.dtype, device=store)
-                    branches.append(_Branch(n_moe, name, lw.forward(layer, clean, out=out)))
-                view.gate_up.data.copy_(originals[0])
-                view.down.data.copy_(originals[1])
-                del originals
-                n_moe += 1
-                n_forwards += len(parsed)
+                with _Experts(view) as experts:
+                    for name, (bits, group) in parsed.items():
+                        experts.write(bits, group)
+                        out = torch.empty(clean.shape, dtype=clean.dtype, device=store)
+                        branches.append(_Branch(moe.index(idx), name, idx, source.n_layers - 1,
+                                                lw.forward(layer, clean, out=out)))
+            forwards += len(branches) + 1
             clean = lw.forward(layer, clean, out=clean)
             del view  # it holds the layer's expert weights: gone before the next layer loads, not after
-    kl = _branch_kl(lw, clean, branches)
-    damage = {name: torch.zeros(n_moe, dtype=torch.float64) for name in parsed}
+        _progress(forwards, total, "exact: branches through", idx)
+    kl = _branch_kl(lw, clean, [b.hidden for b in branches])
+    damage = {name: torch.zeros(len(moe), dtype=torch.float64) for name in parsed}
     for b, value in zip(branches, kl, strict=True):
         damage[b.scheme][b.row] = value
-    log.info("layer damage: %d MoE layers x %d schemes on %d tokens, %d layer forwards; KL x1e3 per layer: %s",
-             n_moe, len(parsed), tokens.numel(), n_forwards,
-             "; ".join(f"{k} {[round(1e3 * v, 3) for v in d.tolist()]}" for k, d in damage.items()))
+    return damage, forwards
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """What ``measure_layer_damage`` runs (``quant estimate``'s forecast, the pass's progress total): layer forwards
+    (a backward pass through a layer counts as ``BACKWARD_FORWARDS``), parameter-tokens, walks over the layers'
+    weights, and the hidden-state tensors ``[N, S, D]`` held at once: in the pass's dtype, and gradients in
+    ``GRAD_DTYPE``."""
+
+    layer_forwards: int
+    param_tokens: float
+    weight_walks: int
+    streams: int
+    grad_streams: int = 0
+
+
+def pass_cost(layers: list[tuple[float, bool]], n_schemes: int, n_tokens: int, method: str = "bounded",
+              carry: int = 1, draws: int = 1) -> PassCost:
+    """``layers``: (active parameters per token, has routed experts) per decoder layer."""
+    moe = [i for i, (_, m) in enumerate(layers) if m]
+    per_layer = [1] * len(layers)  # the clean stream (exact: alongside the branches; bounded: its own walk)
+    if method == "exact":
+        alive = 1
+        for idx in range(len(layers)):
+            alive += n_schemes if idx in moe else 0
+            per_layer[idx] = alive
+    else:
+        for idx in _walked_back(moe, len(layers)):
+            per_layer[idx] += 1 + BACKWARD_FORWARDS * draws
+        for idx, n in _branch_layers(moe, len(layers), n_schemes, carry).items():
+            per_layer[idx] += n
+    param_tokens = sum(n * n_tokens * active for n, (active, _) in zip(per_layer, layers, strict=True))
+    if method == "exact":
+        return PassCost(sum(per_layer), param_tokens, 1, 1 + n_schemes * len(moe))
+    grads = draws * (len(layers) - moe[0]) if moe else 0
+    return PassCost(sum(per_layer), param_tokens, 3, len(layers) + 1 + n_schemes * (1 + carry), grads)
+
+
+def _walked_back(moe: list[int], n_layers: int) -> range:
+    """Decoder layers the gradients are carried back through: from the last down to just above the first MoE layer
+    (the gradient at every MoE layer's output and below the last is needed)."""
+    return range(n_layers - 1, moe[0], -1) if moe else range(0)
+
+
+def _branch_layers(moe: list[int], n_layers: int, n_schemes: int, carry: int) -> dict[int, int]:
+    """Decoder layer -> branch forwards run there by the bounded pass (its own schemes + the branches carried in)."""
+    out: dict[int, int] = {}
+    for start in moe:
+        for idx in range(start, min(start + carry, n_layers - 1) + 1):
+            out[idx] = out.get(idx, 0) + n_schemes
+    return out
+
+
+def _bounded(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, parsed: dict[str, tuple[int, int]],
+             carry: int, draws: int, seed: int) -> tuple[dict[str, torch.Tensor], int]:
+    L, moe = source.n_layers, source.moe_layers()
+    total = pass_cost([(0.0, i in moe) for i in range(L)], len(parsed), 0, "bounded", carry, draws).layer_forwards
+    log.info("layer damage: %d layers forward, gradients back, branches carried %d layer(s)", L, carry,
+             extra=step(STAGE, 0, total, UNIT))
+    inputs, final = _clean_pass(lw, tokens, total)
+    done = L
+    grads, done = _gradients(source, lw, inputs, final, moe, draws, seed, done, total)
+    branches, done = _branch_pass(source, lw, inputs, final, grads, parsed, carry, done, total)
+    return _estimate(branches, moe, L, parsed), done
+
+
+def _clean_pass(lw: Layerwise, tokens: torch.Tensor, total: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every decoder layer's clean input ``[N, S, D]`` and the last layer's output."""
+    h = lw.embed(tokens)
+    L = lw.source.n_layers
+    store = _store(lw, h, L + 1)
+    inputs = []
+    for idx in range(L):
+        inputs.append(h.to(store, copy=True))
+        with lw.layer(idx) as layer:
+            h = lw.forward(layer, h, out=h)
+        _progress(idx + 1, total, "clean through", idx)
+    return inputs, h.to(store)
+
+
+def _head_cotangents(lw: Layerwise, final: torch.Tensor, draws: int, seed: int, store: torch.device) -> torch.Tensor:
+    """``[R, N, S, D]`` (bf16): for R label draws ``y ~ p_clean`` per position, the gradient of ``Σ log p(y)`` with
+    respect to the last layer's output (through the final norm and lm_head), a few sequences at a time (their fp32
+    logits and softmax stay within ``HEAD_CHUNK_BYTES``)."""
+    norm, head = lw.logits_fn()
+    for p in (*norm.parameters(), *head.parameters()):
+        p.requires_grad_(False)
+    gen = torch.Generator(device=lw.device).manual_seed(seed)
+    out = torch.empty((draws, *final.shape), dtype=GRAD_DTYPE, device=store)
+    step_rows = max(1, HEAD_CHUNK_BYTES // (3 * 4 * final.shape[1] * head.weight.shape[0]))
+    with torch.enable_grad():
+        for s in range(0, final.shape[0], step_rows):
+            rows = slice(s, s + step_rows)
+            x = final[rows].to(lw.device).requires_grad_()
+            logp = torch.log_softmax(head(norm(x)).float(), dim=-1).flatten(0, 1)
+            probs = logp.detach().exp()
+            for r in range(draws):
+                y = torch.multinomial(probs, 1, generator=gen)
+                (g,) = torch.autograd.grad(logp.gather(1, y).sum(), x, retain_graph=r + 1 < draws)
+                out[r, rows] = g.to(store)
+            del logp, probs, x
+    release(norm)
+    release(head)
+    return out
+
+
+def _gradients(source: ModelSource, lw: Layerwise, inputs: list[torch.Tensor], final: torch.Tensor, moe: list[int],
+               draws: int, seed: int, done: int, total: int) -> tuple[dict[int, torch.Tensor], int]:
+    """Decoder layer -> ``[R, N, S, D]`` gradient at its output, for every layer from the first MoE layer on."""
+    L = source.n_layers
+    if not moe:
+        return {}, done
+    store = _store(lw, final, L + 1 + draws * (L - moe[0]))
+    g = _head_cotangents(lw, final, draws, seed, store)
+    grads = {L - 1: g}
+    for idx in _walked_back(moe, L):
+        below = torch.empty_like(g)
+        with lw.layer(idx, ahead=idx - 1) as layer:
+            lw.vjp(layer, inputs[idx], g, out=below)
+        g = grads[idx - 1] = below
+        done += 1 + BACKWARD_FORWARDS * draws
+        _progress(done, total, "gradients back through", idx)
+    return grads, done
+
+
+def _value(lw: Layerwise, b: _Branch, idx: int, clean_out: torch.Tensor, g: torch.Tensor) -> None:
+    """The branch's Fisher form ``½ mean over draws of Σ_positions (g · Δ)²`` (per position: the second-order KL of
+    ``Δ = hidden - clean_out``) and its mean relative size ``‖Δ‖² / ‖h‖²`` at layer ``idx``'s output, batch by batch
+    on the device (fp32)."""
+    fisher = size = 0.0
+    for s in range(0, clean_out.shape[0], lw.batch_size):
+        rows = slice(s, s + lw.batch_size)
+        h = clean_out[rows].to(lw.device).float()
+        delta = b.hidden[rows].to(lw.device).float() - h
+        fisher += (g[:, rows].to(lw.device).float() * delta[None]).sum(-1).pow(2).sum().item()
+        size += (delta.pow(2).sum(-1) / h.pow(2).sum(-1).clamp_min(1e-30)).sum().item()
+    n_positions = clean_out.shape[0] * clean_out.shape[1]
+    b.fisher[idx] = 0.5 * fisher / (g.shape[0] * n_positions)
+    b.size[idx] = size / n_positions
+
+
+def _branch_pass(source: ModelSource, lw: Layerwise, inputs: list[torch.Tensor], final: torch.Tensor,
+                 grads: dict[int, torch.Tensor], parsed: dict[str, tuple[int, int]], carry: int, done: int,
+                 total: int) -> tuple[list[_Branch], int]:
+    """Each (MoE layer, scheme) branch from its layer through ``carry`` more, valued at every layer's output; those
+    that run the last layer also get their exact KL (``fisher[L]``)."""
+    L, moe = source.n_layers, source.moe_layers()
+    store = _store(lw, final, L + 1 + len(parsed) * (1 + carry))
+    branches: list[_Branch] = []
+    for idx in range(moe[0] if moe else L, L):
+        alive = [b for b in branches if b.hidden is not None and b.start < idx <= b.stop]
+        with lw.layer(idx) as layer:
+            for b in alive:
+                b.hidden = lw.forward(layer, b.hidden, out=b.hidden)
+            view = experts_of(source, layer, idx)
+            if view is not None:
+                with _Experts(view) as experts:
+                    for name, (bits, group) in parsed.items():
+                        experts.write(bits, group)
+                        out = torch.empty(inputs[idx].shape, dtype=inputs[idx].dtype, device=store)
+                        alive.append(_Branch(moe.index(idx), name, idx, min(idx + carry, L - 1),
+                                             lw.forward(layer, inputs[idx], out=out)))
+                branches += alive[len(alive) - len(parsed):]
+            del view  # it holds the layer's expert weights: gone before the next layer loads, not after
+        clean_out = inputs[idx + 1] if idx + 1 < L else final
+        for b in alive:
+            _value(lw, b, idx, clean_out, grads[idx])
+            if b.stop == idx and idx < L - 1:
+                b.hidden = None
+        done += len(alive)
+        _progress(done, total, "branches through", idx)
+    ending = [b for b in branches if b.hidden is not None]
+    for b, kl in zip(ending, _branch_kl(lw, final, [b.hidden for b in ending]), strict=True):
+        b.fisher[L], b.hidden = kl, None  # the exact KL, after the head
+    return branches, done
+
+
+def _law(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares ``log inc = a + b log s`` over ``(s, inc)`` points with both positive: ``(a, b)``, or None."""
+    pts = [(math.log(s), math.log(inc)) for s, inc in points if s > 0 and inc > 0]
+    if not pts:
+        return None
+    if len(pts) == 1 or max(x for x, _ in pts) - min(x for x, _ in pts) < 1e-6:
+        b = 0.5  # flips scale with the perturbation's norm, not its square
+        return sum(y - b * x for x, y in pts) / len(pts), b
+    xs = torch.tensor([x for x, _ in pts], dtype=torch.float64)
+    ys = torch.tensor([y for _, y in pts], dtype=torch.float64)
+    fit = torch.linalg.lstsq(torch.stack([torch.ones_like(xs), xs], 1), ys[:, None]).solution[:, 0]
+    return fit[0].item(), fit[1].item()
+
+
+def _estimate(branches: list[_Branch], moe: list[int], L: int,
+              parsed: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Each branch's damage: its exact KL when it ran the last layer, else its Fisher form where it stopped plus, for
+    each later MoE layer, that layer's flip law at the branch's size there."""
+    laws: dict[int, tuple[float, float]] = {}
+    for j in moe:
+        arrived = [(b.size[j - 1], b.fisher[j] - b.fisher[j - 1]) for b in branches if b.start < j <= b.stop]
+        law = _law(arrived)
+        if law is not None:
+            laws[j] = law
+    damage = {name: torch.zeros(len(moe), dtype=torch.float64) for name in parsed}
+    for b in branches:
+        if L in b.fisher:
+            damage[b.scheme][b.row] = b.fisher[L]
+            continue
+        value, size = b.fisher[b.stop], b.size[b.stop]
+        for j in (j for j in moe if j > b.stop):
+            law = laws.get(j) or _nearest(laws, j)
+            if law is not None and size > 0:
+                value += math.exp(law[0] + law[1] * math.log(size))
+        damage[b.scheme][b.row] = value
     return damage
 
 
-def pass_cost(layers: list[tuple[float, bool]], n_schemes: int, n_tokens: int) -> tuple[int, float, int]:
-    """What ``measure_layer_damage`` runs, for ``quant estimate``: ``layers`` is (active parameters per token, has
-    routed experts) per decoder layer. Returns (layer forwards, parameter-tokens, hidden-state streams at the end)."""
-    alive, forwards, param_tokens = 1, 0, 0.0
-    for active, moe in layers:
-        n = alive + (n_schemes if moe else 0)
-        forwards += n
-        param_tokens += n * n_tokens * active
-        alive += n_schemes if moe else 0
-    return forwards, param_tokens, alive
+def _nearest(laws: dict[int, tuple[float, float]], j: int) -> tuple[float, float] | None:
+    """The law of the MoE layer nearest ``j`` that has one (the earlier on a tie)."""
+    if not laws:
+        return None
+    return laws[min(laws, key=lambda k: (abs(k - j), k))]

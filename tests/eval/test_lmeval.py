@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -14,6 +15,7 @@ import pytest
 from quant.errors import CheckpointError, RecipeError
 from quant.eval.humaneval import load_problems
 from quant.eval.lmeval import TaskScore, default_tasks_dir, run_lm_eval, scores_from_results
+from quant.progress import Step
 
 REPO = Path(__file__).resolve().parents[2]
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
@@ -117,6 +119,31 @@ def test_offline_tasks_run_end_to_end(
         assert score.n == 3
         assert score.stderr is None or score.stderr >= 0.0
     assert list(tmp_path.iterdir()) == []
+
+
+@needs_lm_eval
+def test_lm_eval_bars_report_progress_steps_and_draw_nothing(
+    tiny_moe_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """lm-eval's request bars pass disable=False, which beats TQDM_DISABLE: they drew on stderr inside eval. Now
+    nothing is drawn and the request bar logs quant progress steps, from 0 to its total (2 questions x 4 choices),
+    at most one line per tenth; lm-eval's own tqdm is back afterwards."""
+    import lm_eval.models.huggingface as hf
+    import tqdm
+
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.INFO, logger="quant")
+    run_lm_eval(tiny_moe_dir, ["quant_mmlu"], limit=2, num_fewshot=0, batch_size=4, seed=0, device="cpu",
+                dtype="float32")
+    err = capfd.readouterr().err
+    assert "Running loglikelihood requests" not in err and "Tokenizing inputs" not in err, err[-2000:]
+    steps = [(r.getMessage(), r.progress) for r in caplog.records if isinstance(getattr(r, "progress", None), Step)]
+    requests = [s for msg, s in steps if "Running loglikelihood requests" in msg]
+    assert requests[0].done == 0 and requests[-1].done == requests[-1].total == 8, steps
+    assert [s.done for s in requests] == sorted(s.done for s in requests) and len(requests) <= 11
+    assert {(s.stage, s.unit) for _, s in steps} == {("lm-eval", "requests")}
+    assert hf.tqdm is tqdm.tqdm
 
 
 @needs_lm_eval

@@ -348,24 +348,48 @@ def test_real_source_and_header_source_forecast_alike(quant_cache):
 
 
 def test_mixed_vllm_recipe_forecasts_the_layer_damage_pass(shapes_dir):
-    """recipes/mixed_vllm.yaml on a DeepSeek-V3-shaped model: the plan is made (synthetic damage), and the profile
-    stage adds the damage pass: sum over layers of the streams alive there (1 + 4 schemes per MoE layer so far)."""
+    """recipes/mixed_vllm.yaml on 8 DeepSeek-V3-shaped layers: the plan is made (synthetic damage), and the profile
+    stage adds the damage pass. Bounded (the default): the clean walk, the gradients walked back to the first MoE
+    layer (a forward and a two-forward backward per layer), and each MoE layer's 4 schemes through it and the next
+    layer. Exact: every stream alive at each layer (1 + 4 schemes per MoE layer so far), quadratic in depth."""
     from quant.recipe import load_recipe
 
-    path = shapes_dir("deepseek-v3", 1)
+    path = shapes_dir("deepseek-v3", 8)
     src = load_headers(str(path))
-    with_damage = forecast(load_recipe(REPO / "recipes" / "mixed_vllm.yaml", model=str(path)), src)
-    without = forecast(load_recipe(REPO / "recipes" / "mixed_vllm.yaml", model=str(path), overrides=(
-        "plan.policy=top_fraction", "plan.budget_avg_bits=null", "plan.layer_group_sizes=[]",
-        "profile.layer_sensitivity=null")), src)
-    p1, p0 = (next(s for s in f.stages if s.stage == "profile") for f in (with_damage, without))
-    moe = [L for L in range(src.n_layers) if L in src.moe_layers()]
+    recipe = lambda *o: load_recipe(REPO / "recipes" / "mixed_vllm.yaml", model=str(path), overrides=o)  # noqa: E731
+    without = forecast(recipe("plan.policy=top_fraction", "plan.budget_avg_bits=null", "plan.layer_group_sizes=[]",
+                              "profile.layer_sensitivity=null"), src)
+    bounded, exact = forecast(recipe(), src), forecast(recipe("profile.layer_sensitivity.method=exact"), src)
+    p0, pb, pe = (next(s for s in f.stages if s.stage == "profile") for f in (without, bounded, exact))
+    L, moe = src.n_layers, src.moe_layers()
     streams, forwards = 1, 0
-    for layer in range(src.n_layers):
+    for layer in range(L):
         forwards += streams + (4 if layer in moe else 0)
         streams += 4 if layer in moe else 0
-    assert f"{forwards} layer forwards over {16 * 256} tokens" in p1.note
-    assert p1.seconds > p0.seconds and p1.gpu_bytes >= p0.gpu_bytes
+    assert f"(exact): {forwards} layer forwards over {16 * 256} tokens" in pe.note
+    carried = sum(4 * (1 + min(1, L - 1 - m)) for m in moe)
+    linear = L + 3 * (L - 1 - moe[0]) + carried
+    assert f"(bounded): {linear} layer forwards over {16 * 256} tokens" in pb.note
+    assert pe.seconds > pb.seconds > p0.seconds and pb.gpu_bytes >= p0.gpu_bytes
+
+
+def test_the_layer_damage_forecast_counts_what_the_measurement_runs(quant_cache):
+    """quant estimate's count of the pass's layer forwards is the one the measurement reports running, for both
+    methods, on the builtin families (DeepSeek-V3's first layer dense, OLMoE's, Mixtral's, Qwen3-MoE's routing)."""
+    import torch
+
+    from quant.engine.layerwise import Layerwise
+    from quant.measure.layer_damage import measure_layer_damage
+
+    for name in ("qwen3-moe-tiny", "deepseek-v3-tiny"):
+        src = resolve_model(f"builtin:{name}")
+        tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+        for method in ("bounded", "exact"):
+            recipe = parse_recipe({"name": "x", "calibration": {"seq_len": 8}, "profile": {"layer_sensitivity": {
+                "n_samples": 2, "schemes": ["w4g32", "w8g32"], "method": method}}}, model=f"builtin:{name}")
+            note = next(s for s in forecast(recipe, load_headers(f"builtin:{name}")).stages if s.stage == "profile").note
+            ran = measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2), ("w4g32", "w8g32"), method)
+            assert f"({method}): {ran.layer_forwards} layer forwards over 16 tokens" in note, (name, method, note)
 
 
 @pytest.mark.parametrize("mode", ["whole", "streamed"])

@@ -1,14 +1,18 @@
-"""Per-layer damage from one streamed pass against a slow reference: the whole transformers model, one MoE layer's
-experts replaced by round-to-nearest copies, KL of the next-token distributions."""
+"""Per-layer damage: the exact pass against a slow reference (the whole transformers model, one MoE layer's experts
+replaced by round-to-nearest copies, KL of the next-token distributions), the bounded pass against the exact one,
+what each runs (as quant estimate forecasts it) and its progress."""
+
+import logging
 
 import pytest
 import torch
 
 from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
 from quant.engine.layerwise import Layerwise
-from quant.measure.layer_damage import measure_layer_damage, spread_rows
+from quant.measure.layer_damage import STAGE, measure_layer_damage, pass_cost, spread_rows
 from quant.models import resolve_model
 from quant.models.layers import experts_of
+from quant.progress import Step
 
 SCHEMES = ("w2g32", "w4g32", "w4g16", "w8g32")
 
@@ -34,7 +38,7 @@ def _reference_kl(source, tokens: torch.Tensor, layer: int, bits: int, group: in
 
 def test_matches_whole_model_reference(source):
     tokens = torch.randint(0, source.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
-    damage = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), SCHEMES)
+    damage = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), SCHEMES, "exact").damage
     moe = source.moe_layers()
     assert set(damage) == set(SCHEMES) and all(d.shape == (len(moe),) for d in damage.values())
     for row in (0, len(moe) - 1):
@@ -50,9 +54,14 @@ def test_branches_do_not_leak_into_each_other(source):
     """A scheme measured alone gives the same damage as in a pass with other schemes (each branch starts from the
     original weights and the clean stream runs on them)."""
     tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    alone = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), ("w4g32",))
-    mixed = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), ("w2g32", "w4g32", "w8g32"))
-    assert torch.allclose(alone["w4g32"], mixed["w4g32"], rtol=1e-5, atol=0)
+    for method in ("exact", "bounded"):
+        alone = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), ("w4g32",), method)
+        mixed = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2),
+                                     ("w2g32", "w4g32", "w8g32"), method)
+        if method == "exact":
+            assert torch.allclose(alone.damage["w4g32"], mixed.damage["w4g32"], rtol=1e-5, atol=0)
+        else:  # each MoE layer's flip law is fit over the schemes that reach it: the same only where none is used
+            assert torch.allclose(alone.damage["w4g32"][-2:], mixed.damage["w4g32"][-2:], rtol=1e-5, atol=0)
 
 
 def test_spread_rows_cover_every_source_block():
@@ -68,7 +77,45 @@ def test_a_layer_s_expert_weights_are_gone_before_the_next_layer_loads(monkeypat
 
     src = resolve_model("builtin:deepseek-v3-tiny")
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    alive = expert_weights_alive_at_each_load(
-        monkeypatch, layer_damage,
-        lambda: measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2), ("w4g32",)))
-    assert alive == [0] * src.n_layers
+    first = src.moe_layers()[0]  # bounded: the clean walk, back down to above the first MoE layer, its branches
+    for method, loads in (("exact", src.n_layers), ("bounded", 3 * src.n_layers - 2 * first - 1)):
+        alive = expert_weights_alive_at_each_load(
+            monkeypatch, layer_damage,
+            lambda method=method: measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2), ("w4g32",),
+                                                       method))
+        assert alive == [0] * loads, method
+        monkeypatch.undo()
+
+
+def test_bounded_pass_carried_to_the_output_is_the_exact_pass(source):
+    """Carried through every later layer, each bounded branch reaches the output and gets its exact KL: the same
+    numbers as the exact pass (the gradients and flip laws are then unused)."""
+    tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    exact = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), SCHEMES, "exact")
+    carried = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), SCHEMES, "bounded",
+                                   carry=source.n_layers)
+    for name in SCHEMES:
+        assert torch.allclose(carried.damage[name], exact.damage[name], rtol=1e-6, atol=1e-12), name
+
+
+@pytest.mark.parametrize("model", ["builtin:qwen3-moe-tiny", "builtin:deepseek-v3-tiny"])
+@pytest.mark.parametrize("method, carry, draws", [("exact", 1, 1), ("bounded", 1, 1), ("bounded", 2, 2)])
+def test_pass_cost_counts_what_the_pass_runs_and_progress_reports_it(model, method, carry, draws, caplog):
+    """pass_cost (quant estimate's forecast of the pass) is the pass's own count of layer forwards, and the pass
+    reports it as progress: one step per layer walked (and the start), counting up to that total. DeepSeek-V3's
+    first layer is dense: no branch starts there, and the bounded pass's gradients stop above its first MoE layer."""
+    src = resolve_model(model)
+    tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    caplog.set_level(logging.INFO, logger="quant")
+    got = measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2), ("w4g32", "w8g32"), method,
+                               carry, draws)
+    layers = [(1.0, i in src.moe_layers()) for i in range(src.n_layers)]
+    cost = pass_cost(layers, 2, tokens.numel(), method, carry, draws)
+    forwards = cost.layer_forwards
+    assert got.layer_forwards == forwards and cost.param_tokens == forwards * tokens.numel()
+    steps = [r.progress for r in caplog.records if isinstance(getattr(r, "progress", None), Step)]
+    assert {(s.stage, s.unit, s.total) for s in steps} == {(STAGE, "layer forwards", forwards)}
+    assert steps[0].done == 0 and steps[-1].done == forwards
+    assert [s.done for s in steps] == sorted(s.done for s in steps)
+    L, first = src.n_layers, src.moe_layers()[0]
+    assert len(steps) == 1 + L + (0 if method == "exact" else (L - 1 - first) + (L - first))
