@@ -28,10 +28,16 @@
 #   x8-build, x8-depth, x8-breadth   (8 GPUs; one a call, the 10-minute limit) the 8-GPU issue's run: 2 DeepSeek-V3
 #              layers (47 GB, kept in $WORK-node between calls), tiled to $X8_LAYERS (default 24) at 512 x 2048 on
 #              8 ranks, then every stage on the 2 saved layers; projected to 61 layers
+#   vllm-part  copy each carried .vllm-part-N/part (benchmarks/vllm_wheels.sh makes them) to /tmp/parts/N, checked
+#              against its SHA256SUMS, and list what /tmp/parts holds: one call per part, carry [".vllm-part-N"]
+#   vllm-install  join /tmp/parts in order, check the archive's SHA256SUMS, unpack it into /tmp/vsite and import
+#              vllm from there (skipped when /tmp/vsite already imports the parts' version). Kept apart from
+#              /tmp/site: vLLM pins compressed-tensors 0.17, quant needs 0.19. Use it as PYTHONPATH=/tmp/vsite
+#              VLLM_USE_FLASHINFER_SAMPLER=0 python3 ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -51,8 +57,69 @@ run() {  # run TASK COMMAND...: log, time, and free the scratch disk after
   echo "== $task: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$task.log"
 }
 
+vllm_part() {  # the carried .vllm-part-N/part -> /tmp/parts/N, with its SHA256SUMS
+  local d n want have found=0
+  mkdir -p /tmp/parts
+  for d in .vllm-part-*/; do
+    n=${d#.vllm-part-}; n=${n%/}
+    [[ $n =~ ^[0-9]+$ && -f $d/part && -f $d/SHA256SUMS ]] || continue
+    found=1
+    want=$(awk -v n="$n" '$2 == n {print $1}' "$d/SHA256SUMS")
+    have=$(sha256sum < "$d/part" | cut -d' ' -f1)
+    [ -n "$want" ] && [ "$want" = "$have" ] || { echo "part $n: sha256 $have, SHA256SUMS says '$want'"; return 1; }
+    if [ -f "/tmp/parts/$n" ] && [ "$(sha256sum < "/tmp/parts/$n" | cut -d' ' -f1)" = "$want" ]; then
+      echo "part $n: already in /tmp/parts"
+    else
+      cp "$d/part" "/tmp/parts/$n.tmp" && mv "/tmp/parts/$n.tmp" "/tmp/parts/$n" || return 1
+      echo "part $n: copied"
+    fi
+    cp "$d/SHA256SUMS" /tmp/parts/SHA256SUMS.tmp && mv /tmp/parts/SHA256SUMS.tmp /tmp/parts/SHA256SUMS || return 1
+  done
+  [ "$found" = 1 ] || echo "no .vllm-part-N/part carried"
+  echo "/tmp/parts now (name, bytes):"
+  (cd /tmp/parts && find . -maxdepth 1 -type f -printf '%f %s\n' | sort -n)
+  if [ -f /tmp/parts/SHA256SUMS ]; then
+    local missing
+    missing=$(awk 'NR > 1 {print $2}' /tmp/parts/SHA256SUMS | while read -r n; do [ -f "/tmp/parts/$n" ] || echo "$n"; done | xargs)
+    echo "parts: $(($(wc -l < /tmp/parts/SHA256SUMS) - 1)) in all, missing: ${missing:-none}"
+  fi
+  [ "$found" = 1 ]
+}
+
+vllm_version() {  # the version /tmp/vsite imports, or nothing
+  env PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 python3 -c 'import vllm; print(vllm.__version__)' \
+    2>"$OUT/vllm-import.err" | tail -1
+}
+
+vllm_install() {  # /tmp/parts -> /tmp/vsite
+  local sums=/tmp/parts/SHA256SUMS archive want v n missing
+  archive=$(head -1 "$sums" 2>/dev/null | awk '{print $2}')  # vllm-VERSION-site.tar.xz
+  want=${archive#vllm-}; want=${want%-site.tar.xz}; want=${want:-${VLLM_VERSION:-0.26.0}}
+  if [ -f /tmp/vsite/vllm/__init__.py ] && v=$(vllm_version) && [ "$v" = "$want" ]; then
+    echo "vllm $v: already in /tmp/vsite"; return 0
+  fi
+  [ -f "$sums" ] || { echo "no /tmp/parts/SHA256SUMS: run vllm-part first"; return 1; }
+  missing=$(tail -n +2 "$sums" | awk '{print $2}' | while read -r n; do [ -f "/tmp/parts/$n" ] || echo "$n"; done | xargs)
+  [ -z "$missing" ] || { echo "parts missing from /tmp/parts: $missing (vllm-part with each)"; return 1; }
+  (cd /tmp/parts && tail -n +2 SHA256SUMS | sha256sum --quiet -c -) || { echo "parts missing or damaged"; return 1; }
+  for n in $(tail -n +2 "$sums" | awk '{print $2}' | sort -n); do cat "/tmp/parts/$n"; done > "/tmp/$archive" || return 1
+  (cd /tmp && head -1 "$sums" | sha256sum -c -) || { rm -f "/tmp/$archive"; return 1; }
+  rm -rf /tmp/vsite.tmp && mkdir -p /tmp/vsite.tmp && tar -C /tmp/vsite.tmp -xJf "/tmp/$archive" || return 1
+  rm -rf /tmp/vsite "/tmp/$archive" && mv /tmp/vsite.tmp /tmp/vsite || return 1
+  echo "unpacked into /tmp/vsite: $(du -sh /tmp/vsite | cut -f1)"
+  v=$(vllm_version)
+  [ "$v" = "$want" ] || { echo "import vllm from /tmp/vsite gave '$v', want $want:"; tail -20 "$OUT/vllm-import.err"; return 1; }
+  echo "vllm $v (PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0)"
+}
+
 for task in "$@"; do
   case $task in
+    vllm-part|vllm-install)
+      t0=$(date +%s)
+      echo "== $task" | tee -a "$OUT/$task.log"
+      "vllm_${task#vllm-}" 2>&1 | tee -a "$OUT/$task.log"
+      echo "== $task: $([ "${PIPESTATUS[0]}" = 0 ] && echo ok || echo FAILED), $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$task.log"
+      continue ;;  # nothing in $W
     suite) run suite env QUANT_TEST_FAILLOG="$OUT/faillog.txt" QUANT_TEST_PROGRESS="$OUT/progress.txt" python3 -m pytest -p no:cacheprovider -n 16 -q -rfE \
              --tb=short --durations=30 --junitxml="$OUT/junit.xml" ;;
     gpu) run gpu python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --tb=short ;;
