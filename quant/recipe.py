@@ -168,9 +168,23 @@ class PlanSpec(_Strict):
     layer_group_sizes: tuple[int, ...] = ()
     symmetric: bool = True
     granularity: Literal["per_expert", "per_layer"] = "per_expert"
-    target_runtime: Literal["any", "vllm", "sglang", "transformers", "gptqmodel"] = "any"
+    target_runtime: Literal["any", "vllm", "vllm-quant", "sglang", "transformers", "gptqmodel"] = "any"
     seed: int = Field(0, ge=0, le=MAX_SEED)
     protect: ProtectSpec = ProtectSpec()
+    # MoE layer index (a quoted string: YAML keys are strings) -> the scheme all its experts get (w<bits>g<group>),
+    # whatever the policy decides: {"0": w8g128, "5": w4g32}
+    layer_schemes: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("layer_schemes")
+    @classmethod
+    def _layer_schemes(cls, v: dict[str, str]) -> dict[str, str]:
+        for layer, scheme in v.items():
+            if not layer.isdigit() or len(layer) > 6:
+                raise ValueError(f"plan.layer_schemes: key {layer!r} is not a layer index (0, 1, ...)")
+            bits, group = parse_scheme(scheme)
+            _check_bits(bits, f"plan.layer_schemes[{layer}]")
+            _check_group(group, f"plan.layer_schemes[{layer}]")
+        return v
 
     @field_validator("high_bits", "low_bits")
     @classmethod
@@ -211,6 +225,10 @@ class PlanSpec(_Strict):
         elif self.layer_group_sizes:
             raise ValueError("plan.layer_group_sizes is read by plan.policy 'layer_sensitivity' only")
         return self
+
+    def pinned_layers(self) -> dict[int, tuple[int, int]]:
+        """``layer_schemes`` as MoE layer index -> (bits, group size)."""
+        return {int(k): parse_scheme(v) for k, v in self.layer_schemes.items()}
 
     def _check_layer_policy(self) -> None:
         fix = {"plan.budget_avg_bits": self.budget_avg_bits is not None and self.budget_gb is None,

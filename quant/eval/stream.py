@@ -29,6 +29,7 @@ from quant.errors import CheckpointError
 from quant.models import ModelSource
 from quant.models.dequant import DequantizingSource
 from quant.progress import step
+from quant.serve.names import COMPRESSED_TENSORS_METHODS
 
 log = logging.getLogger(__name__)
 LOGIT_CHUNK_BYTES = 1 << 30  # float32 logits of both models (and log-softmax temporaries) per scored chunk
@@ -50,7 +51,7 @@ class ShippedCheckpoint(DequantizingSource):
         super().__init__(path, dtype, device, display_name=f"{base.display_name} (shipped)",
                          trust_remote_code=base.trust_remote_code, family=base.family.name)
         qcfg = self.config_dict.get("quantization_config") or {}
-        if qcfg.get("quant_method") != "compressed-tensors":
+        if qcfg.get("quant_method") not in COMPRESSED_TENSORS_METHODS:
             raise CheckpointError(
                 f"{path}: streamed eval reads compressed-tensors checkpoints, this one is "
                 f"'{qcfg.get('quant_method', 'not quantized')}'; list compressed-tensors first in export.formats"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from quant.errors import CheckpointError, ModelError
 from quant.models.source import open_safetensors, read_json_object
+from quant.serve.names import COMPRESSED_TENSORS_METHODS
 
 
 def _tensor_names(ckpt: Path) -> dict[str, tuple[int, ...]]:
@@ -83,9 +84,9 @@ def read_checkpoint_bits(ckpt: Path) -> dict[str, dict]:
         raise CheckpointError(f"{ckpt} has no quantization_config; it is not a quantized checkpoint")
     names = _tensor_names(ckpt)
     method = qcfg.get("quant_method")
-    readers = {"compressed-tensors": _compressed_tensors, "gptq": _gptq}
+    readers = {m: _compressed_tensors for m in COMPRESSED_TENSORS_METHODS} | {"gptq": _gptq}
     if method not in readers:
-        raise CheckpointError(f"{ckpt}: quant_method '{method}' is not one quant writes (compressed-tensors, gptq)")
+        raise CheckpointError(f"{ckpt}: quant_method '{method}' is not one quant writes ({', '.join(readers)})")
     try:
         out = readers[method](qcfg, names)
     except (KeyError, TypeError, AttributeError, ValueError, re.error) as e:

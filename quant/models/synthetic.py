@@ -55,9 +55,11 @@ SHAPES |= {
 }
 
 
-def build_model(shape: str | dict, n_layers: int, path: Path, seed: int) -> None:
+def build_model(shape: str | dict, n_layers: int, path: Path, seed: int, logit_scale: float = 1.0) -> None:
     """Random-weight model (transformers' own init, seeded) saved as bf16 safetensors + a word-level tokenizer.
-    ``shape`` names an entry of SHAPES or is such a dict (``model_type`` and config.json keys)."""
+    ``shape`` names an entry of SHAPES or is such a dict (``model_type`` and config.json keys). ``logit_scale``
+    multiplies ``lm_head``: peaked next-token distributions, as a trained model's are (random ones are near flat,
+    so a top-1 comparison would measure ties)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -73,6 +75,7 @@ def build_model(shape: str | dict, n_layers: int, path: Path, seed: int) -> None
             if ex is not None and hasattr(ex, "gate_up_proj"):
                 ex.gate_up_proj.normal_(0, cfg.initializer_range)
                 ex.down_proj.normal_(0, cfg.initializer_range)
+        model.lm_head.weight.mul_(logit_scale)
     model.save_pretrained(path, max_shard_size="50GB")
     # word-level over the whole vocabulary (word tN is token N), so text of random words (random_words) is random
     # tokens through quant's own calibration path (benchmarks/node.py)

@@ -251,6 +251,7 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
     layer_schemes = LAYER_POLICIES[spec.policy](profile, modules, spec) if spec.policy in LAYER_POLICIES else None
     high = _high_mask(profile, modules, spec) if layer_schemes is None else None
     supers = set(profile.super_experts(spec.protect.super_expert_ratio)) if spec.protect.super_experts else set()
+    pinned = spec.pinned_layers()
     decided: dict[str, tuple[int | None, str]] = {}
     requested: dict[str, int] = {}  # the group size asked for: plan.group_size, or a layer policy's per MoE layer
     for name, m in modules.items():
@@ -260,6 +261,9 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
         group_size = spec.group_size
         if rule is not None:
             bits, reason = rule
+        elif m.kind == "expert" and m.layer in pinned:
+            bits, group_size = pinned[m.layer]
+            reason = f"plan.layer_schemes:w{bits}g{group_size}"
         elif layer_schemes is not None:
             bits, group_size = layer_schemes[m.layer]
             reason = f"{spec.policy}:w{bits}g{group_size}"
@@ -269,6 +273,10 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
             bits, reason = spec.low_bits, f"{spec.policy}:low"
         decided[name] = (None if bits == "keep" else int(bits), reason)
         requested[name] = group_size
+    unknown = sorted(set(pinned) - {m.layer for m in modules.values() if m.kind == "expert"})
+    if unknown:
+        raise PlanError(f"plan.layer_schemes names layer {unknown[0]}, which has no routed experts; MoE layers: "
+                        f"{sorted({m.layer for m in modules.values() if m.kind == 'expert'})}")
     groups = _resolve_requested({n: modules[n] for n, (bits, _) in decided.items() if bits is not None}, requested,
                                 formats)
     out = {n: ModulePlan(bits, groups[n], spec.symmetric, reason) if bits is not None else ModulePlan(None, reason=reason)

@@ -11,6 +11,8 @@ Facts (read from vLLM 0.33, SGLang 0.5.23, transformers 5.17, GPTQModel 7.6; see
 - transformers 5.17 decompresses all fused experts of a compressed-tensors checkpoint with a single scheme
   (``get_experts_scheme``), symmetric only; any other expert scheme is silently loaded as garbage. It cannot
   load GPTQ MoE checkpoints at all.
+- quant's own vLLM plugin (``vllm-quant``, quant.serve) serves compressed-tensors checkpoints whose experts differ
+  within a layer (``quant_method: moe-quant-mixed``): each scheme group on vLLM's Marlin MoE kernel.
 - GPTQModel unfuses experts into per-expert Linear modules and honours per-expert ``dynamic`` rules: the one
   runtime here that serves per-expert mixed bits (GPTQ format; it cannot read Mixtral's original
   ``block_sparse_moe.experts.N.w1`` names).
@@ -24,7 +26,11 @@ from quant.errors import PlanError
 from quant.models import ModelSource
 from quant.plan.bitplan import BitPlan
 
-RUNTIMES = ("any", "vllm", "sglang", "transformers", "gptqmodel")
+RUNTIMES = ("any", "vllm", "vllm-quant", "sglang", "transformers", "gptqmodel")
+# vLLM with quant's plugin (``pip install "moe-quant[serve]"``, quant.serve): per-expert schemes in one MoE layer
+PLUGIN = "vllm-quant"
+PLUGIN_NEEDS_CT = ("quant's vLLM plugin serves the compressed-tensors export of a plan whose experts differ within a "
+                   "MoE layer; add compressed-tensors to export.formats")
 ATEN_INT4_GROUPS = (32, 64, 128, 256)  # torch's _weight_int4pack_mm_for_cpu (GPTQModel's TorchAtenLinear)
 TRANSFORMERS_NO_GPTQ = ("transformers cannot load GPTQ-format MoE checkpoints (fused experts); export "
                         "compressed-tensors or serve the GPTQ checkpoint with gptqmodel/vllm")
@@ -157,6 +163,35 @@ def _gptqmodel(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> 
     return []
 
 
+def _mixed_layer_kernels(plan: BitPlan, source: ModelSource) -> list[str]:
+    """The plugin runs each scheme group of a mixed layer on vLLM's Marlin MoE kernel (quant.serve.layout)."""
+    from quant.serve.layout import Scheme, check_servable
+
+    mixed = {layer for layer, s in expert_schemes_by_layer(plan, source).items() if len(s) > 1}
+    for name, m in source.modules.items():
+        p = plan.modules[name]
+        if m.kind != "expert" or m.layer not in mixed or p.keep:
+            continue
+        gate = source.modules[name.rsplit(".", 1)[0] + ".gate"]
+        why = check_servable(Scheme(p.bits, p.group_size, p.symmetric), gate.in_features, gate.out_features)
+        if why is not None:
+            return [f"quant's vLLM plugin runs the experts of a mixed MoE layer on vLLM's Marlin MoE kernel, which "
+                    f"cannot take {why} ({name})"]
+    return []
+
+
+def _plugin(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> list[str]:
+    """vLLM's own rules, except that the experts of one fused MoE layer may differ in bits and group size."""
+    problems = _fused_shards(plan, source, "vllm") + _moe_kernels(plan, source, "vllm")
+    if any(len(s) > 1 for s in expert_schemes_by_layer(plan, source).values()):
+        problems += _mixed_layer_kernels(plan, source)
+        if formats and "compressed-tensors" not in formats:
+            problems.append(PLUGIN_NEEDS_CT)
+    else:
+        problems += _gptq_types(plan, "vllm", formats)
+    return problems
+
+
 def problems_for(plan: BitPlan, source: ModelSource, runtime: str, formats: tuple[str, ...] = ()) -> list[str]:
     """Reasons ``runtime`` cannot serve ``plan`` exported as ``formats`` (empty when it can)."""
     if runtime == "any":
@@ -165,6 +200,8 @@ def problems_for(plan: BitPlan, source: ModelSource, runtime: str, formats: tupl
         return _transformers(plan, source, formats)
     if runtime == "gptqmodel":
         return _gptqmodel(plan, source, formats)
+    if runtime == PLUGIN:
+        return _plugin(plan, source, formats)
     problems = _per_layer_uniform(plan, source, runtime) + _fused_shards(plan, source, runtime)
     problems += _moe_kernels(plan, source, runtime) + _gptq_types(plan, runtime, formats)
     if runtime == "sglang" and "gptq" in formats and len(set().union(*expert_schemes_by_layer(plan, source).values())) > 1:

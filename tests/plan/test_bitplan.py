@@ -195,3 +195,24 @@ def test_budget_gb_below_every_expert_at_low_bits_is_refused():
         plan_bits(_profile(counts), _modules(), _spec(policy="budget", budget_gb=expert_gb * 0.9), "rtn", 3)
     plan = plan_bits(_profile(counts), _modules(), _spec(policy="budget", budget_gb=expert_gb * 1.01), "rtn", 3)
     assert _avg_expert_bits(plan, _modules()) == 4.0
+
+
+def test_layer_schemes_pin_every_expert_of_a_layer_whatever_the_policy():
+    counts = [list(range(10))] * 3
+    spec = PlanSpec(group_size=32, layer_schemes={"0": "w8g32", "2": "w4g32"})
+    plan = plan_bits(_profile(counts), _modules(), spec, "rtn", 3)
+    for e in range(E):
+        for p in ("gate", "up", "down"):
+            assert (plan.modules[f"layers.0.experts.{e}.{p}"].bits, plan.modules[f"layers.0.experts.{e}.{p}"].group_size) == (8, 32)
+            assert (plan.modules[f"layers.2.experts.{e}.{p}"].bits, plan.modules[f"layers.2.experts.{e}.{p}"].group_size) == (4, 32)
+    assert _high(plan, 1) == {8, 9}  # the policy decides the layers not pinned (top 20 % at 8 bits)
+    assert plan.modules["layers.0.attn.q"].bits == 8  # protection rules still decide attention
+
+
+def test_layer_schemes_must_name_moe_layers_and_schemes():
+    counts = [list(range(10))] * 3
+    with pytest.raises(PlanError, match="layer 5, which has no routed experts"):
+        plan_bits(_profile(counts), _modules(), PlanSpec(group_size=32, layer_schemes={"5": "w4g32"}), "rtn", 3)
+    for bad in ({"0": "w4"}, {"0": "w5g32"}, {"-1": "w4g32"}, {"x": "w4g32"}, {"0": "w4g48"}):
+        with pytest.raises(ValueError, match="layer_schemes"):
+            PlanSpec(group_size=32, layer_schemes=bad)
