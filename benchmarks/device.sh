@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU measurements BENCHMARKS.md records, as one script for a lent GPU machine (no network there).
+# The GPU measurements BENCHMARKS.md records, as one script for a GPU host (no network needed there).
 #
 #   bash benchmarks/device.sh TASK [TASK ...]      # from the repository root, on the GPU machine
 #
 # Each task logs to $OUT/TASK.log (OUT defaults to ./device-out) and prints its JSON lines / tables; tasks run in
 # the order given, so a time limit cuts the last ones, not the first. Carry the wheels the image lacks in .whl/
-# (README, "Tests on a GPU"); they are installed into /tmp/site first. Tasks:
+# (docs/gpu-testing.md); they are installed into /tmp/site first. Tasks:
 #   suite      the whole test suite, 16 workers, failures appended to $OUT/faillog.txt as they happen (~400 s)
 #   gpu        the GPU tier alone (-m gpu)
 #   qwen3      Qwen3-30B-A3B shape, 2 layers, 256 x 2048: GPTQ and AWQ with llm-compressor GPTQ in the same run
@@ -13,7 +13,7 @@
 #   profile    the profile stage: Qwen3 2 layers x 512 samples, DeepSeek-V3 2 layers tiled to 8 x 256 samples
 #              (profile-qwen3, profile-dsv3: one of them; the DeepSeek-V3 one builds 45 GB of model files, ~150 s,
 #              unless WORK holds them: `profile_stage.py --build-only` builds them beside other work; the 45 GB
-#              fingerprint, a once-per-model cost measured in the sixth session, is left out)
+#              fingerprint, a once-per-model cost measured on 2026-11-30, is left out)
 #   read-dsv3  one DeepSeek-V3 layer's host read (safe_open + pinned copy vs parallel preads into a staging buffer)
 #              and upload (benchmarks/layer_read.py); keeps the model files for a profile-dsv3 after it
 #   dsv3       DeepSeek-V3 layer, 32 x 2048: GPTQ and AWQ, each with the allocator's history at its peak
@@ -25,8 +25,8 @@
 #              dequantized on the GPU): load and layer times side by side, GPU vs CPU dequantization bit for bit
 #   node1      the whole pipeline (`quant run`, benchmarks/node.py) on one GPU: a DeepSeek-V3 layer tiled to 3 for
 #              profile + quantize, the real layer through every stage with streamed eval, 32 x 2048 (~6 min)
-#   x8-build, x8-depth, x8-breadth   (8 GPUs; one a call, the 10-minute limit) the 8-GPU issue's run: 2 DeepSeek-V3
-#              layers (47 GB, kept in $WORK-node between calls), tiled to $X8_LAYERS (default 24) at 512 x 2048 on
+#   x8-build, x8-depth, x8-breadth   (8 GPUs; one part a command, under 10 minutes each) 2 DeepSeek-V3
+#              layers (47 GB, kept in $WORK-node between parts), tiled to $X8_LAYERS (default 24) at 512 x 2048 on
 #              8 ranks, then every stage on the 2 saved layers; projected to 61 layers
 #   vllm-part  copy each carried .vllm-part-N/part (benchmarks/vllm_wheels.sh makes them) to /tmp/parts/N, checked
 #              against its SHA256SUMS, and list what /tmp/parts holds: one call per part, carry [".vllm-part-N"]

@@ -59,7 +59,7 @@ def main() -> None:
     def upload(tensors: dict) -> dict:
         return {k: v.to("cuda", non_blocking=True) for k, v in tensors.items()}
 
-    def torch_pinned(n_bytes: int) -> torch.Tensor:  # the read-ahead before this session: torch's pinned allocator
+    def torch_pinned(n_bytes: int) -> torch.Tensor:  # the read-ahead before eed93b5: torch's pinned allocator
         return torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
 
     def pageable(n_bytes: int) -> torch.Tensor:

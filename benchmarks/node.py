@@ -9,8 +9,9 @@ tensors; streamed eval proxies; no gates, no layer-sensitivity pass) and runs it
 - **depth**: calibrate, profile, plan and quantize with the K saved layers tiled to ``--virtual-layers V``
   (engine.py's ``TiledSource``: layer i reads saved layer i mod K through the normal safetensors path), through
   ``quant.run.pipeline.Run`` itself. The writer rank deletes a virtual layer's file from the quantized store as soon as
-  it is written (every byte is still written): 61 DeepSeek-V3 layers' codes are ~420 GB, more than a lent 8-GPU
-  machine's disk. For the same reason quant's free-disk check, which counts all V layers, is skipped in this run.
+  it is written (every byte is still written): 61 DeepSeek-V3 layers' codes are ~420 GB, more than the local
+  disk of many 8-GPU machines. For the same reason quant's free-disk check, which counts all V layers, is skipped
+  in this run.
 - **breadth**: the CLI itself (``torchrun ... -m quant.cli run RECIPE``) on the K saved layers: every stage,
   export and streamed eval included, the checkpoint real and complete.
 
@@ -21,7 +22,7 @@ the runs, which find it cached. ``--project-layers P`` (default V) projects a P-
 JSON lines, then a table.
 
   python benchmarks/node.py --shape deepseek-v3 --layers 2 --virtual-layers 61 --samples 512 --seqlen 2048 \\
-      --ranks 8 --workdir /data/quant-node          # issue 14: one 8-GPU node, the whole depth
+      --ranks 8 --workdir /data/quant-node          # one 8-GPU node, the whole depth
   python benchmarks/node.py ... --part build; ... --part depth; ... --part breadth   # one part a call
   python benchmarks/node.py --shape tiny --layers 1 --virtual-layers 3 --samples 8 --seqlen 64 --ranks 2  # CPU
 """

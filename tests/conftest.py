@@ -117,7 +117,7 @@ def expert_schemes_by_layer(plan) -> dict[int, set[tuple[int | None, int]]]:
 
 def repo_pythonpath() -> str:
     """PYTHONPATH for child processes: the checkout first, then whatever the caller had (e.g. a --target folder of
-    carried wheels on a GPU node), never replacing it."""
+    wheels installed beside it on a GPU node), never replacing it."""
     return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 

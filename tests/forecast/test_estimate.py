@@ -38,25 +38,25 @@ def _text(pattern: str) -> float:
 
 
 # (record, shape, saved layers, samples, algorithm, solve budget, measured peak GB or None, measured s/layer or None,
-# GPTQ column loop the record ran: the second session's records ran the CUDA-graph loop, which the fused Triton loop
-# has since replaced, so their times are reproduced with the kernel they measured; the current engine's solve time
-# is checked against the fused loop's own measurements (test_fused_solve_model_matches_the_sub_batch_table))
-# Peaks measured before the fused solve, packed codes and the in-place Hessian normalization (second to fourth
-# sessions) are retired as peak checks: the forecast models today's engine, whose peaks are the eleventh and tenth
-# sessions' records below; their times stay checked with the kernel they ran.
+# GPTQ column loop the record ran: the 2026-11-30 records at defaults ran the CUDA-graph loop, which the fused Triton
+# loop has since replaced, so their times are reproduced with the kernel they measured; the current engine's solve
+# time is checked against the fused loop's own measurements (test_fused_solve_model_matches_the_sub_batch_table))
+# Peaks measured before the fused solve, packed codes and the in-place Hessian normalization (the 2026-11-30
+# records) are retired as peak checks: the forecast models today's engine, whose peaks are the 2026-12-01 records
+# below (c6e56e8, 0480bed); their times stay checked with the kernel they ran.
 RECORDS = [
-    ("Qwen3-30B-A3B GPTQ at defaults (second session)", "qwen3-30b-a3b", 2, 256, "gptq", 3.0,
+    ("Qwen3-30B-A3B GPTQ at defaults (2026-11-30)", "qwen3-30b-a3b", 2, 256, "gptq", 3.0,
      None, _cell("| quant GPTQ (act-order, static groups)", 1), "cuda-graph"),
-    ("Qwen3-30B-A3B GPTQ, eleventh session", "qwen3-30b-a3b", 2, 256, "gptq", 3.0,
+    ("Qwen3-30B-A3B GPTQ, c6e56e8", "qwen3-30b-a3b", 2, 256, "gptq", 3.0,
      _text(r"\| quant GPTQ \| \*\*[\d.]+\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* \| \*\*0"),
      _text(r"\| quant GPTQ \| \*\*([\d.]+)\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*[\d.]+\*\* \| \*\*0"),
      "fused"),
-    ("DeepSeek-V3 layer GPTQ, tenth session", "deepseek-v3", 1, 32, "gptq", 3.0,
+    ("DeepSeek-V3 layer GPTQ, 0480bed", "deepseek-v3", 1, 32, "gptq", 3.0,
      _text(r"\| quant GPTQ \| \*\*[\d.]+\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* \|\n"),
      _text(r"\| quant GPTQ \| \*\*([\d.]+)\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*[\d.]+\*\* \|\n"),
      "fused"),
     # AWQ's DeepSeek-V3 time was measured before its fused trial kernel (37.3 s): the peak only
-    ("DeepSeek-V3 layer AWQ, tenth session", "deepseek-v3", 1, 32, "awq", 3.0,
+    ("DeepSeek-V3 layer AWQ, 0480bed", "deepseek-v3", 1, 32, "awq", 3.0,
      _text(r"\| quant AWQ \| \*\*[\d.]+\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* \|\n"),
      None, "fused"),
     # AWQ's peak (15.6 GB) was measured before its statistics came in expert chunks and its searches took their rows
@@ -65,17 +65,17 @@ RECORDS = [
      None, _text(r"then measured ([\d.]+) s/layer \(solve [\d.]+\), \*\*[\d.]+ GB\*\* peak"), "fused"),
     # its time (2.01 s/layer) is over-forecast by half: the time rates predate the read-ahead and the warm fused
     # solve (throughputs.py says where each comes from); the peak is today's
-    ("Qwen3-30B-A3B GPTQ, 48 layers, 1 M tokens, tenth session", "qwen3-30b-a3b", 48, 512, "gptq", 3.0,
+    ("Qwen3-30B-A3B GPTQ, 48 layers, 1 M tokens, 0480bed", "qwen3-30b-a3b", 48, 512, "gptq", 3.0,
      _text(r"export [\d.]+ s; peak ([\d.]+) GB\. Per-layer"), None, "fused"),
     ("DeepSeek-V3 layer GPTQ at defaults", "deepseek-v3", 1, 32, "gptq", 3.0,
-     None, _cell("| quant GPTQ, second session at defaults", 1), "cuda-graph"),
-    # the fourth session's device run, after the forecasts were written (out of sample: the fused loop's layer time
+     None, _cell("| quant GPTQ at defaults (act-order", 1), "cuda-graph"),
+    # the 2577395 run on two H200s, after the forecasts were written (out of sample: the fused loop's layer time
     # and AWQ's chunked statistics had not been measured in a layer run before)
     ("DeepSeek-V3 layer GPTQ, fused loop", "deepseek-v3", 1, 32, "gptq", 3.0,
      None, _cell("| GPTQ, 1 GPU |", 2), "fused"),
     ("DeepSeek-V3 layer AWQ in expert chunks", "deepseek-v3", 1, 32, "awq", 3.0,
      None, _cell("| AWQ, 1 GPU (beside the suite) |", 1), "fused"),
-    # the sixth session's new shape, forecast before it was run; its time is right in total only by compensation
+    # the Mixtral shape of 2026-11-30 (5d8cbd6), forecast before it was run; its time is right in total only by compensation
     # (BENCHMARKS.md says which rates miss), so the record checks the peak
     ("Mixtral-8x7B layer GPTQ, a new shape", "mixtral-8x7b", 1, 256, "gptq", 3.0,
      _text(r"\| quantize peak GPU \| [\d.]+ GB \| ([\d.]+) GB"), None, "fused"),
@@ -386,7 +386,7 @@ def test_eval_forecast_matches_the_streamed_and_whole_records(mode, shapes_dir):
 
 
 def test_the_whole_pipeline_run_on_the_deepseek_v3_shape_is_forecast_within_25_percent(shapes_dir):
-    """benchmarks/node.py's one-GPU run (BENCHMARKS.md, thirteenth session): the headline mix with GPTQ on
+    """benchmarks/node.py's one-GPU run (BENCHMARKS.md, 2026-12-01 on 16a0119): the headline mix with GPTQ on
     DeepSeek-V3 layers, 32 x 2048 calibration tokens, streamed eval on 16 x 2048: the profile's and quantize's
     measured peaks over three tiled layers and the streamed eval's, against the forecast."""
     cells = lambda stage: [c.strip() for c in next(  # noqa: E731

@@ -1,5 +1,5 @@
-"""benchmarks/node.py, the 8-GPU issue's one command, at CPU scale: 2 gloo ranks, a tiny model's one saved layer
-tiled to 3 for the depth run, the CLI for the breadth run. What the GPU run relies on: the depth run quantizes
+"""benchmarks/node.py (one node's full-depth run in one command) at CPU scale: 2 gloo ranks, a tiny model's one
+saved layer tiled to 3 for the depth run, the CLI for the breadth run. What the GPU run relies on: the depth run quantizes
 every virtual layer yet keeps only the saved layers' files, the breadth run passes every stage with streamed eval
 over both ranks, the calibration text is random tokens through quant's own calibration path, and the projection
 adds up what was measured."""
