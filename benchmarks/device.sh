@@ -34,10 +34,14 @@
 #              vllm from there (skipped when /tmp/vsite already imports the parts' version). Kept apart from
 #              /tmp/site: vLLM pins compressed-tensors 0.17, quant needs 0.19. Use it as PYTHONPATH=/tmp/vsite
 #              VLLM_USE_FLASHINFER_SAMPLER=0 python3 ...
+#   serve-tests  the serving tests (tests/serve: every checkpoint form served by vLLM from /tmp/vsite against its
+#              dequantized reference, the plugin, the refusals); the agreement table lands in $OUT/serve-report.json
+#   serve-bench  benchmarks/serve.py: vLLM throughput of bf16, W8, W4, the per-layer mix and the per-expert mix on a
+#              5-layer Qwen3-30B-A3B-shaped model (results after each model in $OUT/serve.json)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -120,6 +124,10 @@ for task in "$@"; do
       "vllm_${task#vllm-}" 2>&1 | tee -a "$OUT/$task.log"
       echo "== $task: $([ "${PIPESTATUS[0]}" = 0 ] && echo ok || echo FAILED), $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$task.log"
       continue ;;  # nothing in $W
+    serve-tests) run serve-tests env QUANT_VLLM_PYTHONPATH=/tmp/vsite QUANT_SERVE_REPORT="$OUT/serve-report.json" \
+                   python3 -m pytest -p no:cacheprovider tests/serve -v -rfEs --tb=short ;;
+    serve-bench) run serve-bench python3 benchmarks/serve.py --vllm-path /tmp/vsite --layers "${SERVE_LAYERS:-5}" \
+                   --workdir "$W" --results "$OUT/serve.json" ;;
     suite) run suite env QUANT_TEST_FAILLOG="$OUT/faillog.txt" QUANT_TEST_PROGRESS="$OUT/progress.txt" python3 -m pytest -p no:cacheprovider -n 16 -q -rfE \
              --tb=short --durations=30 --junitxml="$OUT/junit.xml" ;;
     gpu) run gpu python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --tb=short ;;

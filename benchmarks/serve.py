@@ -51,9 +51,9 @@ def build(a: argparse.Namespace, work: Path) -> dict[str, Path]:
     model = work / "bf16"
     if not (model / "config.json").is_file():
         t0 = time.perf_counter()
-        build_model("qwen3-30b-a3b", a.layers, model, seed=0, logit_scale=4.0)
+        build_model(a.shape, a.layers, model, seed=0, logit_scale=4.0)
         say(step="build", s=round(time.perf_counter() - t0, 1))
-    vocab = SHAPES["qwen3-30b-a3b"]["vocab_size"]
+    vocab = SHAPES[a.shape]["vocab_size"]
     (work / "calibration.txt").write_text(random_words(33 * 512, vocab, 0))
     (work / "calibration.yaml").write_text(yaml.safe_dump(
         {"name": "random", "sources": [{"name": "random", "kind": "text", "path": "calibration.txt"}]}))
@@ -61,9 +61,8 @@ def build(a: argparse.Namespace, work: Path) -> dict[str, Path]:
     plans = dict(PLANS, layers=dict(policy="uniform", group_size=128, granularity="per_layer", target_runtime="vllm",
                                     layer_schemes={str(i): "w8g128" for i in range(n_w8)}))
     out = {"bf16": model}
-    for name in a.models:
-        if name == "bf16":
-            continue
+
+    def export(name: str) -> None:
         run = work / f"run-{name}"
         if not (run / "checkpoint" / "config.json").is_file():
             recipe = {"name": f"serve-{name}", "model": {"path": str(model), "dtype": "bfloat16"},
@@ -77,6 +76,11 @@ def build(a: argparse.Namespace, work: Path) -> dict[str, Path]:
                 sys.exit(f"quant export {name} failed:\n{p.stderr[-2000:]}")
             say(step="export", model=name, s=round(time.perf_counter() - t0, 1), **_bits(run))
         out[name] = run / "checkpoint"
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:  # the exports share the GPU
+        list(pool.map(export, [n for n in a.models if n != "bf16"]))
     return out
 
 
@@ -96,8 +100,10 @@ def serve_points(path: str, a: argparse.Namespace) -> list[dict]:
 
     longest = max(i + o for i, o in a.shapes)
     t0 = time.perf_counter()
+    # CUDA graphs for the batch sizes the points decode at (all requests of a point run to the same length)
     llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=longest + 8, seed=0,
-              gpu_memory_utilization=0.85, max_num_seqs=max(a.concurrency), enable_prefix_caching=False)
+              gpu_memory_utilization=0.85, max_num_seqs=max(a.concurrency), enable_prefix_caching=False,
+              compilation_config={"cudagraph_capture_sizes": sorted(set(a.concurrency))})
     load_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(1)
     rows = []
@@ -106,7 +112,7 @@ def serve_points(path: str, a: argparse.Namespace) -> list[dict]:
         for conc in a.concurrency:
             times = []
             for rep in range(a.repeats + 1):  # the first is the warm-up
-                ids = torch.randint(10, 30000, (conc, n_in), generator=g).tolist()
+                ids = torch.randint(10, a.vocab - 1, (conc, n_in), generator=g).tolist()
                 t = time.perf_counter()
                 res = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sp, use_tqdm=False)
                 dt = time.perf_counter() - t
@@ -130,7 +136,10 @@ def serve(a: argparse.Namespace, models: dict[str, Path]) -> dict[str, list[dict
     results = {}
     for name, path in models.items():
         out = Path(a.workdir) / f"points-{name}.json"
+        from quant.models.synthetic import SHAPES
+
         cmd = [sys.executable, __file__, "--one", str(path), "--out", str(out),
+               "--vocab", str(SHAPES[a.shape]["vocab_size"]),
                "--concurrency", *map(str, a.concurrency), "--shapes", *[f"{i}/{o}" for i, o in a.shapes],
                "--repeats", str(a.repeats)]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -138,6 +147,8 @@ def serve(a: argparse.Namespace, models: dict[str, Path]) -> dict[str, list[dict
             say(model=name, error=(p.stderr.strip().splitlines() or ["?"])[-1])
             continue
         results[name] = json.loads(out.read_text())
+        if a.results:  # after every model: a run cut off by a time limit keeps what it measured
+            Path(a.results).write_text(json.dumps(results, indent=1))
     return results
 
 
@@ -155,8 +166,10 @@ def table(results: dict[str, list[dict]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="qwen3-30b-a3b", help="a quant.models.synthetic shape")
     ap.add_argument("--layers", type=int, default=5)
-    ap.add_argument("--models", nargs="+", default=["bf16", "w8", "w4", "layers", "experts"])
+    ap.add_argument("--models", nargs="+", default=["experts", "layers", "w4", "bf16", "w8"])
+    ap.add_argument("--results", help="JSON file the results are written to after each model")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 256])
     ap.add_argument("--shapes", nargs="+", default=["128/128", "1024/128"])
     ap.add_argument("--repeats", type=int, default=3)
@@ -164,10 +177,11 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/quant-serve")
     ap.add_argument("--part", choices=["all", "build", "serve"], default="all")
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.shapes = [tuple(int(x) for x in s.split("/")) for s in a.shapes]
-    if a.one:
+    if a.one:  # in vLLM's environment: vLLM and torch only
         Path(a.out).write_text(json.dumps(serve_points(a.one, a)))
         return
     work = Path(a.workdir)

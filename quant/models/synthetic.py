@@ -51,7 +51,9 @@ SHAPES |= {
                               moe_intermediate_size=256, num_attention_heads=8, num_key_value_heads=8,
                               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
                               n_group=1, topk_group=1, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
-                              qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=1.0, norm_topk_prob=True),
+                              qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=1.0, norm_topk_prob=True,
+                              # the release's routing keys (transformers' config class drops them; vLLM reads them)
+                              topk_method="noaux_tc", scoring_func="sigmoid"),
 }
 
 

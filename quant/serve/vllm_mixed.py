@@ -54,17 +54,27 @@ class MixedExpertsConfig(CompressedTensorsConfig):
     def get_min_capability(cls) -> int:
         return 80  # Marlin
 
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        """``--quantization moe-quant-mixed`` on a plain compressed-tensors checkpoint serves it through this config
+        (its MoE layers looked up by the checkpoint's own expert names)."""
+        method = (hf_quant_cfg or {}).get("quant_method", "").lower().replace("compressed_tensors", "compressed-tensors")
+        if user_quant == QUANT_METHOD and method in ("compressed-tensors", QUANT_METHOD):
+            return QUANT_METHOD
+        return None
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if not isinstance(layer, RoutedExperts):
             return super().get_quant_method(layer, prefix)
         self._add_fused_moe_to_target_scheme_map()
-        schemes = [self._expert_scheme(layer, prefix, e) for e in range(layer.global_num_experts)]
-        if len(set(schemes)) == 1:
-            return CompressedTensorsMoEMethod.get_moe_method(self, layer, layer_name=prefix)
+        names = _proj_names(layer)
+        schemes = [self._expert_scheme(layer, prefix, e, names) for e in range(layer.global_num_experts)]
+        if len(set(schemes)) == 1 and names == ("gate_proj", "up_proj", "down_proj"):
+            return CompressedTensorsMoEMethod.get_moe_method(self, layer, layer_name=prefix)  # vLLM's own method
+        # mixed schemes, or expert names vLLM's own lookup does not try (it asks for experts.0.gate_proj)
         return MixedExpertsMethod(layer.moe_config, prefix, schemes)
 
-    def _expert_scheme(self, layer: RoutedExperts, prefix: str, e: int) -> Scheme:
-        names = [getattr(layer, f"ckpt_{p}_proj_name", None) or f"{p}_proj" for p in ("gate", "up", "down")]
+    def _expert_scheme(self, layer: RoutedExperts, prefix: str, e: int, names: tuple[str, ...]) -> Scheme:
         found = []
         for n in names:
             d = self.get_scheme_dict(layer, f"{prefix}.{e}.{n}")
@@ -76,6 +86,11 @@ class MixedExpertsConfig(CompressedTensorsConfig):
         if len(set(found)) != 1:
             raise ValueError(f"{QUANT_METHOD}: {prefix}.{e}: gate, up and down have different schemes {found}")
         return found[0]
+
+
+def _proj_names(layer: RoutedExperts) -> tuple[str, str, str]:
+    """The checkpoint's gate, up and down projection names of this layer's experts (Mixtral: w1, w3, w2)."""
+    return tuple(getattr(layer, f"ckpt_{p}_proj_name", None) or f"{p}_proj" for p in ("gate", "up", "down"))
 
 
 @dataclass

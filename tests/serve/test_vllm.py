@@ -39,12 +39,14 @@ CASES = {
                                                 layer_schemes={"0": "w8g128", "1": "w4g32", "2": "w4g64"}),
                      ["compressed-tensors", "gptq"]),
     "qwen3-w4-asym": ("serve-qwen3-moe", 2, dict(policy="uniform", group_size=128, symmetric=False,
-                                                 target_runtime="vllm"), ["compressed-tensors"]),
+                                                 target_runtime="vllm",
+                                                 protect=dict(attention="keep", shared_experts="keep",
+                                                              dense_mlp="keep")), ["compressed-tensors"]),
     "qwen3-w8": ("serve-qwen3-moe", 2, dict(policy="uniform", low_bits=8, high_bits=8, group_size=128,
                                             target_runtime="vllm"), ["compressed-tensors"]),
     "mixtral-layers": ("serve-mixtral", 3, dict(policy="uniform", group_size=64, granularity="per_layer",
                                                 target_runtime="vllm", layer_schemes={"0": "w8g128"}),
-                       ["compressed-tensors"]),
+                       ["compressed-tensors", "gptq"]),
     "olmoe-layers": ("serve-olmoe", 3, dict(policy="uniform", group_size=128, granularity="per_layer",
                                             target_runtime="vllm", layer_schemes={"1": "w8g64"}),
                      ["compressed-tensors"]),
@@ -141,18 +143,25 @@ def served(tmp_path_factory):
     for (shape, layers), folder in folders.items():
         build_model(shape, layers, folder, seed=0, logit_scale=4.0)
     models = {n: folders[(CASES[n][0], CASES[n][1])] for n in CASES}
-    with ThreadPoolExecutor(4) as pool:
-        runs = dict(zip(CASES, pool.map(lambda n: _export(n, work, models, calib), CASES), strict=True))
+    def export_and_reference(name: str) -> Path:
+        run = _export(name, work, models, calib)
+        _dequantized(run / "checkpoint", work / f"ref-{name}")
+        return run
+
+    with ThreadPoolExecutor(6) as pool:
+        runs = dict(zip(CASES, pool.map(export_and_reference, CASES), strict=True))
     spec_models = []
     for name, run in runs.items():
-        ref = _dequantized(run / "checkpoint", work / f"ref-{name}")
-        spec_models.append({"name": f"{name}/ref", "path": str(ref)})
+        spec_models.append({"name": f"{name}/ref", "path": str(work / f"ref-{name}")})
         for fmt, folder in (("compressed-tensors", "checkpoint"), ("gptq", "checkpoint-gptq")):
             if fmt in CASES[name][3]:
                 spec_models.append({"name": f"{name}/{fmt}", "path": str(run / folder)})
     # stock vLLM (no plugin) must refuse the per-expert checkpoint by name, not load it with one scheme per layer
     spec_models.append({"name": "qwen3-experts/stock", "path": str(runs["qwen3-experts"] / "checkpoint"),
                         "env": {"VLLM_PLUGINS": ""}})
+    # Mixtral's experts are w1/w3/w2 on disk: the plugin looks them up by those names (--quantization moe-quant-mixed)
+    spec_models.append({"name": "mixtral-layers/plugin", "path": str(runs["mixtral-layers"] / "checkpoint"),
+                        "engine_args": {"quantization": "moe-quant-mixed"}})
     # the plugin's forward inside CUDA graphs (the default serving mode)
     spec_models.append({"name": "qwen3-experts/graphs", "path": str(runs["qwen3-experts"] / "checkpoint"),
                         "enforce_eager": False})
@@ -175,7 +184,8 @@ def _table(results: dict) -> list[dict]:
     rows = []
     for name in CASES:
         ref = results[f"{name}/ref"]
-        for fmt in CASES[name][3] + (["graphs"] if name == "qwen3-experts" else []):
+        extra = {"qwen3-experts": ["graphs", "stock"], "mixtral-layers": ["plugin"]}.get(name, [])
+        for fmt in CASES[name][3] + extra:
             r = results[f"{name}/{fmt}"]
             row = {"case": name, "format": fmt, "quantization": r.get("quantization"), "error": r.get("error")}
             if "error" not in r and "error" not in ref:
@@ -222,3 +232,11 @@ def test_what_the_runtime_check_refuses_fails_loudly_in_vllm(served):
     plan = BitPlan.load(runs["qwen3-experts"] / "plan.json")
     assert problems_for(plan, ModelSource(models["qwen3-experts"]), "vllm", ("gptq",))
     assert "error" in results["qwen3-experts/gptq"], "vLLM served a checkpoint it cannot serve right"
+
+
+def test_the_plugin_serves_mixtral_by_its_own_expert_names(served):
+    results, _, _ = served
+    got, ref = results["mixtral-layers/plugin"], results["mixtral-layers/ref"]
+    assert "error" not in got, got.get("traceback")
+    assert got["quantization"] == "moe-quant-mixed"
+    assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
