@@ -49,6 +49,11 @@ class DistError(QuantError):
     """A collective failed: another rank died, raised or did not answer within the timeout."""
 
 
+class SandboxUnavailable(QuantError):
+    """The machine lacks a kernel layer the sandbox for generated code (HumanEval) requires, and the recipe did
+    not opt out of it."""
+
+
 class StopRequested(QuantError):
     """A stop was requested (SIGUSR1/SIGTERM, a stop file) and the run stopped after the layer in hand, leaving
     the run directory resumable (distinct exit code, EX_TEMPFAIL: rerun to resume)."""

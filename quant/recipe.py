@@ -304,6 +304,9 @@ class EvalSpec(_Strict):
     # lm-eval vllm backend: passed to vllm.LLM
     tensor_parallel_size: int = Field(1, ge=1)
     data_parallel_size: int = Field(1, ge=1)
+    # generated code (quant_humaneval) runs only where every kernel layer of the sandbox works (require), or
+    # with the layers the machine has (allow_weak: an explicit opt-out for machines that refuse namespaces)
+    humaneval_sandbox: Literal["require", "allow_weak"] = "require"
 
     @model_validator(mode="after")
     def _parallel(self) -> EvalSpec:

@@ -20,7 +20,9 @@ LAYERS = [
     {"eval.sandbox", "engine.routing", "models", "io.rundir", "dist.world", "progress"},
     {"algos"},
     {"recipe", "forecast.throughputs"},
-    {"strict_yaml", "io.storage", "diag.memtrace", "diag.hostsync", "io.staging", "io.direct_read"},
+    {"strict_yaml", "io.storage", "diag.memtrace", "diag.hostsync", "io.staging", "io.direct_read",
+     "eval.sandbox_child"},
+    {"eval.isolation", "eval.seccomp"},
     {"errors", "serve"},
 ]
 

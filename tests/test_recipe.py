@@ -138,6 +138,18 @@ def test_eval_parallel_keys_belong_to_their_backend():
     assert (e.tensor_parallel_size, e.data_parallel_size) == (8, 2)
 
 
+def test_humaneval_sandbox_policy_is_require_or_an_explicit_allow_weak():
+    """Generated code needs every kernel layer of the sandbox unless the recipe opts out by name."""
+    assert parse_recipe({"name": "x"}).eval.humaneval_sandbox == "require"
+    weak = parse_recipe({"name": "x", "eval": {"tasks": ["quant_humaneval"], "humaneval_sandbox": "allow_weak"}})
+    assert weak.eval.humaneval_sandbox == "allow_weak"
+    for value in ("off", "weak", True, 0):
+        with pytest.raises(RecipeError, match="eval.humaneval_sandbox"):
+            parse_recipe({"name": "x", "eval": {"humaneval_sandbox": value}})
+    with pytest.raises(RecipeError, match="did you mean 'eval.humaneval_sandbox'"):
+        parse_recipe({"name": "x", "eval": {"humaneval_sandbx": "allow_weak"}})
+
+
 def _file(tmp_path, text: str | bytes) -> Path:
     p = tmp_path / "r.yaml"
     p.write_bytes(text if isinstance(text, bytes) else text.encode())

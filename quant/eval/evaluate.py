@@ -142,7 +142,7 @@ def proxy_mode(requested: str, source: ModelSource, plan: BitPlan, dtype: torch.
 def _task_cache_key(source: ModelSource, recipe: Recipe) -> str:
     e = recipe.eval
     blob = json.dumps([source.fingerprint, e.tasks, e.limit, e.num_fewshot, e.batch_size, e.backend,
-                       e.max_gen_toks, recipe.model.dtype], sort_keys=True)
+                       e.max_gen_toks, recipe.model.dtype, e.humaneval_sandbox], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -164,7 +164,8 @@ def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpu
 
     e = recipe.eval
     kw = dict(limit=e.limit, num_fewshot=e.num_fewshot, batch_size=e.batch_size, seed=1234, device=str(device),
-              backend=e.backend, max_gen_toks=e.max_gen_toks, trust_remote_code=source.trust_remote_code)
+              backend=e.backend, max_gen_toks=e.max_gen_toks, trust_remote_code=source.trust_remote_code,
+              humaneval_sandbox=e.humaneval_sandbox)
     if e.backend == "vllm":
         kw["model_args"] = {"tensor_parallel_size": e.tensor_parallel_size, "data_parallel_size": e.data_parallel_size}
     else:
@@ -207,6 +208,17 @@ def gate_results(recipe: Recipe, proxy: dict, tasks: dict) -> list[dict]:
         out.append({"name": "finite_proxies", "kind": "count of NaN/Inf proxy values", "observed": float(len(bad)),
                     "limit": 0.0, "passed": False})
     return out
+
+
+def _sandbox_record(e) -> dict | None:
+    """For eval.json, when a task ran generated code: the sandbox policy and the layers that were in force."""
+    from quant.eval.lmeval import SANDBOXED_TASKS
+    from quant.eval.sandbox import probe
+
+    if not any(name in SANDBOXED_TASKS for name in e.tasks):
+        return None
+    found = probe()
+    return {"policy": e.humaneval_sandbox, "layers": list(found.layers), "missing": list(found.missing)}
 
 
 def _quantized_tasks(recipe: Recipe, source: ModelSource, plan: BitPlan, checkpoint: Path, device, gpus: int,
@@ -252,9 +264,11 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
                                   world)
             tasks = tasks_on_writer(path)
     gates = gate_results(recipe, proxy, tasks)
+    sandbox = _sandbox_record(e) if tasks else None
     log.info("eval: ppl %.3f -> %.3f, KL %.4f, top-1 %.3f, gates %s", proxy["perplexity"]["base"],
              proxy["perplexity"]["quantized"], proxy["kl"]["quantized"], proxy["top1_agreement"]["quantized"],
              "passed" if all(g["passed"] for g in gates) else "FAILED")
     return {"loader": loader, "proxy_mode": mode, "proxy_mode_reason": reason, "world_size": world.size,
             "task_gpus": gpus if tasks and e.backend == "hf" else None,
-            "proxies": proxy, "tasks": tasks, "gates": gates, "passed": all(g["passed"] for g in gates)}
+            "proxies": proxy, "tasks": tasks, **({"sandbox": sandbox} if sandbox else {}), "gates": gates,
+            "passed": all(g["passed"] for g in gates)}

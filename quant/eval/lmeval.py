@@ -21,7 +21,9 @@ Task names:
 
 Code execution: `quant_humaneval` scores with its own metric function, `evals/tasks/quant_humaneval.py`
 (wired into the task YAML with `!function`), which runs every completion through `quant.eval.humaneval` /
-`quant.eval.sandbox`: a separate process group with rlimits, an empty network namespace and an audit hook. It
+`quant.eval.sandbox`: namespaces, a minimal read-only root, no privileges, a seccomp filter and rlimits. Where
+the machine lacks one of the required kernel layers, `run_lm_eval` refuses such a task before loading anything
+(SandboxUnavailable) unless `humaneval_sandbox="allow_weak"` (the recipe's `eval.humaneval_sandbox`). It
 does not use lm-eval's `code_eval` metric (that one is fetched from the hub by the `evaluate` library and
 executes code in-process-tree with only `HF_ALLOW_CODE_EVAL=1` as a guard), so the offline task needs
 neither. lm-eval's own `humaneval` is refused unless `allow_unsandboxed_code=True` (and the caller exports
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from quant.errors import CheckpointError, RecipeError
+from quant.eval.sandbox import isolation_policy, require_isolation
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,8 @@ OFFLINE_TASK_PREFIX = "quant_"
 PRIMARY_METRICS = ("acc", "pass@1", "exact_match", "acc_norm", "mc2", "f1", "em")
 PREFERRED_FILTERS = ("none", "sandbox", "strict-match", "create_test", "flexible-extract")
 DEFAULT_BOOTSTRAP_ITERS = 1000
+# offline tasks whose metric executes generated code (in quant.eval.sandbox)
+SANDBOXED_TASKS = ("quant_humaneval",)
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ def run_lm_eval(
     allow_unsandboxed_code: bool = False,
     gpus: int = 1,
     max_memory_per_gpu: int | None = None,
+    humaneval_sandbox: str = "require",
 ) -> dict[str, TaskScore]:
     """Evaluate the model saved in `model_dir` on `tasks`; returns {task name: TaskScore} in input order.
 
@@ -95,7 +101,8 @@ def run_lm_eval(
     (e.g. `tensor_parallel_size`, `max_model_len` for vllm). `tasks_dir` defaults to `default_tasks_dir()`.
     `gpus > 1` (hf): the model is dispatched over GPUs 0..gpus-1 by an accelerate device map (`dispatch_map`,
     at most `max_memory_per_gpu` bytes each) and lm-eval loads it with `parallelize=True`.
-    Raises CheckpointError for a directory without config.json; RecipeError for an unknown backend or task
+    `humaneval_sandbox`: the sandbox policy for `SANDBOXED_TASKS` ("require" or "allow_weak", see
+    `check_sandboxed_tasks`). Raises SandboxUnavailable as `check_sandboxed_tasks` does; CheckpointError for a directory without config.json; RecipeError for an unknown backend or task
     name (naming the closest ones), misplaced `model_args`, or an lm-eval task that would execute code
     outside the sandbox; FileNotFoundError for a missing tasks directory; ModuleNotFoundError when lm-eval
     (or vllm for that backend) is not installed.
@@ -107,6 +114,7 @@ def run_lm_eval(
         )
     if not tasks:
         raise RecipeError("run_lm_eval needs at least one task name")
+    check_sandboxed_tasks(tasks, humaneval_sandbox)
     lm_eval = _import_lm_eval()
     task_manager = _task_manager(list(tasks), Path(tasks_dir) if tasks_dir else default_tasks_dir())
     if gpus > 1 and backend != "hf":
@@ -117,7 +125,7 @@ def run_lm_eval(
                                                               trust_remote_code=trust_remote_code))
     logger.info("lm-eval %s on %s: tasks=%s limit=%s", backend, model_dir, list(tasks), limit)
     try:
-        with _one_process():
+        with _one_process(), isolation_policy(humaneval_sandbox):
             results = lm_eval.simple_evaluate(
                 model=backend,
                 model_args=args,
@@ -147,6 +155,14 @@ def run_lm_eval(
     for name, score in scores.items():
         logger.info("%s: %s=%.4f (n=%d)", name, score.metric, score.value, score.n)
     return scores
+
+
+def check_sandboxed_tasks(tasks: Sequence[str], humaneval_sandbox: str) -> None:
+    """Before any work: when ``tasks`` include one that executes generated code (``SANDBOXED_TASKS``), the sandbox
+    must have every kernel layer, or ``humaneval_sandbox`` must be "allow_weak". Raises SandboxUnavailable (one
+    line naming what is missing and the opt-out)."""
+    if any(name in SANDBOXED_TASKS for name in tasks):
+        require_isolation(humaneval_sandbox)
 
 
 # torchrun / srun variables: accelerate (inside lm-eval's hf backend) reads LOCAL_RANK and would turn a torchrun

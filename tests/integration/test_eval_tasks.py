@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from quant.errors import GateFailed
+from quant.eval.sandbox import probe
 from quant.recipe import load_recipe
 from quant.run.pipeline import run
 
@@ -28,6 +29,7 @@ def test_tasks_run_offline_with_deltas_and_gates(tmp_path):
         assert t["n"] == 3 and 0.0 <= t["base"] <= 1.0 and 0.0 <= t["quantized"] <= 1.0
         assert t["delta"] == pytest.approx(t["quantized"] - t["base"])
     assert ev["tasks"]["quant_mmlu"]["metric"] == "acc" and ev["tasks"]["quant_humaneval"]["metric"] == "pass@1"
+    assert ev["sandbox"] == {"policy": "require", "layers": list(probe().layers), "missing": []}
     assert [g["name"] for g in ev["gates"]] == ["perplexity", "mmlu"] and ev["passed"]
     assert "quant_mmlu (acc, n=3)" in (result.run_dir / "report.md").read_text()
     # a gate that cannot pass: the same run (base scores cached) exits with GateFailed (CLI exit code 3)
