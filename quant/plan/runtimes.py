@@ -70,7 +70,8 @@ def _mix_hint(plan: BitPlan, source: ModelSource, layer: int, schemes: set[tuple
         return (f"only their group sizes differ ({widths}: per-channel groups follow each projection's width); set "
                 f"plan.group_size to 32, 64 or 128")
     if plan.granularity == "per_expert":
-        return "set plan.granularity: per_layer (bits per MoE layer)" + _per_expert_hint(source)
+        return ("set plan.granularity: per_layer (bits per MoE layer), or plan.target_runtime: vllm-quant (quant's "
+                "vLLM plugin serves per-expert bits)" + _per_expert_hint(source))
     reasons = sorted({plan.modules[n].reason for n, m in source.modules.items()
                       if m.kind == "expert" and m.layer == layer and not plan.modules[n].reason.endswith((":high", ":low"))})
     rules = ", ".join(f"plan.{r}" for r in reasons) or "a protection rule"
@@ -192,6 +193,21 @@ def _plugin(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> lis
     return problems
 
 
+VLLM_EXPERT_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def _vllm_expert_names(source: ModelSource, formats: tuple[str, ...]) -> list[str]:
+    """vLLM 0.26 looks a fused MoE layer's compressed-tensors scheme up under ``experts.0.gate_proj`` (and up/down)
+    whatever the checkpoint calls them; experts stored under other names (Mixtral: w1/w3/w2) match no target, load
+    as unquantized experts and fail. The GPTQ export (rules per layer prefix) and quant's plugin find them."""
+    if source.family.expert_proj == VLLM_EXPERT_NAMES or "gptq" in formats:
+        return []
+    names = "/".join(source.family.expert_proj[p] for p in ("gate", "up", "down"))
+    return [f"vllm 0.26 looks compressed-tensors experts up as gate_proj/up_proj/down_proj, but this model names them "
+            f"{names}: it loads them unquantized and fails; add gptq to export.formats, or serve with quant's plugin "
+            f"(plan.target_runtime: vllm-quant; vllm serve --quantization moe-quant-mixed)"]
+
+
 def problems_for(plan: BitPlan, source: ModelSource, runtime: str, formats: tuple[str, ...] = ()) -> list[str]:
     """Reasons ``runtime`` cannot serve ``plan`` exported as ``formats`` (empty when it can)."""
     if runtime == "any":
@@ -204,6 +220,8 @@ def problems_for(plan: BitPlan, source: ModelSource, runtime: str, formats: tupl
         return _plugin(plan, source, formats)
     problems = _per_layer_uniform(plan, source, runtime) + _fused_shards(plan, source, runtime)
     problems += _moe_kernels(plan, source, runtime) + _gptq_types(plan, runtime, formats)
+    if runtime == "vllm":
+        problems += _vllm_expert_names(source, formats)
     if runtime == "sglang" and "gptq" in formats and len(set().union(*expert_schemes_by_layer(plan, source).values())) > 1:
         problems.append("sglang's GPTQ-Marlin MoE ignores dynamic rules: GPTQ checkpoints need one expert scheme "
                         "for the whole model; export compressed-tensors for per-layer bits")

@@ -33,11 +33,11 @@ def _top1(prompt_logprobs) -> list[int]:
 
 
 def serve_one(model: dict, spec: dict) -> dict:
-    from vllm import LLM, SamplingParams, TokensPrompt
-
     t0 = time.perf_counter()
     llm = None
     try:
+        from vllm import LLM, SamplingParams, TokensPrompt
+
         llm = LLM(model=model["path"], skip_tokenizer_init=True, dtype="bfloat16",
                   enforce_eager=model.get("enforce_eager", spec.get("enforce_eager", True)), max_model_len=spec.get("max_model_len", 512),
                   tensor_parallel_size=model.get("tensor_parallel_size", 1),
@@ -56,8 +56,8 @@ def serve_one(model: dict, spec: dict) -> dict:
                 "greedy": [list(r.outputs[0].token_ids) for r in generated],
                 "quantization": quant, "seconds": round(time.perf_counter() - t0, 2)}
     except Exception as e:  # a refusal is a result: the caller checks it was the expected one
-        lines = [ln for ln in traceback.format_exception_only(type(e), e)[-1].strip().splitlines() if ln.strip()]
-        return {"error": lines[-1] if lines else repr(e), "traceback": traceback.format_exc().splitlines()[-40:],
+        message = " ".join(" ".join(traceback.format_exception_only(type(e), e)).split())
+        return {"error": message[:2000], "traceback": traceback.format_exc().splitlines()[-40:],
                 "seconds": round(time.perf_counter() - t0, 2)}
     finally:
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
@@ -82,23 +82,28 @@ def _serve_apart(spec_path: str, models: list[dict], jobs: int, work: str) -> di
     vLLM refuses cannot leave state behind for the next."""
     import subprocess
 
-    pending, running, results = list(models), {}, {}
+    pending, running, results = list(enumerate(models)), {}, {}
     while pending or running:
         while pending and len(running) < jobs:
-            model = pending.pop(0)
+            i, model = pending.pop(0)
             name = model["name"]
-            out = os.path.join(work, f"{name}.json")
+            out, err = os.path.join(work, f"{i}.json"), open(os.path.join(work, f"{i}.log"), "w")  # noqa: SIM115
             running[name] = (subprocess.Popen([sys.executable, "-m", "quant.serve.vllm_check", spec_path, out,
-                                               "--only", name], env={**os.environ, **ENGINE_ENV, **model.get("env", {})}), out)
-        for name, (proc, out) in list(running.items()):
+                                               "--only", name], stdout=err, stderr=subprocess.STDOUT,
+                                              env={**os.environ, **ENGINE_ENV, **model.get("env", {})}), out, err)
+        for name, (proc, out, err) in list(running.items()):
             if proc.poll() is None:
                 continue
             del running[name]
+            err.close()
             try:
                 with open(out) as f:
                     results.update(json.load(f))
             except (OSError, ValueError):
-                results[name] = {"error": f"the serving process exited {proc.returncode} without a result"}
+                with open(err.name) as f:
+                    tail = f.read().splitlines()[-40:]
+                results[name] = {"error": f"the serving process exited {proc.returncode} without a result",
+                                 "traceback": tail}
         time.sleep(0.2)
     return results
 
