@@ -67,19 +67,25 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
 def runtime_notes(plan: BitPlan, source: ModelSource, fmt: str) -> dict[str, str]:
     """Warnings the card shows per runtime: where a runtime would load the checkpoint without an error and compute
     wrong outputs (read from their code, docs/runtimes.md), and which GPTQModel backend the plan needs."""
-    from quant.plan.runtimes import expert_schemes_by_layer, gptqmodel_kernel_problem
+    from quant.plan.runtimes import expert_schemes_by_layer, gptqmodel_kernel_problem, problems_for
 
     by_layer = expert_schemes_by_layer(plan, source)
     notes = {}
-    if any(len(s) > 1 for s in by_layer.values()):
+    mixed = any(len(s) > 1 for s in by_layer.values())
+    if mixed:  # as vLLM 0.26.0 and transformers 5.17 did with such checkpoints (tests/serve, tests/integration)
+        plugin = ("vLLM with quant's plugin serves it (above)." if not problems_for(plan, source, "vllm-quant", (fmt,))
+                  else "")
         notes["vllm"] = (
-            "**vLLM may load this checkpoint without an error and serve wrong outputs**: it builds each MoE layer "
-            "from expert 0's scheme and narrows the smaller tensors of other experts into those buffers without a "
-            "size check." if fmt == "compressed-tensors" else
-            "vLLM refuses this checkpoint at load: a guard rule in its `dynamic` config stops it, since it would "
-            "apply one scheme to every expert of a layer."
+            "Stock vLLM refuses this checkpoint by name (`quant_method: moe-quant-mixed`: \"Unknown quantization "
+            f"method\"). {plugin}".strip() if fmt == "compressed-tensors" else
+            "vLLM fails to load this checkpoint (its `dynamic` rules are per MoE layer, and the experts' tensors of "
+            "other bits do not fit); serve the compressed-tensors export with quant's plugin."
         )
-    if fmt == "compressed-tensors" and len(set().union(*by_layer.values())) > 1:
+    if fmt == "compressed-tensors" and mixed:
+        notes["transformers"] = ("**Do not load this checkpoint with transformers**: it skips the unknown method "
+                                 "`moe-quant-mixed` and leaves every quantized weight uninitialised (a load "
+                                 "report, no error).")
+    elif fmt == "compressed-tensors" and len(set().union(*by_layer.values())) > 1:
         notes["transformers"] = ("**transformers 5.x loads this checkpoint without an error and computes wrong "
                                  "outputs**: it decompresses every expert of the model with one scheme.")
     if fmt == "gptq" and (kernel := gptqmodel_kernel_problem(plan)):

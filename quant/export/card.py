@@ -21,10 +21,12 @@ from quant.models.source import layer_of_key
 from quant.plan.runtimes import GPTQMODEL_NEEDS_GPTQ, TRANSFORMERS_NO_GPTQ
 from quant.recipe import Recipe
 
-RUNTIMES = ("vllm", "sglang", "transformers", "gptqmodel")
-RUNTIME_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "transformers": "transformers", "gptqmodel": "GPTQModel"}
+RUNTIMES = ("vllm-quant", "vllm", "sglang", "transformers", "gptqmodel")
+RUNTIME_NAMES = {"vllm-quant": "vLLM with quant's plugin", "vllm": "vLLM", "sglang": "SGLang",
+                 "transformers": "transformers", "gptqmodel": "GPTQModel"}
 # what a checkpoint format rules out regardless of the plan
-FORMAT_PROBLEMS = {("gptq", "transformers"): TRANSFORMERS_NO_GPTQ, ("compressed-tensors", "gptqmodel"): GPTQMODEL_NEEDS_GPTQ}
+FORMAT_PROBLEMS = {("gptq", "transformers"): TRANSFORMERS_NO_GPTQ, ("compressed-tensors", "gptqmodel"): GPTQMODEL_NEEDS_GPTQ,
+                   ("gptq", "vllm-quant"): "quant's vLLM plugin serves the compressed-tensors export"}
 # front matter library_name: the first runtime (hub library) that can serve the checkpoint; none if none can
 LIBRARY_FOR = (("transformers", "transformers"), ("vllm", "vllm"))
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -148,8 +150,13 @@ def _eval(ev: dict | None) -> list[str]:
     return lines + ["", verdict, "", f"Evaluated from the exported checkpoint on disk (loader: `{ev.get('loader', '?')}`)."]
 
 
-def _snippet(runtime: str, repo: str, trust: bool, backend: str | None = None) -> list[str]:
+def _snippet(runtime: str, repo: str, trust: bool, backend: str | None = None, quant_flag: str = "") -> list[str]:
     flag, kw = (" --trust-remote-code", ", trust_remote_code=True") if trust else ("", "")
+    if runtime == "vllm-quant":  # what tests/serve/test_vllm.py serves on vLLM 0.26.0
+        q, qkw = (f" --quantization {quant_flag}", f', quantization="{quant_flag}"') if quant_flag else ("", "")
+        return ["```bash", "pip install vllm==0.26.0 && pip install --no-deps moe-quant  # registers quant's plugin",
+                f"vllm serve {repo}{flag}{q}", "```", "```python", "from vllm import LLM",
+                f'llm = LLM(model="{repo}"{kw}{qkw})', 'print(llm.generate(["Hello"])[0].outputs[0].text)', "```"]
     if runtime == "vllm":
         return ["```bash", f"vllm serve {repo}{flag}", "```", "```python", "from vllm import LLM",
                 f'llm = LLM(model="{repo}"{kw})', 'print(llm.generate(["Hello"])[0].outputs[0].text)', "```"]
@@ -193,7 +200,9 @@ def _serving(runtime_problems: dict[str, list[str]], fmt: str, repo: str, trust:
         if extra and extra not in reasons:
             reasons.append(extra)
         backend = gptqmodel_backend if rt == "gptqmodel" else None
-        lines += ([f"not servable: {'; '.join(reasons)}"] if reasons else _snippet(rt, repo, trust, backend)) + [""]
+        # a plain compressed-tensors checkpoint takes the plugin only when asked for by name
+        flag = "moe-quant-mixed" if rt == "vllm-quant" and runtime_problems.get("vllm") else ""
+        lines += ([f"not servable: {'; '.join(reasons)}"] if reasons else _snippet(rt, repo, trust, backend, flag)) + [""]
     return lines
 
 

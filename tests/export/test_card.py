@@ -191,8 +191,10 @@ def test_runtime_notes_and_backend_are_rendered(builtin_source):
 
 
 def test_cards_of_a_per_expert_mixtral_run(tmp_path):
-    """Real plan, both formats: the CT card warns in bold that vLLM and transformers would load it silently wrong,
-    the GPTQ card says vLLM refuses it; nothing points Mixtral users to GPTQModel; no library can serve it."""
+    """Real plan, both formats: the CT card says stock vLLM refuses it by name (``moe-quant-mixed``) and warns in
+    bold not to load it with transformers (it leaves the weights uninitialised), the GPTQ card says vLLM fails to
+    load it: what vLLM 0.26.0 and transformers 5.17 did with such checkpoints. The tiny model is too narrow for the
+    plugin's kernel, and the card says so; nothing points Mixtral users to GPTQModel; no library can serve it."""
     from quant.export import write_cards
     from quant.run.pipeline import run
 
@@ -204,13 +206,15 @@ def test_cards_of_a_per_expert_mixtral_run(tmp_path):
     meta, body = _split((tmp_path / "checkpoint" / "README.md").read_text())
     serving = _section(body, "Serving")
     vllm = _section(serving, "vLLM", "###")
-    assert "**vLLM may load this checkpoint without an error and serve wrong outputs**" in vllm
+    assert "Stock vLLM refuses this checkpoint by name" in vllm and "serves it (above)" not in vllm
     assert "gptqmodel" not in vllm.lower() and "not servable" in vllm
-    assert "**transformers 5.x loads this checkpoint without an error" in _section(serving, "transformers", "###")
+    assert "hidden size 64" in _section(serving, "vLLM with quant's plugin", "###")
+    assert "**Do not load this checkpoint with transformers**" in _section(serving, "transformers", "###")
     assert "library_name" not in meta
     _, body = _split((tmp_path / "checkpoint-gptq" / "README.md").read_text())
     serving = _section(body, "Serving")
-    assert "vLLM refuses this checkpoint at load" in _section(serving, "vLLM", "###")
+    assert "vLLM fails to load this checkpoint" in _section(serving, "vLLM", "###")
+    assert "serves the compressed-tensors export" in _section(serving, "vLLM with quant's plugin", "###")
     assert "not servable" in _section(serving, "GPTQModel", "###") and "serve Mixtral with vllm" in serving
 
 
@@ -241,3 +245,17 @@ def test_serving_names_the_best_servable_plan_when_vllm_cannot_serve(builtin_sou
     _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0",
                                  serving=dict(SERVING, best_servable=None, damage_measured=False)))
     assert "layer_sensitivity" not in _section(body, "Serving")
+
+
+def test_the_plugins_snippet_is_what_the_serving_tests_ran(builtin_source):
+    """A per-expert checkpoint the plugin serves: install line and ``vllm serve`` (tests/serve/test_vllm.py);
+    a plain compressed-tensors checkpoint stock vLLM cannot serve is named to the plugin explicitly."""
+    problems = dict(ALL_OK, **{"vllm-quant": [], "vllm": ["vllm applies one quantization scheme to all experts"]})
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0", repo_id="me/x"))
+    plugin = _section(_section(body, "Serving"), "vLLM with quant's plugin", "###")
+    assert "pip install vllm==0.26.0 && pip install --no-deps moe-quant" in plugin
+    assert "vllm serve me/x --quantization moe-quant-mixed" in plugin and 'quantization="moe-quant-mixed"' in plugin
+    problems = dict(ALL_OK, **{"vllm-quant": []})
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0", repo_id="me/x"))
+    plugin = _section(_section(body, "Serving"), "vLLM with quant's plugin", "###")
+    assert "vllm serve me/x\n" in plugin and "--quantization" not in plugin
