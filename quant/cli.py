@@ -146,12 +146,15 @@ def inspect(checkpoint: Annotated[Path, typer.Argument(help="a checkpoint folder
 @app.command()
 def publish(run_dir: Annotated[Path, typer.Argument(help="a finished run directory")],
             repo_id: Annotated[str, typer.Option("--repo-id", help="ORG/NAME on the Hugging Face hub")],
-            private: bool = False) -> None:
-    """Upload the run's checkpoint (refused unless the run passed its gates)."""
-    from quant.publish import publish_run
+            private: bool = False,
+            fmt: Annotated[str | None, typer.Option("--format", help="the export format to upload (default: the "
+                                                    "first one a runtime on its card serves)")] = None) -> None:
+    """Upload the run's checkpoint (refused unless the run passed its gates and some runtime serves it)."""
+    from quant.publish import check_publishable, publish_run
 
-    url = publish_run(run_dir, repo_id, private=private)
-    typer.echo(f"published {run_dir / 'checkpoint'} -> {url}")
+    folder = check_publishable(run_dir, fmt)
+    url = publish_run(run_dir, repo_id, private=private, fmt=fmt)
+    typer.echo(f"published {folder} -> {url}")
 
 
 @app.callback()

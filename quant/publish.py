@@ -3,7 +3,9 @@
 Refused unless the run finished its eval stage with every gate passing, the checkpoint is the one that eval
 read (the export digest eval recorded), it carries its model card, and every file still matches the SHA-256
 manifest (written at export, the card added by the report stage): what is uploaded is exactly what was
-evaluated and described. The hub client is injectable (``api``) so tests upload to a local fake.
+evaluated and described. Published means servable: the folder uploaded is the first export format some runtime on
+its card serves (the GPTQ folder of a per-expert plan for GPTQModel, say), or ``--format``'s; a run whose
+checkpoints no runtime serves is refused with what to run instead. The hub client is injectable (``api``) so tests upload to a local fake.
 """
 
 from __future__ import annotations
@@ -30,8 +32,32 @@ def _run_manifest(run_dir: Path) -> dict:
     return m
 
 
-def check_publishable(run_dir: Path) -> Path:
-    """The run's checkpoint folder, after every check above; raises a QuantError naming the first failure."""
+SERVABLE = ("run recipes/mixed_vllm.yaml (one scheme per MoE layer: vLLM and SGLang), set plan.target_runtime: "
+            "vllm-quant (quant's vLLM plugin serves per-expert bits), or add gptq to export.formats (GPTQModel)")
+
+
+def servable_folder(run_dir: Path, stages: dict, fmt: str | None = None) -> tuple[str, list[str]]:
+    """The checkpoint folder to publish and the runtimes that serve it: ``fmt``'s folder, or the first folder (in
+    export order) that some runtime on its card serves. A checkpoint nothing serves is not published."""
+    served = stages.get("export", {}).get("served_by")
+    if not isinstance(served, dict) or not served:
+        raise RunDirError(f"{run_dir}: the export stage records no serving runtimes (made by an older quant); {RERUN}")
+    if fmt is not None:
+        folder = "checkpoint" if fmt == (stages["export"].get("formats") or [None])[0] else f"checkpoint-{fmt}"
+        if folder not in served:
+            raise RunDirError(f"{run_dir} has no {fmt} checkpoint (exported: {', '.join(served)})")
+        if not served[folder]:
+            raise PublishError(f"no runtime serves {run_dir / folder}; {SERVABLE}")
+        return folder, served[folder]
+    for folder, runtimes in served.items():
+        if runtimes:
+            return folder, runtimes
+    raise PublishError(f"no runtime serves the checkpoints of {run_dir} ({', '.join(served)}); {SERVABLE}")
+
+
+def check_publishable(run_dir: Path, fmt: str | None = None) -> Path:
+    """The run's checkpoint folder to publish, after every check above; raises a QuantError naming the first
+    failure."""
     m = _run_manifest(run_dir)
     stages = m["stages"]
     ev = stages.get("eval", {})
@@ -39,23 +65,27 @@ def check_publishable(run_dir: Path) -> Path:
         raise RunDirError(f"{run_dir}: the eval stage has not finished; run `quant run` first")
     if ev.get("passed") is not True:
         raise RunDirError(f"{run_dir}: quality gates failed ({'; '.join(ev.get('failed_gates', []))}); not publishing")
-    ckpt = run_dir / "checkpoint"
-    bad = verify_manifest(ckpt) if ckpt.is_dir() else ["checkpoint/"]
-    if bad:
-        raise CheckpointError(f"{ckpt} changed since export ({bad[0]}{'…' if len(bad) > 1 else ''}); {RERUN}")
-    exported = stages.get("export", {}).get("outputs", {}).get("checkpoint")
+    folder, _ = servable_folder(run_dir, stages, fmt)
+    export = stages.get("export", {})
     evaluated = (ev.get("upstream") or {}).get("export", {}) or {}
-    if stages.get("export", {}).get("status") != "done" or checkpoint_digest(ckpt) != exported \
-            or evaluated.get("checkpoint") != exported:
-        raise CheckpointError(f"{ckpt} is not the checkpoint the eval stage evaluated; {RERUN}")
-    if CARD not in read_manifest(ckpt)["files"]:
-        raise CheckpointError(f"{ckpt} has no model card ({CARD}, written by the report stage); {RERUN}")
-    return ckpt
+    for name in dict.fromkeys(("checkpoint", folder)):  # the evaluated checkpoint, and the one to upload
+        ckpt = run_dir / name
+        bad = verify_manifest(ckpt) if ckpt.is_dir() else [f"{name}/"]
+        if bad:
+            raise CheckpointError(f"{ckpt} changed since export ({bad[0]}{'…' if len(bad) > 1 else ''}); {RERUN}")
+        exported = export.get("outputs", {}).get(name)
+        # the export the eval stage read wrote both folders: its digest of checkpoint/ is still the export's
+        if export.get("status") != "done" or checkpoint_digest(ckpt) != exported \
+                or evaluated.get("checkpoint") != export.get("outputs", {}).get("checkpoint"):
+            raise CheckpointError(f"{ckpt} is not the checkpoint the eval stage evaluated; {RERUN}")
+        if CARD not in read_manifest(ckpt)["files"]:
+            raise CheckpointError(f"{ckpt} has no model card ({CARD}, written by the report stage); {RERUN}")
+    return run_dir / folder
 
 
-def publish_run(run_dir: Path, repo_id: str, *, private: bool = False, api=None) -> str:
+def publish_run(run_dir: Path, repo_id: str, *, private: bool = False, api=None, fmt: str | None = None) -> str:
     run_dir = Path(run_dir)
-    ckpt = check_publishable(run_dir)
+    ckpt = check_publishable(run_dir, fmt)
     if "/" not in repo_id:
         raise RunDirError(f"--repo-id must look like ORG/NAME, got '{repo_id}'")
     if api is None:

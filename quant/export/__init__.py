@@ -10,7 +10,8 @@ from quant.models import ModelSource
 from quant.plan.bitplan import BitPlan
 from quant.recipe import Recipe
 
-__all__ = ["CARD", "check_formats", "checkpoint_digest", "checkpoint_dirs", "export_all", "runtime_notes", "write_cards"]
+__all__ = ["CARD", "check_formats", "checkpoint_digest", "checkpoint_dirs", "export_all", "runtime_notes", "served_by",
+           "write_cards"]
 
 
 def checkpoint_dirs(recipe: Recipe) -> dict[str, str]:
@@ -36,6 +37,16 @@ def export_all(source: ModelSource, plan: BitPlan, recipe: Recipe, run_dir: Path
     max_bytes = int(recipe.export.max_shard_gb * 1e9)
     extra = {"recipe": recipe.name, "base_model": source.display_name, "model_fingerprint": source.fingerprint}
     return {fmt: writers[fmt](source, plan, run_dir / "quantized", run_dir / folder, max_bytes, extra, world)
+            for fmt, folder in checkpoint_dirs(recipe).items()}
+
+
+def served_by(plan: BitPlan, source: ModelSource, recipe: Recipe) -> dict[str, list[str]]:
+    """Run-dir-relative checkpoint folder -> the runtimes its card names that serve it (``quant publish`` uploads
+    only a folder some runtime serves)."""
+    from quant.export.card import RUNTIMES
+    from quant.plan.runtimes import problems_for
+
+    return {folder: [rt for rt in RUNTIMES if not problems_for(plan, source, rt, (fmt,))]
             for fmt, folder in checkpoint_dirs(recipe).items()}
 
 

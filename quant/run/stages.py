@@ -162,11 +162,11 @@ def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
 
 def run_export(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
     """Every rank writes its share of each checkpoint's shard files; the writer alone finishes each checkpoint."""
-    from quant.export import export_all
+    from quant.export import export_all, served_by
 
     plan = BitPlan.load(run_dir / "plan.json")
     written = export_all(source, plan, recipe, run_dir, world)
-    return {"formats": list(written)}
+    return {"formats": list(written), "served_by": served_by(plan, source, recipe)}
 
 
 def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
