@@ -25,6 +25,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -148,8 +149,8 @@ def run_task(seed: int, size: str, manifest: str, work: Path) -> dict:
     calib = build_calibration(manifest, _WORKER["tok"], SIZES[size], SEQ_LEN, seed)
     prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8))
     n = calib.tokens.shape[0]
-    prof.layer_damage = measure_layer_damage(src, calib.tokens[spread_rows(n, DAMAGE_SAMPLES)],
-                                             Layerwise(src, "float32", "cpu", 8), SCHEMES)
+    prof = replace(prof, layer_damage=measure_layer_damage(src, calib.tokens[spread_rows(n, DAMAGE_SAMPLES)],
+                                                           Layerwise(src, "float32", "cpu", 8), SCHEMES))
     one = type(calib)(calib.tokens[:1], calib.sample_ids[:1], calib.domains[:1], calib.seed, calib.manifest)
     out = {"seed": seed, "size": size, "n_tokens": int(calib.tokens.numel()),
            "damage": {k: v.tolist() for k, v in prof.layer_damage.items()}, "results": {}}

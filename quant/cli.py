@@ -8,7 +8,6 @@ process group here; ranks other than 0 log warnings only and print nothing to st
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import re
@@ -87,8 +86,9 @@ def _stage(until: str, recipe: Path, output: Path | None, overrides, model, forc
     typer.echo(f"{until}: ran {', '.join(result.ran) or 'nothing'}"
                f"{'; up to date: ' + ', '.join(result.skipped) if result.skipped else ''} -> {result.run_dir}")
     if until == "plan":
-        plan_json = json.loads((result.run_dir / "plan.json").read_text())
-        typer.echo(f"plan: {plan_json['notes'][-1] if plan_json.get('notes') else ''}")
+        from quant.plan.bitplan import BitPlan
+
+        typer.echo(f"plan: {BitPlan.load(result.run_dir / 'plan.json').headline.line()}")
     if until == "report":
         typer.echo(f"report: {result.run_dir / 'report.md'}")
 

@@ -4,6 +4,7 @@ artifact (profile, plan, quantize layer reports, eval, manifest)."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from quant.io.rundir import atomic_write_text
 from quant.measure.profile import RoutingProfile
 from quant.models import ModelSource
 from quant.plan.bitplan import KEEP_BITS, BitPlan
-from quant.plan.summary import summarize
+from quant.plan.summary import PlanSummary, summarize
 from quant.recipe import Recipe
 
 
@@ -91,15 +92,15 @@ def _eval_lines(ev: dict) -> list[str]:
     return lines
 
 
-def _plan_lines(summary: dict) -> list[str]:
-    h = summary["headline"]
-    lines = [f"- average bits, expert weights: **{h['avg_bits_experts']}**; all weights: {h['avg_bits_all']}",
-             f"- checkpoint size estimate: {h['size_gb'] * 1000:.2f} MB",
-             f"- expert projections by bits (%): {h['expert_pct_by_bits']}",
-             f"- routed traffic by bits: {h['traffic_share_by_bits']}; traffic-weighted bits: {h['traffic_weighted_bits']}",
+def _plan_lines(summary: PlanSummary) -> list[str]:
+    h = summary.headline
+    lines = [f"- average bits, expert weights: **{h.avg_bits_experts}**; all weights: {h.avg_bits_all}",
+             f"- checkpoint size estimate: {h.size_gb * 1000:.2f} MB",
+             f"- expert projections by bits (%): {h.expert_pct_by_bits}",
+             f"- routed traffic by bits: {h.traffic_share_by_bits}; traffic-weighted bits: {h.traffic_weighted_bits}",
              "", "| layer | modules by bits | traffic share by bits | traffic-weighted bits |", "|---|---|---|---|"]
     lines += [f"| {r['layer']} | {r['modules_by_bits']} | {r['traffic_share_by_bits']} | {r['traffic_weighted_bits']} |"
-              for r in summary["per_layer"]]
+              for r in summary.per_layer]
     return lines
 
 
@@ -177,6 +178,6 @@ def write_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     lines += ["", "## Routing", ""] + _routing_lines(profile, recipe.profile.min_tokens)
     lines += [""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Quantization", ""] + _quantize_lines(layers)
-    atomic_write_text(run_dir / "metrics.json", json.dumps({"plan": summary["headline"], "eval": ev,
+    atomic_write_text(run_dir / "metrics.json", json.dumps({"plan": asdict(summary.headline), "eval": ev,
                                                                  "serving": plan.serving}, indent=1))
     atomic_write_text(run_dir / "report.md", "\n".join(lines) + "\n")

@@ -58,17 +58,14 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     from quant import version
     from quant.export.card import RUNTIMES, render_card
     from quant.io.rundir import atomic_write_text
-    from quant.measure.profile import RoutingProfile
     from quant.plan.runtimes import gptqmodel_kernel_problem, problems_for
-    from quant.plan.summary import summarize
 
     plan = BitPlan.load(run_dir / "plan.json")
-    summary = summarize(plan, source, RoutingProfile.load(run_dir / "profile.json"))
     ev = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").is_file() else None
     for fmt, folder in checkpoint_dirs(recipe).items():
         problems = {rt: problems_for(plan, source, rt, (fmt,)) for rt in RUNTIMES}
         backend = "TORCH" if fmt == "gptq" and gptqmodel_kernel_problem(plan) else None
-        card = render_card(recipe, source, summary, ev, problems, version(), fmt=fmt,
+        card = render_card(recipe, source, plan.headline, ev, problems, version(), fmt=fmt,
                            runtime_notes=runtime_notes(plan, source, fmt), gptqmodel_backend=backend,
                            serving=plan.serving)
         atomic_write_text(run_dir / folder / CARD, card)

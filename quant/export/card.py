@@ -1,5 +1,5 @@
 """The Hugging Face model card (``README.md``) of a quantized checkpoint. Formatting only: every number comes
-from the plan summary and the eval result passed in, every serving claim from the runtime check.
+from the plan's headline and the eval result passed in, every serving claim from the runtime check.
 
 Front matter: ``base_model`` when the model path looks like a hub id (``ORG/NAME``, not a builtin or a local
 folder), ``license`` copied from the source model (its README front matter, else ``config.json``), ``tags``
@@ -18,6 +18,7 @@ import yaml
 
 from quant.models import ModelSource
 from quant.models.source import layer_of_key
+from quant.plan.bitplan import Headline
 from quant.plan.runtimes import GPTQMODEL_NEEDS_GPTQ, TRANSFORMERS_NO_GPTQ
 from quant.recipe import Recipe
 
@@ -102,20 +103,18 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
           "model"] if left_out else [])
 
 
-def _plan(summary: dict) -> list[str]:
-    h = summary.get("headline", summary)
+def _plan(h: Headline) -> list[str]:
     lines = [
-        f"- average bits over expert weights: **{h['avg_bits_experts']}**; over all weights: {h['avg_bits_all']}",
-        f"- traffic-weighted bits (what a routed token reads): {h['traffic_weighted_bits']}",
-        f"- checkpoint size: {h['size_gb']} GB ({h['size_gb'] * 1000:.1f} MB)",
+        f"- average bits over expert weights: **{h.avg_bits_experts}**; over all weights: {h.avg_bits_all}",
+        f"- traffic-weighted bits (what a routed token reads): {h.traffic_weighted_bits}",
+        f"- checkpoint size: {h.size_gb} GB ({h.size_gb * 1000:.1f} MB)",
         "",
         "| bits | % of expert projections | share of routed traffic |",
         "|---|---|---|",
     ]
-    traffic = {str(b): v for b, v in h.get("traffic_share_by_bits", {}).items()}
-    for b, pct in sorted(h["expert_pct_by_bits"].items(), key=lambda kv: int(kv[0])):
-        label = "16 (kept)" if int(b) == 16 else str(b)
-        share = traffic.get(str(b))
+    for b, pct in sorted(h.expert_pct_by_bits.items()):
+        label = "16 (kept)" if b == 16 else str(b)
+        share = h.traffic_share_by_bits.get(b)
         lines.append(f"| {label} | {pct}% | {'-' if share is None else f'{100 * share:.1f}%'} |")
     return lines
 
@@ -206,12 +205,12 @@ def _serving(runtime_problems: dict[str, list[str]], fmt: str, repo: str, trust:
     return lines
 
 
-def render_card(recipe: Recipe, source: ModelSource, plan_summary: dict, eval_result: dict | None,
+def render_card(recipe: Recipe, source: ModelSource, headline: Headline, eval_result: dict | None,
                 runtime_problems: dict[str, list[str]], tool_version: str, *, fmt: str | None = None,
                 repo_id: str | None = None, runtime_notes: dict[str, str] | None = None,
                 gptqmodel_backend: str | None = None, serving: dict | None = None) -> str:
     """README.md for the checkpoint of format ``fmt`` (default: the recipe's first export format, i.e. the run's
-    ``checkpoint/``). ``plan_summary``: ``plan_summary.summarize`` output or its ``headline``. ``runtime_problems``:
+    ``checkpoint/``). ``headline``: the plan's figures (``BitPlan.headline``). ``runtime_problems``:
     runtime -> reasons it cannot serve the checkpoint (empty list: servable); ``library_name`` is the first of
     transformers / vLLM that can. ``runtime_notes``: runtime -> a line shown in its section (warnings).
     ``gptqmodel_backend``: the ``BACKEND`` member the GPTQModel snippet must name (its default kernel cannot run
@@ -222,7 +221,7 @@ def render_card(recipe: Recipe, source: ModelSource, plan_summary: dict, eval_re
     title = repo_id.split("/")[-1] if repo_id else f"{source.display_name.split('/')[-1]} ({recipe.name})"
     lines = [_front_matter(recipe, source, fmt, runtime_problems), f"# {title}", "", "## What this is", ""]
     lines += _what(recipe, source, fmt)
-    lines += ["", "## Plan", ""] + _plan(plan_summary)
+    lines += ["", "## Plan", ""] + _plan(headline)
     lines += ["", "## Evaluation", ""] + _eval(eval_result)
     lines += ["", "## Serving", ""] + _serving(runtime_problems, fmt, repo, recipe.model.trust_remote_code,
                                                runtime_notes or {}, gptqmodel_backend, serving)

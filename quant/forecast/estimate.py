@@ -391,7 +391,7 @@ def _quantize_stage(layers: list[LayerShape], run: Run, d: Dims) -> StageForecas
 
 def checkpoint_bytes(plan: BitPlan, source: ModelSource, profile: RoutingProfile, formats: tuple[str, ...]) -> dict:
     """Format -> bytes: the plan summary's size (packed codes, scales, kept tensors); GPTQ adds g_idx and qzeros."""
-    size = summarize(plan, source, profile)["headline"]["size_gb"] * GB
+    size = summarize(plan, source, profile).headline.size_gb * GB
     out = {}
     for fmt in formats:
         extra = 0.0
@@ -452,8 +452,9 @@ def _export_stage(recipe: Recipe, layers: list[LayerShape], ckpt: dict[str, floa
 def plan_for(recipe: Recipe, source: ModelSource) -> tuple[BitPlan, RoutingProfile]:
     profile = synthetic_profile(source)
     if recipe.profile.layer_sensitivity is not None:  # same damage in every layer, less with more bits / smaller groups
-        profile.layer_damage = {s: torch.full((len(profile.layers),), 4.0 ** -b * g / 128, dtype=torch.float64)
-                                for s, (b, g) in ((s, parse_scheme(s)) for s in recipe.profile.layer_sensitivity.schemes)}
+        profile = dataclasses.replace(profile, layer_damage={
+            s: torch.full((len(profile.layers),), 4.0 ** -b * g / 128, dtype=torch.float64)
+            for s, (b, g) in ((s, parse_scheme(s)) for s in recipe.profile.layer_sensitivity.schemes)})
     return plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers,
                      recipe.export.formats), profile
 

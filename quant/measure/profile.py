@@ -50,9 +50,10 @@ PROBE_TOKENS = 64
 PROBE_CHUNK_BYTES = 1 << 30  # fp32 working set while the probe's RTN weights are made, a few experts at a time
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoutingProfile:
-    """Stats are ``[L, E]`` tensors over the MoE layers listed in ``layers`` (model layer indices)."""
+    """Stats are ``[L, E]`` tensors over the MoE layers listed in ``layers`` (model layer indices). Frozen: a stage
+    that adds a measurement (``layer_damage``) makes a new profile with ``dataclasses.replace``."""
 
     model_fingerprint: str
     model: str

@@ -13,6 +13,7 @@ import json
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ from quant.models import ModuleInfo
 from quant.plan.layer_policy import LAYER_POLICIES
 from quant.recipe import PlanSpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the headline is a typed field (1 carried it as a JSON string in ``notes``)
 KEEP_BITS = 16  # what a kept (bf16/fp16) weight costs
 
 
@@ -41,8 +42,48 @@ class ModulePlan:
         return self.bits is None
 
 
-@dataclass
+def _by_bits(d: dict[Any, float]) -> dict[int, float]:
+    """A bits -> value map with int keys (JSON gives them back as strings), in ascending bits."""
+    return {int(b): v for b, v in sorted(d.items(), key=lambda kv: int(kv[0]))}
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A plan's summary figures (``quant.plan.summary.summarize``). Bits keys: 16 means kept in the model dtype.
+
+    ``avg_bits_experts`` / ``avg_bits_all``: mean code bits per weight over the routed experts / over every
+    quantizable weight (scales not counted); ``size_gb``: the checkpoint's size (codes, scales, zero points, kept
+    tensors); ``expert_pct_by_bits``: % of expert projections at each width; ``traffic_share_by_bits``: share of
+    a layer's routed traffic reading each width (mean over MoE layers); ``traffic_weighted_bits``: mean bits of
+    the expert weights a routed token reads (what decode bandwidth sees).
+    """
+
+    avg_bits_experts: float
+    avg_bits_all: float
+    size_gb: float
+    expert_pct_by_bits: dict[int, float]
+    traffic_share_by_bits: dict[int, float]
+    traffic_weighted_bits: float
+
+    @classmethod
+    def from_json(cls, d: dict) -> Headline:
+        return cls(**{**d, "expert_pct_by_bits": _by_bits(d["expert_pct_by_bits"]),
+                      "traffic_share_by_bits": _by_bits(d["traffic_share_by_bits"])})
+
+    def line(self) -> str:
+        """One line for a terminal: bits, size, and how the experts and their traffic split by bits."""
+        experts = ", ".join(f"{b}: {pct}%" for b, pct in self.expert_pct_by_bits.items())
+        traffic = ", ".join(f"{b}: {100 * v:.1f}%" for b, v in self.traffic_share_by_bits.items())
+        return (f"{self.avg_bits_experts} bits per expert weight ({self.avg_bits_all} over all weights), "
+                f"{self.traffic_weighted_bits} traffic-weighted; {self.size_gb * 1000:.1f} MB; expert projections "
+                f"by bits {experts}; routed traffic by bits {traffic}")
+
+
+@dataclass(frozen=True)
 class BitPlan:
+    """The plan artifact (``plan.json``). ``plan_bits`` decides ``modules``; the plan stage adds what the plan
+    costs and whom it serves (``headline``, ``serving``) with ``dataclasses.replace``."""
+
     modules: dict[str, ModulePlan]
     algorithm: str
     granularity: str
@@ -50,25 +91,26 @@ class BitPlan:
     policy: str
     model_fingerprint: str
     schema_version: int = SCHEMA_VERSION
-    notes: list[str] = field(default_factory=list)
     group_rule: str = ""  # how each module's group size was chosen (see ``resolve_group_sizes``)
     # quant.plan.servable.serving_summary: vLLM/SGLang problems, predicted KL, the best plan they serve (plan stage)
     serving: dict = field(default_factory=dict)
+    headline: Headline | None = None  # quant.plan.summary.summarize (plan stage)
 
     def quantized(self) -> dict[str, ModulePlan]:
         return {n: p for n, p in self.modules.items() if not p.keep}
 
     def save(self, path: Path) -> None:
-        d = asdict(self)
-        d["modules"] = {n: asdict(p) for n, p in self.modules.items()}
-        path.write_text(json.dumps(d, indent=1))
+        path.write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: Path) -> BitPlan:
         d = json.loads(path.read_text())
         if d.get("schema_version") != SCHEMA_VERSION:
-            raise PlanError(f"{path}: plan schema_version {d.get('schema_version')} != {SCHEMA_VERSION}")
+            raise PlanError(f"{path}: plan schema_version {d.get('schema_version')} != {SCHEMA_VERSION}; redo the "
+                            "plan stage (quant plan RECIPE --force plan)")
         d["modules"] = {n: ModulePlan(**p) for n, p in d["modules"].items()}
+        if d.get("headline") is not None:
+            d["headline"] = Headline.from_json(d["headline"])
         return cls(**d)
 
 

@@ -7,10 +7,11 @@ expert weighted by its share of the layer's routed assignments): what decode ban
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from quant.measure.profile import RoutingProfile
 from quant.models import ModelSource
-from quant.plan.bitplan import KEEP_BITS, BitPlan
+from quant.plan.bitplan import KEEP_BITS, BitPlan, Headline
 
 SCALE_BYTES = 2
 
@@ -28,7 +29,16 @@ def _bits(plan: BitPlan, name: str) -> int:
     return KEEP_BITS if p.keep else p.bits
 
 
-def summarize(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> dict:
+@dataclass(frozen=True)
+class PlanSummary:
+    """``headline``: the plan's figures; ``per_layer``: per MoE layer, expert projections and routed traffic share by
+    bits (``{"layer", "modules_by_bits", "traffic_share_by_bits", "traffic_weighted_bits"}``)."""
+
+    headline: Headline
+    per_layer: list[dict]
+
+
+def summarize(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> PlanSummary:
     """Headline numbers and a per-layer table (bits in keys: 16 means kept in the model dtype)."""
     mods = source.modules
     share = profile.share()
@@ -60,15 +70,15 @@ def summarize(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> di
         for b, v in row["traffic_share_by_bits"].items():
             traffic_by_bits[b] += v / len(table)
     n_expert_mods = sum(expert_mods_by_bits.values())
-    headline = {
-        "avg_bits_experts": round(e_bits / max(e_numel, 1), 3),
-        "avg_bits_all": round(all_bits / max(all_numel, 1), 3),
-        "size_gb": round(size / 1e9, 4),
-        "expert_pct_by_bits": {b: round(100 * n / max(n_expert_mods, 1), 2) for b, n in sorted(expert_mods_by_bits.items())},
-        "traffic_share_by_bits": {b: round(v, 4) for b, v in sorted(traffic_by_bits.items())},
-        "traffic_weighted_bits": round(sum(r["traffic_weighted_bits"] for r in table) / max(len(table), 1), 3),
-    }
-    return {"headline": headline, "per_layer": table}
+    headline = Headline(
+        avg_bits_experts=round(e_bits / max(e_numel, 1), 3),
+        avg_bits_all=round(all_bits / max(all_numel, 1), 3),
+        size_gb=round(size / 1e9, 4),
+        expert_pct_by_bits={b: round(100 * n / max(n_expert_mods, 1), 2) for b, n in sorted(expert_mods_by_bits.items())},
+        traffic_share_by_bits={b: round(v, 4) for b, v in sorted(traffic_by_bits.items())},
+        traffic_weighted_bits=round(sum(r["traffic_weighted_bits"] for r in table) / max(len(table), 1), 3),
+    )
+    return PlanSummary(headline, table)
 
 
 def _other_bytes(source: ModelSource) -> float:

@@ -26,7 +26,9 @@ from quant.dist.world import SINGLE, World
 from quant.engine.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
 from quant.errors import GateFailed, RunDirError, StopRequested
 from quant.io.rundir import RunDir, environment_error, hash_path
+from quant.measure import profile
 from quant.models import ModelSource, resolve_model
+from quant.plan import bitplan
 from quant.progress import step as progress_step
 from quant.recipe import Recipe
 from quant.run import stages
@@ -47,6 +49,17 @@ DEPENDS = {
 # stages every rank runs (``run_<stage>(..., world)``); the others run on the writer alone
 DISTRIBUTED = ("profile", "quantize", "export", "eval")
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop a run after the layer in hand (Slurm job scripts do)
+# Versioned artifacts: one written under another schema_version (by another quant version) counts as missing, so
+# its stage is redone instead of the next stage failing to load it.
+SCHEMAS = {"profile.json": profile.SCHEMA_VERSION, "plan.json": bitplan.SCHEMA_VERSION}
+
+
+def schema_current(path: Path, version: int) -> bool:
+    """``path`` holds a JSON artifact of ``schema_version`` ``version`` (False when missing or unreadable)."""
+    try:
+        return json.loads(path.read_text()).get("schema_version") == version
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @dataclass
@@ -107,12 +120,14 @@ class Run:
 
     def output_hashes(self, stage: str) -> dict[str, str | None]:
         """What each output holds now (None: missing or damaged). A checkpoint counts by the SHA-256 manifest it
-        carries, verified file by file (digests cached by stat, so an unchanged checkpoint is not re-read)."""
+        carries, verified file by file (digests cached by stat, so an unchanged checkpoint is not re-read). A
+        versioned artifact of another schema (``SCHEMAS``) counts as missing."""
         if stage == "export":
             from quant.export import checkpoint_digest
 
             return {o: checkpoint_digest(self.dir.path / o) for o in self.outputs(stage)}
-        return {o: hash_path(self.dir.path / o) for o in self.outputs(stage)}
+        return {o: hash_path(p) if o not in SCHEMAS or schema_current(p, SCHEMAS[o]) else None
+                for o in self.outputs(stage) for p in [self.dir.path / o]}
 
     def execute(self, until: str = "report", force: str | None = None) -> RunResult:
         if until not in STAGES:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import shutil
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from quant.calibration import CalibrationSet, build_calibration, load_manifest, resolve_dataset_path
@@ -78,7 +79,7 @@ def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World
     calib = load_calibration(run_dir)
     profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size, world))
     if recipe.profile.layer_sensitivity is not None:  # one pass on the writer, its result on every rank
-        profile.layer_damage = world.on_writer(lambda: _layer_damage(recipe, source, calib))
+        profile = replace(profile, layer_damage=world.on_writer(lambda: _layer_damage(recipe, source, calib)))
     if world.is_writer:
         tmp = temp_path(run_dir / "profile.json")
         profile.save(tmp)
@@ -96,14 +97,13 @@ def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers, formats)
     check_runtime(plan, source, recipe.plan.target_runtime, formats)
     check_formats(plan, source, formats)
-    plan.serving = serving_summary(plan, source, profile, formats)
-    summary = summarize(plan, source, profile)
-    plan.notes.append(json.dumps(summary["headline"]))
+    plan = replace(plan, serving=serving_summary(plan, source, profile, formats))
+    plan = replace(plan, headline=summarize(plan, source, profile).headline)
     tmp = temp_path(run_dir / "plan.json")
     plan.save(tmp)
     tmp.replace(run_dir / "plan.json")
-    log.info("plan: %s", summary["headline"])
-    return {"headline": summary["headline"]}
+    log.info("plan: %s", plan.headline.line())
+    return {"headline": asdict(plan.headline)}
 
 
 def check_eval(recipe: Recipe, source: ModelSource) -> None:

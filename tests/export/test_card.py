@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,12 @@ import yaml
 
 from quant.export.card import render_card
 from quant.models import ModelSource, resolve_model
+from quant.plan.bitplan import Headline
 from quant.recipe import parse_recipe
 
-HEADLINE = {"avg_bits_experts": 4.812, "avg_bits_all": 6.137, "size_gb": 12.3456,
-            "expert_pct_by_bits": {4: 81.25, 8: 18.75}, "traffic_share_by_bits": {4: 0.3541, 8: 0.6459},
-            "traffic_weighted_bits": 6.583}
+HEADLINE = Headline(avg_bits_experts=4.812, avg_bits_all=6.137, size_gb=12.3456,
+                    expert_pct_by_bits={4: 81.25, 8: 18.75}, traffic_share_by_bits={4: 0.3541, 8: 0.6459},
+                    traffic_weighted_bits=6.583)
 ALL_OK = {"vllm": [], "sglang": [], "transformers": [], "gptqmodel": []}
 
 
@@ -79,7 +81,7 @@ def _copy_source(src: ModelSource, dst: Path, readme: str | None = None, config_
 
 def test_front_matter_for_a_hub_model(builtin_source, tmp_path):
     src = _copy_source(builtin_source, tmp_path / "m", readme="---\nlicense: apache-2.0\nlanguage: [en]\n---\n# Tiny\n")
-    meta, body = _split(render_card(_recipe(), src, {"headline": HEADLINE}, _eval(), ALL_OK, "0.1.0"))
+    meta, body = _split(render_card(_recipe(), src, HEADLINE, _eval(), ALL_OK, "0.1.0"))
     assert meta == {"base_model": "acme/Tiny-MoE-A1B", "base_model_relation": "quantized", "license": "apache-2.0",
                     "library_name": "transformers",
                     "tags": ["quantized", "mixture-of-experts", "compressed-tensors", "moe-quant"]}
@@ -101,7 +103,7 @@ def test_license_from_config_and_omitted_fields(builtin_source, tmp_path):
 def test_what_and_plan_numbers_match_the_inputs(builtin_source):
     recipe = _recipe("acme/Tiny-MoE-A1B", "quantize.algorithm=gptq", "plan.granularity=per_layer",
                      "plan.symmetric=false")
-    _, body = _split(render_card(recipe, builtin_source, {"headline": HEADLINE, "per_layer": []}, None, ALL_OK, "0.1.0"))
+    _, body = _split(render_card(recipe, builtin_source, HEADLINE, None, ALL_OK, "0.1.0"))
     what = _section(body, "What this is")
     assert "`mixed_int8_int4`" in what and "`gptq`" in what and "`top_fraction`" in what and "`per_layer`" in what
     assert "group size 32" in what and "asymmetric" in what and "20%" in what
@@ -110,8 +112,8 @@ def test_what_and_plan_numbers_match_the_inputs(builtin_source):
     rows = {r[0]: r[1:] for r in (ln.strip("|").split("|") for ln in plan.splitlines() if ln.startswith("| "))}
     rows = {k.strip(): [c.strip() for c in v] for k, v in rows.items()}
     assert rows["4"] == ["81.25%", "35.4%"] and rows["8"] == ["18.75%", "64.6%"]
-    # a summary that went through JSON (string keys) renders the same table
-    as_json = json.loads(json.dumps({"headline": HEADLINE}))
+    # a headline that went through JSON (plan.json: string keys) renders the same table
+    as_json = Headline.from_json(json.loads(json.dumps(asdict(HEADLINE))))
     assert _section(_split(render_card(recipe, builtin_source, as_json, None, ALL_OK, "0.1.0"))[1], "Plan") == plan
 
 

@@ -83,7 +83,8 @@ def test_validate_prints_resolved_recipe():
 
 def test_different_finished_run_is_not_overwritten(tmp_path):
     out = tmp_path / "r"
-    assert run_cli("plan", HEADLINE, "-o", str(out), *FAST).returncode == 0
+    p = run_cli("plan", HEADLINE, "-o", str(out), *FAST)
+    assert p.returncode == 0 and "\nplan: 4.75 bits per expert weight (" in p.stdout  # the plan's typed headline
     before = (out / "plan.json").read_bytes()
     p = run_cli("plan", HEADLINE, "-o", str(out), "--model", "builtin:olmoe-tiny", *FAST)
     _one_line_error(p, 1, "holds a different run")

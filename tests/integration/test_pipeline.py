@@ -210,3 +210,30 @@ def test_streamed_eval_equals_transformers_loading_the_checkpoint(tmp_path, name
         out[mode] = evaluate_run(recipe, src, result.run_dir)
     assert out["whole"]["loader"] == "transformers"
     _proxies_close(out["whole"]["proxies"], out["streamed"]["proxies"])
+
+
+def test_a_plan_of_an_older_schema_is_redone_not_loaded(tmp_path):
+    """A run directory made by a quant whose plan.json had another schema (headline in ``notes``): the plan stage
+    is redone and quantize reads the new plan; the plan is typed and frozen."""
+    import dataclasses
+
+    from quant.io.rundir import hash_path
+    from quant.plan.bitplan import SCHEMA_VERSION, BitPlan
+
+    recipe, _ = _run(tmp_path, "qwen3-moe-tiny", until="plan")
+    d = tmp_path / "qwen3-moe-tiny"
+    new = json.loads((d / "plan.json").read_text())
+    old = {k: v for k, v in new.items() if k != "headline"} | {"schema_version": SCHEMA_VERSION - 1,
+                                                               "notes": [json.dumps(new["headline"])]}
+    (d / "plan.json").write_text(json.dumps(old, indent=1))
+    m = json.loads((d / "manifest.json").read_text())
+    m["stages"]["plan"]["outputs"]["plan.json"] = hash_path(d / "plan.json")  # as the older quant recorded it
+    (d / "manifest.json").write_text(json.dumps(m))
+    result = run(recipe, d, until="quantize")
+    assert result.ran == ["plan", "quantize"] and result.skipped == ["calibrate", "profile"]
+    plan = BitPlan.load(d / "plan.json")
+    assert plan.schema_version == SCHEMA_VERSION and "notes" not in json.loads((d / "plan.json").read_text())
+    assert plan.headline.avg_bits_experts == new["headline"]["avg_bits_experts"]
+    assert plan.headline.expert_pct_by_bits == {int(b): v for b, v in new["headline"]["expert_pct_by_bits"].items()}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.serving = {}
