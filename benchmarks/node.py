@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from engine import SHAPES, TiledSource, build_model, random_words, say  # noqa: E402
 
-STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "report")
+STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "card", "report")
 DEPTH_STAGES = STAGES[:4]
 
 
@@ -157,14 +157,14 @@ def stage_table(run_dir: Path) -> dict[str, dict]:
 def project(depth: dict, breadth: dict, fingerprint_s: float, k: int, v: int, p: int) -> dict:
     """Seconds for a P-layer model: the depth run's profile and quantize x P / V; the breadth run's export and eval
     and the fingerprint x P / K (each goes layer by layer or byte by byte; their fixed parts, embeddings and the LM
-    head, are scaled with them, so the projection errs long); calibrate, plan, report and the depth run's time
+    head, are scaled with them, so the projection errs long); calibrate, plan, card, report and the depth run's time
     outside its stages (process start, the run directory, the cached fingerprint) as measured."""
     outside = depth["wall_s"] - sum(depth["stages"][s]["wall_s"] for s in DEPTH_STAGES)
     d, b = depth["stages"], breadth["stages"]
     parts = {"fingerprint": fingerprint_s * p / k, "setup": outside, "calibrate": d["calibrate"]["wall_s"],
              "profile": d["profile"]["wall_s"] * p / v, "plan": d["plan"]["wall_s"],
              "quantize": d["quantize"]["wall_s"] * p / v, "export": b["export"]["wall_s"] * p / k,
-             "eval": b["eval"]["wall_s"] * p / k, "report": b["report"]["wall_s"]}
+             "eval": b["eval"]["wall_s"] * p / k, "card": b["card"]["wall_s"], "report": b["report"]["wall_s"]}
     return {"layers": p, "parts_s": parts, "total_s": sum(parts.values())}
 
 

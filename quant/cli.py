@@ -109,7 +109,7 @@ def _make_stage_command(name: str) -> None:
     app.command(name)(command)
 
 
-for _name in ("calibrate", "profile", "plan", "quantize", "export", "eval", "report"):
+for _name in ("calibrate", "profile", "plan", "quantize", "export", "eval", "card", "report"):
     _make_stage_command(_name)
 
 

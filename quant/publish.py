@@ -2,7 +2,7 @@
 
 Refused unless the run finished its eval stage with every gate passing, the checkpoint is the one that eval
 read (the export digest eval recorded), it carries its model card, and every file still matches the SHA-256
-manifest (written at export, the card added by the report stage): what is uploaded is exactly what was
+manifest (written at export, the card added by the card stage): what is uploaded is exactly what was
 evaluated and described. Published means servable: the folder uploaded is the first export format some runtime on
 its card serves (the GPTQ folder of a per-expert plan for GPTQModel, say), or ``--format``'s; a run whose
 checkpoints no runtime serves is refused with what to run instead. The hub client is injectable (``api``) so tests upload to a local fake.
@@ -79,7 +79,7 @@ def check_publishable(run_dir: Path, fmt: str | None = None) -> Path:
                 or evaluated.get("checkpoint") != export.get("outputs", {}).get("checkpoint"):
             raise CheckpointError(f"{ckpt} is not the checkpoint the eval stage evaluated; {RERUN}")
         if CARD not in read_manifest(ckpt)["files"]:
-            raise CheckpointError(f"{ckpt} has no model card ({CARD}, written by the report stage); {RERUN}")
+            raise CheckpointError(f"{ckpt} has no model card ({CARD}, written by the card stage); {RERUN}")
     return run_dir / folder
 
 

@@ -49,7 +49,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def runs(quant_cache, tmp_path_factory) -> dict[str, Path]:
-    """A finished run whose gates passed, and a copy re-evaluated with an impossible gate (eval + report rerun)."""
+    """A finished run whose gates passed, and a copy re-evaluated with an impossible gate (eval, card and report rerun)."""
     from quant.recipe import load_recipe
     from quant.run.pipeline import run
 
@@ -73,7 +73,7 @@ def test_uploads_the_validated_checkpoint_byte_for_byte(runs, tmp_path):
     url = publish_run(runs["passed"], "acme/tiny-moe-w4", private=True, api=hub)
     assert url == "https://huggingface.co/acme/tiny-moe-w4"
     uploaded = _files(tmp_path / "hub" / "acme" / "tiny-moe-w4")
-    assert uploaded == before  # the checkpoint as validated, with the model card the report stage wrote
+    assert uploaded == before  # the checkpoint as validated, with the model card the card stage wrote
     assert uploaded["README.md"].startswith(b"---\n") and b"All quality gates passed" in uploaded["README.md"]
     assert "quant_manifest.json" in before and any(k.endswith(".safetensors") for k in before)
     assert [c[0] for c in hub.calls][:2] == ["create_repo", "upload_folder"]
@@ -166,7 +166,7 @@ def test_truncated_checkpoint_is_redone_by_the_advised_command(runs, tmp_path):
     with pytest.raises(CheckpointError, match="changed since export .*re-run the `quant run` command"):
         publish_run(run_dir, "acme/x", api=FakeHub(tmp_path / "hub"))
     result = run(load_recipe(RECIPE, overrides=SERVED), run_dir)
-    assert "export" in result.ran and "report" in result.ran
+    assert "export" in result.ran and "card" in result.ran
     assert publish_run(run_dir, "acme/x", api=FakeHub(tmp_path / "hub")).endswith("acme/x")
     assert _files(tmp_path / "hub" / "acme" / "x") == _files(runs["passed"] / "checkpoint")  # deterministic export
 

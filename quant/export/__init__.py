@@ -1,4 +1,8 @@
-"""Checkpoint writers (compressed-tensors, GPTQ), model card, and readers for ``quant inspect``."""
+"""Checkpoint writers (compressed-tensors, GPTQ), model card, and readers for ``quant inspect``.
+
+Two pipeline stages call this package: ``export`` writes each checkpoint (``export_all``) and, after ``eval``
+has measured that checkpoint on disk, ``card`` writes its model card with the eval numbers (``write_cards``).
+"""
 
 from __future__ import annotations
 
@@ -51,8 +55,10 @@ def served_by(plan: BitPlan, source: ModelSource, recipe: Recipe) -> dict[str, l
 
 
 def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
-    """The model card (README.md) of every exported checkpoint, from the plan summary, eval and runtime checks;
-    its SHA-256 is added to the checkpoint's manifest, so what is published is what was written."""
+    """The model card (README.md) of every exported checkpoint, from the recipe, the plan's headline, eval.json
+    and the runtime checks; its SHA-256 is added to the checkpoint's manifest, so what is published is what was
+    written. The card stage's body, after eval: the only writer of the card and of its manifest entry (export
+    writes a checkpoint without one; its identity, ``checkpoint_digest``, leaves the card out)."""
     import json
 
     from quant import version

@@ -1,4 +1,4 @@
-"""The one place where stage order lives: calibrate -> profile -> plan -> quantize -> export -> eval -> report.
+"""The one place where stage order lives: calibrate -> profile -> plan -> quantize -> export -> eval -> card -> report.
 
 Each stage is a function of typed inputs that writes its artifact into the run directory. The pipeline hashes
 every stage's inputs (recipe sections, model fingerprint, upstream outputs); a stage whose inputs did not
@@ -35,7 +35,7 @@ from quant.run import stages
 
 log = logging.getLogger(__name__)
 
-STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "report")
+STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "card", "report")
 # stage -> (recipe sections it reads, upstream stages whose outputs it reads, its outputs)
 DEPENDS = {
     "calibrate": (("model", "calibration"), (), ("calibration.safetensors", "calibration.json")),
@@ -44,6 +44,8 @@ DEPENDS = {
     "quantize": (("model", "quantize"), ("calibrate", "plan"), ("quantized",)),
     "export": (("export",), ("plan", "quantize"), ()),  # outputs: one folder per format
     "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
+    # the model card: what was done (recipe), the plan's headline, eval's numbers; outputs: each checkpoint's README.md
+    "card": (("model", "plan", "quantize", "export", "eval"), ("plan", "export", "eval"), ()),
     "report": (("report", "eval"), ("profile", "plan", "quantize", "export", "eval"), ("report.md", "metrics.json")),
 }
 # stages every rank runs (``run_<stage>(..., world)``); the others run on the writer alone
@@ -110,13 +112,14 @@ class Run:
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
     def outputs(self, stage: str) -> list[str]:
-        """Run-dir-relative outputs: export's are the checkpoint folders, report's include their model cards."""
+        """Run-dir-relative outputs: export's are the checkpoint folders, card's the model card in each of them."""
         from quant.export import CARD, checkpoint_dirs
 
         if stage == "export":
             return list(checkpoint_dirs(self.recipe).values())
-        cards = [f"{d}/{CARD}" for d in checkpoint_dirs(self.recipe).values()] if stage == "report" else []
-        return list(DEPENDS[stage][2]) + cards
+        if stage == "card":
+            return [f"{d}/{CARD}" for d in checkpoint_dirs(self.recipe).values()]
+        return list(DEPENDS[stage][2])
 
     def output_hashes(self, stage: str) -> dict[str, str | None]:
         """What each output holds now (None: missing or damaged). A checkpoint counts by the SHA-256 manifest it
@@ -175,7 +178,7 @@ class Run:
         passed = m["stages"].get("eval", {}).get("passed")
         m["passed"] = passed
         self.dir.save_manifest(m)
-        if passed is False and until in ("eval", "report"):
+        if passed is False and STAGES.index(until) >= STAGES.index("eval"):
             failed = m["stages"]["eval"].get("failed_gates", [])
             raise GateFailed(f"quality gates failed: {'; '.join(failed)} (see {self.dir.path / 'report.md'})")
         return passed

@@ -181,12 +181,18 @@ def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = 
     return {"passed": not failed, "failed_gates": failed}
 
 
-def run_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+def run_card(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    """Each checkpoint's model card, written once, after eval (export owns it: ``export.write_cards``)."""
     from quant.export import write_cards
+
+    write_cards(recipe, source, run_dir)
+    return {}
+
+
+def run_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     from quant.report import write_report
 
     write_report(recipe, source, run_dir)
-    write_cards(recipe, source, run_dir)
     return {}
 
 

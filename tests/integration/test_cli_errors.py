@@ -115,7 +115,7 @@ def test_ctrl_c_exits_130_and_records_interruption(tmp_path):
         d.mkdir(parents=True)
         (d / "model.safetensors").write_text("big")
     p = run_cli("run", HEADLINE, "-o", str(out), *FAST, env={"TMPDIR": str(tmp)})
-    assert p.returncode == 0 and "ran quantize, export, eval, report" in p.stdout, p.stderr[-2000:]
+    assert p.returncode == 0 and "ran quantize, export, eval, card, report" in p.stdout, p.stderr[-2000:]
     assert json.loads((out / "eval.json").read_text())["loader"] == "compressed-tensors-dequantize"
     assert not dead.exists() and live.exists() and sorted(tmp.glob("quant-dense-*")) == [live]
 
@@ -166,7 +166,7 @@ def test_disk_full_is_one_line_and_resumable(tmp_path):
     assert ".tmp" not in p.stderr  # the ls: no temporary left
     p = run_cli("report", HEADLINE, "-o", str(tmp_path / "copy"), *FAST)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "ran report; up to date: calibrate, profile, plan, quantize, export, eval" in p.stdout
+    assert "ran report; up to date: calibrate, profile, plan, quantize, export, eval, card" in p.stdout
 
 
 def test_stop_handlers_are_the_runs_alone(tmp_path, capsys):

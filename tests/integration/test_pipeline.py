@@ -237,3 +237,23 @@ def test_a_plan_of_an_older_schema_is_redone_not_loaded(tmp_path):
     assert plan.headline.expert_pct_by_bits == {int(b): v for b, v in new["headline"]["expert_pct_by_bits"].items()}
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.serving = {}
+
+
+def test_the_card_stage_alone_writes_the_model_card_after_eval(tmp_path):
+    """export writes a checkpoint without a card; the card stage writes it once, with eval's numbers, and adds it
+    to the checkpoint's manifest; the report stage leaves the checkpoint alone."""
+    recipe, result = _run(tmp_path, "qwen3-moe-tiny", until="eval")
+    ckpt = result.run_dir / "checkpoint"
+    manifest = json.loads((ckpt / "quant_manifest.json").read_text())
+    assert not (ckpt / "README.md").exists() and "README.md" not in manifest["files"]
+    result = run(recipe, result.run_dir, until="card")
+    assert result.ran == ["card"]
+    card = (ckpt / "README.md").read_text()
+    ppl = json.loads((result.run_dir / "eval.json").read_text())["proxies"]["perplexity"]["quantized"]
+    assert f"{ppl:.4f}" in card and "All quality gates passed." in card
+    files = json.loads((ckpt / "quant_manifest.json").read_text())["files"]
+    assert files == dict(sorted({**manifest["files"], "README.md": files["README.md"]}.items()))
+    stamps = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    result = run(recipe, result.run_dir, force="report")
+    assert result.ran == ["report"] and (result.run_dir / "report.md").is_file()
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == stamps
