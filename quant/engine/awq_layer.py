@@ -33,6 +33,7 @@ from quant.dist.relay import Relay
 from quant.engine.hessians import ExpertStats, LinearStats, close_linear_stats, linear_stats
 from quant.engine.rank_split import sub_batches
 from quant.models.layers import smoothing_sites
+from quant.models.names import expert_name, parse
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
             res = _search(v.down.data[sel], H, stats.abs_down[local] / denom[:, None], spec, job)
             v.down.data[sel] = res.weight.dequantize().to(v.down.dtype)
             v.gate_up.data[sel, I:] = (v.gate_up.data[sel, I:].float() / res.scales[:, :, None]).to(v.gate_up.dtype)
-            job.record(res.weight, [[(f"layers.{job.idx}.experts.{e}.down", slice(None))] for e in sub])
+            job.record(res.weight, [[(expert_name(job.idx, e, "down"), slice(None))] for e in sub])
 
 
 class _GateUpSearch:
@@ -190,8 +191,8 @@ def _write_gate_up(job, experts: list[int], qw, I: int) -> None:
     v = job.view
     sel = on_device(experts, v.gate_up.device)
     v.gate_up.data[sel] = qw.dequantize().to(v.gate_up.dtype)
-    job.record(qw, [[(f"layers.{job.idx}.experts.{e}.gate", slice(0, I)), (f"layers.{job.idx}.experts.{e}.up",
-                                                                         slice(I, 2 * I))] for e in experts])
+    job.record(qw, [[(expert_name(job.idx, e, "gate"), slice(0, I)), (expert_name(job.idx, e, "up"), slice(I, 2 * I))]
+                    for e in experts])
 
 
 def _fold_norm(norm_name: str, norm, s: torch.Tensor, params: dict) -> None:
@@ -242,7 +243,7 @@ def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         for name, weight in sites.mlp_readers:
             weight.data = (weight.data.float() * s).to(weight.dtype)
             params[name] = weight.data
-        shared = [n for n in job.linears if ".shared." in n and n.rsplit(".", 1)[1] in ("gate", "up")]
+        shared = [n for n in job.linears if parse(n).block == "shared" and parse(n).leaf in ("gate", "up")]
         if shared:
             _smooth_linears(job, shared, lin_stats, s)
         for local, mod in sites.kept_mlp_inputs:  # kept (bf16) shared-expert gate/up also read the norm
@@ -255,7 +256,7 @@ def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
     if attn:
         s_attn = _smooth_linears(job, attn, lin_stats, None)
         _fold_norm(sites.attn_norm[0], sites.attn_norm[1], s_attn, params)
-    dense_in = [n for n in job.linears if ".mlp." in n and n.rsplit(".", 1)[1] in ("gate", "up")]
+    dense_in = [n for n in job.linears if parse(n).block == "mlp" and parse(n).leaf in ("gate", "up")]
     if dense_in and not routed:
         s_mlp = _smooth_linears(job, dense_in, lin_stats, None)
         _fold_norm(sites.mlp_norm[0], sites.mlp_norm[1], s_mlp, params)

@@ -102,8 +102,7 @@ class _LayerReader:
 
     def shares(self, idx: int) -> list[list[str]]:
         """Layer ``idx``'s tensor names split into one contiguous share per rank (by element count)."""
-        prefix = f"model.layers.{idx}."
-        keys = sorted(k for k in self.source.weight_map if k.startswith(prefix))
+        keys = sorted(self.source.layer_keys(idx))
         if not self.shared:
             return [keys]
         if self._numel is None:

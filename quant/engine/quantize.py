@@ -55,6 +55,7 @@ from quant.engine.rank_split import my_linear_groups, share_results, sub_batches
 from quant.errors import NumericalError, QuantError
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, linears_of
+from quant.models.names import PROJ, expert_name, expert_of, layer_prefix
 from quant.plan.bitplan import BitPlan, ModulePlan
 from quant.progress import step
 from quant.recipe import QuantizeSpec
@@ -137,7 +138,7 @@ class _LayerJob:
                  world: World = SINGLE):
         self.source, self.plan, self.spec, self.idx, self.layer, self.world = source, plan, spec, idx, layer, world
         self.params: dict[str, torch.Tensor] = {}
-        prefix = f"layers.{idx}."
+        prefix = layer_prefix(idx)
         self.mods = {n: p for n, p in plan.quantized().items() if n.startswith(prefix)}
         self.linears = {n: m for n, m in linears_of(source, layer, idx).items() if n in self.mods}
         self.view: ExpertsView | None = experts_of(source, layer, idx)
@@ -147,7 +148,7 @@ class _LayerJob:
         self.ranges = even_ranges(n_experts, world.size)
 
     def experts_planned(self) -> dict[str, ModulePlan]:
-        return {n: p for n, p in self.mods.items() if ".experts." in n}
+        return {n: p for n, p in self.mods.items() if expert_of(n) is not None}
 
     def expert_chunks(self, experts: range) -> list[tuple[int, int]]:
         """(first, count) ranges of ``experts`` whose fp32 Hessians fit ``hessian_budget_gb`` (one pass each)."""
@@ -305,7 +306,7 @@ class _LayerJob:
         groups: dict[tuple, list[int]] = {}
         host = None if counts is None else counts.tolist()  # one read, not one per expert
         for e in range(first, first + count):
-            p = {proj: planned.get(f"layers.{self.idx}.experts.{e}.{proj}") for proj in ("gate", "up", "down")}
+            p = {proj: planned.get(expert_name(self.idx, e, proj)) for proj in PROJ}
             few = host is not None and host[e - first] < max(self.spec.min_tokens, 1)
             fused = p["gate"] is not None and p["up"] is not None and _spec_of(p["gate"]) == _spec_of(p["up"])
             for proj, plan in (("gate_up", p["gate"]),) if fused else (("gate", p["gate"]), ("up", p["up"])):
@@ -338,7 +339,7 @@ class _LayerJob:
     def _solve_experts(self, proj, weights, H, spec, experts, fallback, I) -> None:
         """``H`` is already indexed to ``experts`` (None for RTN or the token-floor fallback)."""
         splits = [("gate", slice(0, I)), ("up", slice(I, 2 * I))] if proj == "gate_up" else [(proj, slice(None))]
-        rows = [[(f"layers.{self.idx}.experts.{e}.{p}", r) for p, r in splits] for e in experts]
+        rows = [[(expert_name(self.idx, e, p), r) for p, r in splits] for e in experts]
         sel = on_device(experts, weights.device)
         if fallback:
             self.report.rtn_fallbacks += [name for parts in rows for name, _ in parts]
@@ -347,7 +348,7 @@ class _LayerJob:
     def finish_report(self, seconds: float) -> LayerReport:
         r = self.report
         r.n_modules = len(self.results)
-        r.n_experts = len({n.split(".")[3] for n in self.results if ".experts." in n})
+        r.n_experts = len({expert_of(n) for n in self.results} - {None})
         numel = {n: codes_numel(q) for n, q in self.results.items()}
         total = sum(numel.values())
         r.mean_bits = sum(self.results[n].spec.bits * k for n, k in numel.items()) / max(total, 1)

@@ -1,4 +1,4 @@
-"""Model knowledge lives only here: families, on-disk names, builtin models, layer materialization."""
+"""Model knowledge lives only here: families, canonical and on-disk names, builtin models, layer materialization."""
 
 from __future__ import annotations
 

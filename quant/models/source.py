@@ -25,7 +25,8 @@ from safetensors import SafetensorError, safe_open
 from quant.errors import ModelError
 from quant.io.direct_read import read_into
 from quant.io.storage import file_sha256
-from quant.models.families import FAMILIES, FamilySpec, expert_of, family_for, layer_of, module_kind
+from quant.models.families import FAMILIES, FamilySpec, family_for, layer_key_prefix
+from quant.models.names import expert_of, layer_of, module_kind
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +231,11 @@ class ModelSource:
     @property
     def n_layers(self) -> int:
         return int(self.config_dict["num_hidden_layers"])
+
+    def layer_keys(self, layer: int) -> list[str]:
+        """On-disk tensor names of decoder layer ``layer``, in the weight map's order."""
+        prefix = layer_key_prefix(layer)
+        return [k for k in self.weight_map if k.startswith(prefix)]
 
     def moe_layers(self) -> list[int]:
         return sorted({m.layer for m in self.modules.values() if m.kind == "expert"})

@@ -21,6 +21,7 @@ from quant.algos.grid import shared_group_size
 from quant.errors import PlanError
 from quant.measure.profile import RoutingProfile
 from quant.models import ModuleInfo
+from quant.models.names import block_name, parse
 from quant.plan.layer_policy import LAYER_POLICIES
 from quant.recipe import PlanSpec
 
@@ -226,9 +227,9 @@ GROUP_RULE = (
 def scheme_unit(m: ModuleInfo, formats: tuple[str, ...]) -> str:
     """Name of the group of modules that must share one group size (see ``GROUP_RULE``)."""
     if m.kind == "expert":
-        return f"layers.{m.layer}.experts"
+        return block_name(m.layer, "experts")
     if "gptq" in formats and m.kind in ("attn", "shared", "dense_mlp"):
-        return m.name.rsplit(".", 1)[0]
+        return block_name(m.layer, parse(m.name).block)
     return m.name
 
 

@@ -24,6 +24,8 @@ from collections import defaultdict
 
 from quant.errors import PlanError
 from quant.models import ModelSource
+from quant.models.families import STANDARD_EXPERT_GATE_NAMES
+from quant.models.names import block_name, parse
 from quant.plan.bitplan import BitPlan
 
 RUNTIMES = ("any", "vllm", "vllm-quant", "sglang", "transformers", "gptqmodel")
@@ -58,7 +60,7 @@ def expert_schemes_by_layer(plan: BitPlan, source: ModelSource) -> dict[int, set
 
 
 def _per_expert_hint(source: ModelSource) -> str:
-    if source.family.name == "mixtral":  # GPTQModel renames Mixtral's experts and cannot read quant's checkpoint
+    if not source.family.standard_expert_names:  # GPTQModel cannot read the checkpoint's expert names (Mixtral's)
         return ""
     return ", or plan.target_runtime: gptqmodel with export.formats: [gptq] for per-expert bits"
 
@@ -105,15 +107,15 @@ def _moe_kernels(plan: BitPlan, source: ModelSource, runtime: str) -> list[str]:
 def _fused_shards(plan: BitPlan, source: ModelSource, runtime: str) -> list[str]:
     by_parent: dict[tuple, dict[str, tuple]] = defaultdict(dict)
     for name in source.modules:
-        parts = name.split(".")
-        if parts[0] == "layers" and len(parts) == 4:
-            by_parent[(parts[1], parts[2])][parts[3]] = _scheme(plan, name)
+        n = parse(name)
+        if n.block is not None and n.expert is None:  # leaves of one block: attention, shared expert, dense MLP
+            by_parent[(n.layer, n.block)][n.leaf] = _scheme(plan, name)
     for (layer, block), leaves in by_parent.items():
         for fused_block, group in FUSED:
             present = [leaves[g] for g in group if g in leaves and block == fused_block]
             if len(set(present)) > 1:
-                return [f"{runtime} fuses layers.{layer}.{block}.{{{','.join(group)}}} into one module; they must share "
-                        f"one scheme but the plan gives {', '.join(sorted(map(_fmt, set(present))))}"]
+                return [f"{runtime} fuses {block_name(layer, block)}.{{{','.join(group)}}} into one module; they must "
+                        f"share one scheme but the plan gives {', '.join(sorted(map(_fmt, set(present))))}"]
     return []
 
 
@@ -158,9 +160,10 @@ def gptqmodel_kernel_problem(plan: BitPlan) -> str | None:
 def _gptqmodel(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> list[str]:
     if formats and "gptq" not in formats:
         return [GPTQMODEL_NEEDS_GPTQ]
-    if source.family.name == "mixtral":
-        return ["gptqmodel reads Mixtral experts as mlp.experts.N.gate_proj, not the original "
-                "block_sparse_moe.experts.N.w1 names the checkpoint keeps; serve Mixtral with vllm (per_layer)"]
+    fam = source.family
+    if not fam.standard_expert_names:
+        return [f"gptqmodel reads {fam.title} experts as {STANDARD_EXPERT_GATE_NAMES}, not the original "
+                f"{fam.expert_gate_names} names the checkpoint keeps; serve {fam.title} with vllm (per_layer)"]
     return []
 
 
