@@ -34,12 +34,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant.calibration import random_calibration as calibration
+from quant.eval.layer_error import checkpoint_layer_errors
+from quant.models import ModelSource
+from quant.models.synthetic import SHAPES, build_model
 
-from engine import SHAPES, build_model, calibration, dequantized, layer_errors, say  # noqa: E402
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-from quant.models import ModelSource  # noqa: E402
+
+def say(**kw) -> None:
+    print(json.dumps(kw), flush=True)
 
 
 def _plan(src, prof, algo: str = "gptq"):
@@ -197,8 +201,8 @@ def launch_llmcompressor(a: argparse.Namespace, n: int, model_dir: Path, work: P
     out = json.loads(result.read_text())
     if a.error_samples:  # engine.py's layer-output error of the checkpoint it saved
         calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
-        errs = layer_errors(ModelSource(model_dir), dequantized(work / f"llmc-ckpt-{n}", work),
-                            calib.tokens[: a.error_samples], a.batch)
+        errs = checkpoint_layer_errors(ModelSource(model_dir), work / f"llmc-ckpt-{n}", work,
+                                       calib.tokens[: a.error_samples], a.batch, DEVICE)
         out["mean_rel_layer_error"] = sum(errs) / len(errs)
     return out
 
@@ -262,7 +266,7 @@ def main() -> None:
 
             plan = BitPlan.load(Path(r["qdir"] + ".plan.json"))
             ckpt = write_compressed_tensors(src, plan, Path(r["qdir"]), work / f"ckpt-{Path(r['qdir']).name}", 20 << 30)
-            errs = layer_errors(src, dequantized(ckpt, work), calib.tokens[: a.error_samples], a.batch)
+            errs = checkpoint_layer_errors(src, ckpt, work, calib.tokens[: a.error_samples], a.batch, DEVICE)
             r["mean_rel_layer_error"] = sum(errs) / len(errs)
             say(ranks=r["ranks"], statistics=r["statistics"], rel_layer_error=errs)
     print(f"\n{'GPUs':>4} {'stats mode':>10} {'s/layer':>8} {'stats':>7} {'solve':>7} {'fwd':>7} {'profile s':>9} {'peak GB/rank':>16} "

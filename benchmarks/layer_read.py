@@ -12,19 +12,16 @@ Usage (GPU): python benchmarks/layer_read.py --workdir /tmp/quant-device --shape
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from quant.dist.world import SINGLE  # noqa: E402
-from quant.engine.layerwise import _LayerReader
-from quant.io.direct_read import read_into  # noqa: E402
-from quant.io.staging import copy_into  # noqa: E402
-from quant.models import ModelSource  # noqa: E402
+from quant.dist.world import SINGLE
+from quant.engine.layerwise import LayerReader
+from quant.io.direct_read import read_into
+from quant.io.staging import copy_into
+from quant.models import ModelSource
 
 
 def meminfo() -> str:
@@ -40,7 +37,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,4,8,16")
     a = ap.parse_args()
     src = ModelSource(Path(a.workdir) / f"model-{a.shape}-{a.layers}")
-    reader = _LayerReader(src, SINGLE, torch.device("cuda"))
+    reader = LayerReader(src, SINGLE, torch.device("cuda"))
     print(f"host memory: {meminfo()}; read-ahead budget {reader.pin_budget / 1e9:.1f} GB", flush=True)
     rows: list[tuple[str, int, float, float]] = []
 

@@ -19,16 +19,14 @@ import argparse
 import json
 import os
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.engine import SHAPES, calibration  # noqa: E402
+from quant.calibration import random_calibration as calibration
+from quant.models.synthetic import SHAPES
 
 _WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
            "num_attention_heads", "num_key_value_heads")

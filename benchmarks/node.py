@@ -43,14 +43,15 @@ from pathlib import Path
 import torch
 import yaml
 
+from quant.models.synthetic import SHAPES, TiledSource, build_model, random_words
+from quant.run.pipeline import STAGES
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+DEPTH_STAGES = STAGES[: STAGES.index("quantize") + 1]
 
-from engine import SHAPES, TiledSource, build_model, random_words, say  # noqa: E402
 
-STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "card", "report")
-DEPTH_STAGES = STAGES[:4]
+def say(**kw) -> None:
+    print(json.dumps(kw), flush=True)
 
 
 def write_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:

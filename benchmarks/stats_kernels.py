@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from quant.engine.hessians import ExpertStats, linear_stats  # noqa: E402
-from quant.models.experts import fused_view  # noqa: E402
+from quant.engine.hessians import ExpertStats, linear_stats
+from quant.models.experts import fused_view
 
 
 def timed(fn, reps: int = 1) -> float:

@@ -9,18 +9,18 @@ LAYERS = [
     {"cli", "console"},
     {"run.pipeline"},
     {"run.stages"},
-    {"report", "export", "publish"},
+    {"report", "export", "publish", "study"},
     {"engine.quantize", "eval.evaluate", "plan.runtimes", "plan.summary", "forecast.estimate", "forecast.footprint",
      "plan.servable"},
     {"plan.bitplan", "plan.layer_policy"},
-    {"measure.profile", "engine.hessians", "engine.awq_layer", "eval.stream", "engine.rank_split",
+    {"measure.profile", "engine.hessians", "engine.awq_layer", "eval.stream", "eval.layer_error", "engine.rank_split",
      "measure.layer_damage"},
     {"engine.layerwise", "calibration", "engine.qstore", "eval.lmeval", "eval.humaneval"},
     {"dist.relay"},
     {"eval.sandbox", "engine.routing", "models", "io.rundir", "dist.world", "progress"},
     {"algos"},
     {"recipe", "forecast.throughputs"},
-    {"strict_yaml", "io.storage", "diag.memtrace", "diag.hostsync", "io.staging", "io.direct_read",
+    {"strict_yaml", "io.storage", "diag.memtrace", "diag.hostsync", "diag.calltime", "io.staging", "io.direct_read",
      "eval.sandbox_child"},
     {"eval.isolation", "eval.seccomp"},
     {"errors", "serve"},
@@ -110,3 +110,28 @@ def test_model_knowledge_stays_in_models():
             if s.value in families:
                 found.append(f"{path.relative_to(PKG)}:{s.lineno}: family {s.value!r}")
     assert not found, found
+
+
+def test_benchmarks_use_the_public_api_and_tests_never_import_them():
+    """Benchmark scripts import quant's public names (no ``_private`` ones), never another benchmark script and
+    never edit ``sys.path`` (they run from the repository root with quant importable); tests may run a benchmark
+    as a subprocess but never import one."""
+    root = PKG.parent
+    scripts = {p.stem for p in (root / "benchmarks").glob("*.py")} | {"benchmarks"}
+    bad = []
+    for path in sorted((root / "benchmarks").rglob("*.py")) + sorted((root / "tests").rglob("*.py")):
+        rel, is_test = path.relative_to(root), path.parts[len(root.parts)] == "tests"
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.ImportFrom) and n.module:
+                names = [n.module]
+                if n.module.startswith("quant") and not is_test:
+                    bad += [f"{rel}: private {n.module}.{a.name}" for a in n.names if a.name.startswith("_")]
+            elif isinstance(n, ast.Import):
+                names = [a.name for a in n.names]
+            else:
+                if (isinstance(n, ast.Attribute) and n.attr in ("insert", "append") and isinstance(n.value, ast.Attribute)
+                        and n.value.attr == "path" and getattr(n.value.value, "id", None) == "sys" and not is_test):
+                    bad.append(f"{rel}:{n.lineno}: sys.path.{n.attr}")
+                continue
+            bad += [f"{rel}:{n.lineno}: imports {m}" for m in names if m.split(".")[0] in scripts]
+    assert not bad, bad

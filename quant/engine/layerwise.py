@@ -88,7 +88,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-class _LayerReader:
+class LayerReader:
     """A decoder layer's on-disk tensors for ``load_layer``: on a GPU read ahead (the next layer, by a thread) and,
     with several NCCL ranks, read in contiguous shares of about equal bytes, one per rank, then broadcast."""
 
@@ -194,7 +194,7 @@ class Layerwise:
         self.budget = activation_budget_bytes
         self.model = build_skeleton(source, self.dtype)
         self.runner = LayerRunner(self.model, self.device, self.dtype)
-        self.reader = _LayerReader(source, world, self.device, self.dtype)
+        self.reader = LayerReader(source, world, self.device, self.dtype)
 
     def _store(self, like_shape: tuple[int, ...]) -> torch.device:
         n_bytes = torch.Size(like_shape).numel() * torch.finfo(self.dtype).bits // 8

@@ -63,19 +63,17 @@ def servable_checkpoint(checkpoint: Path, plan: BitPlan, source: ModelSource):
     if not problems_for(plan, source, "transformers"):
         yield checkpoint, "transformers"
         return
-    from compressed_tensors.entrypoints.convert import convert_checkpoint
-    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from quant.eval.layer_error import dense_copy
 
     remove_stale(Path(tempfile.gettempdir()), "quant-dense-")  # left by killed runs
     tmp = Path(tempfile.mkdtemp(prefix=f"quant-dense-{os.getpid()}-"))
     try:
-        convert_checkpoint(checkpoint, tmp, CompressedTensorsDequantizer(checkpoint), device="cpu")
-        yield tmp, "compressed-tensors-dequantize"
+        yield dense_copy(checkpoint, tmp, "cpu"), "compressed-tensors-dequantize"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _final_hidden(model, tokens: torch.Tensor, batch: int, device) -> torch.Tensor:
+def final_hidden(model, tokens: torch.Tensor, batch: int, device) -> torch.Tensor:
     """Final-norm hidden states ``[n, S, D]`` of a whole transformers model, ``batch`` samples at a time."""
     out = []
     with torch.no_grad():
@@ -91,10 +89,10 @@ def whole_proxies(base_path: Path, quant_path: Path, tokens: torch.Tensor, dtype
     sums = ProxySums(device)
     if mine.shape[0]:
         base = _load(base_path, dtype, device, trust_remote_code)
-        hidden_base, head_base = _final_hidden(base, mine, batch, device), base.get_output_embeddings()
+        hidden_base, head_base = final_hidden(base, mine, batch, device), base.get_output_embeddings()
         del base
         quant = _load(quant_path, dtype, device, trust_remote_code)
-        hidden_quant, head_quant = _final_hidden(quant, mine, batch, device), quant.get_output_embeddings()
+        hidden_quant, head_quant = final_hidden(quant, mine, batch, device), quant.get_output_embeddings()
         del quant
         sums.score(hidden_base, head_base, hidden_quant, head_quant, mine, device)
     return sums.reduce(world).metrics()

@@ -72,7 +72,7 @@ class ShippedCheckpoint(DequantizingSource):
     def _dense_shape(self, raw: dict[str, torch.Tensor], key: str) -> tuple[int, ...]:
         return tuple(int(x) for x in raw[key + "_shape"].tolist())  # the weight_shape it stores
 
-    def _dense(self, raw: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
+    def dequantize(self, raw: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
         dense = self.dequantizer.process(raw)
         missing = [k for k in keys if k not in dense]
         if missing:

@@ -188,7 +188,7 @@ def _shared_read(world: World):
     """Layer 1 of a builtin model read in one share per rank and broadcast (the NCCL path, forced on gloo), then
     loaded: the experts are received into their stacked slots (traced live bytes over the read and the load, the
     stacked parameters' storage); in a compute dtype other than the stored one they are stacked (cast) after."""
-    from quant.engine.layerwise import _LayerReader
+    from quant.engine.layerwise import LayerReader
     from quant.diag.memtrace import LiveBytes
     from quant.models import resolve_model
     from quant.models.layers import build_skeleton, load_layer, read_layer_tensors
@@ -197,7 +197,7 @@ def _shared_read(world: World):
     full = read_layer_tensors(src, 1)
     out = {}
     for dtype in (torch.bfloat16, torch.float32):
-        reader = _LayerReader(src, world, torch.device("cpu"), dtype)
+        reader = LayerReader(src, world, torch.device("cpu"), dtype)
         reader.shared = True
         model = build_skeleton(src, dtype)
         with LiveBytes() as trace:
@@ -216,7 +216,7 @@ def _shared_read(world: World):
     from quant.models.fp8 import write_fp8_release
 
     fp8 = resolve_model(str(write_fp8_release(src, Path(tempfile.mkdtemp()) / "fp8", (32, 32))))
-    reader = _LayerReader(fp8, world, torch.device("cpu"), torch.bfloat16)
+    reader = LayerReader(fp8, world, torch.device("cpu"), torch.bfloat16)
     reader.shared = True  # shares of the dense names, each rank dequantizing its own
     got, dense = reader.take(1), fp8.read_tensors([k for k in fp8.weight_map if k.startswith("model.layers.1.")])
     out["fp8"] = (sorted(got) == sorted(dense) and all(torch.equal(got[k], dense[k]) for k in dense), True, 0.0,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +15,9 @@ from quant.forecast.estimate import check_fits, forecast, render
 from quant.forecast.throughputs import gptq_solve_seconds
 from quant.models import ModelSource, resolve_model
 from quant.models.headers import HeaderSource, load_headers, read_safetensors_header
+from quant.models.synthetic import write_shapes_only
 from quant.recipe import load_recipe, parse_recipe
 from tests.conftest import REPO
-
-sys.path.insert(0, str(REPO))
-from benchmarks.engine import write_shapes_only  # noqa: E402
 
 BENCHMARKS = (REPO / "BENCHMARKS.md").read_text()
 
