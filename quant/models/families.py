@@ -17,7 +17,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 
-from quant.models.names import parse
+from quant.models.names import PROJ, parse
 
 DISK_LAYERS = "model.layers"  # every family's decoder layers on disk (and in transformers' module tree)
 _STANDARD_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -88,6 +88,17 @@ class FamilySpec:
         return self.disk_moe == "mlp" and self.expert_proj == _STANDARD_PROJ
 
     @property
+    def standard_proj_names(self) -> bool:
+        """An expert's projections stored as gate_proj / up_proj / down_proj, what vLLM 0.26's compressed-tensors
+        lookup asks for (Mixtral's are w1 / w3 / w2)."""
+        return self.expert_proj == _STANDARD_PROJ
+
+    @property
+    def proj_names(self) -> str:
+        """The on-disk names of an expert's gate, up and down projections, ``/``-joined (messages)."""
+        return "/".join(self.expert_proj[p] for p in PROJ)
+
+    @property
     def expert_gate_names(self) -> str:
         """How this family's checkpoints name an expert's gate projection, N for the expert (messages)."""
         return f"{self.disk_moe}.experts.N.{self.expert_proj['gate']}"
@@ -141,6 +152,7 @@ def layer_key_prefix(layer: int) -> str:
 
 
 STANDARD_EXPERT_GATE_NAMES = FamilySpec("standard", ()).expert_gate_names  # what GPTQModel reads
+STANDARD_PROJ_NAMES = FamilySpec("standard", ()).proj_names  # what vLLM's compressed-tensors lookup asks for
 FAMILIES: dict[str, FamilySpec] = {
     "qwen3_moe": FamilySpec("qwen3_moe", ("qwen3_moe",), "Qwen3-MoE"),
     "qwen2_moe": FamilySpec("qwen2_moe", ("qwen2_moe",), "Qwen2-MoE", shared_attr="shared_expert"),

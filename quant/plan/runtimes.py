@@ -24,8 +24,8 @@ from collections import defaultdict
 
 from quant.errors import PlanError
 from quant.models import ModelSource
-from quant.models.families import STANDARD_EXPERT_GATE_NAMES
-from quant.models.names import block_name, parse
+from quant.models.families import STANDARD_EXPERT_GATE_NAMES, STANDARD_PROJ_NAMES
+from quant.models.names import block_name, expert_name, parse
 from quant.plan.bitplan import BitPlan
 
 RUNTIMES = ("any", "vllm", "vllm-quant", "sglang", "transformers", "gptqmodel")
@@ -176,7 +176,7 @@ def _mixed_layer_kernels(plan: BitPlan, source: ModelSource) -> list[str]:
         p = plan.modules[name]
         if m.kind != "expert" or m.layer not in mixed or p.keep:
             continue
-        gate = source.modules[name.rsplit(".", 1)[0] + ".gate"]
+        gate = source.modules[expert_name(m.layer, m.expert, "gate")]
         why = check_servable(Scheme(p.bits, p.group_size, p.symmetric), gate.in_features, gate.out_features)
         if why is not None:
             return [f"quant's vLLM plugin runs the experts of a mixed MoE layer on vLLM's Marlin MoE kernel, which "
@@ -196,18 +196,15 @@ def _plugin(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> lis
     return problems
 
 
-VLLM_EXPERT_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-
-
 def _vllm_expert_names(source: ModelSource, formats: tuple[str, ...]) -> list[str]:
     """vLLM 0.26 looks a fused MoE layer's compressed-tensors scheme up under ``experts.0.gate_proj`` (and up/down)
     whatever the checkpoint calls them; experts stored under other names (Mixtral: w1/w3/w2) match no target, load
     as unquantized experts and fail. The GPTQ export (rules per layer prefix) and quant's plugin find them."""
-    if source.family.expert_proj == VLLM_EXPERT_NAMES or "gptq" in formats:
+    fam = source.family
+    if fam.standard_proj_names or "gptq" in formats:
         return []
-    names = "/".join(source.family.expert_proj[p] for p in ("gate", "up", "down"))
-    return [f"vllm 0.26 looks compressed-tensors experts up as gate_proj/up_proj/down_proj, but this model names them "
-            f"{names}: it loads them unquantized and fails; add gptq to export.formats, or serve with quant's plugin "
+    return [f"vllm 0.26 looks compressed-tensors experts up as {STANDARD_PROJ_NAMES}, but this model names them "
+            f"{fam.proj_names}: it loads them unquantized and fails; add gptq to export.formats, or serve with quant's plugin "
             f"(plan.target_runtime: vllm-quant; vllm serve --quantization moe-quant-mixed)"]
 
 

@@ -69,7 +69,7 @@ class MixedExpertsConfig(CompressedTensorsConfig):
         self._add_fused_moe_to_target_scheme_map()
         names = _proj_names(layer)
         schemes = [self._expert_scheme(layer, prefix, e, names) for e in range(layer.global_num_experts)]
-        if len(set(schemes)) == 1 and names == ("gate_proj", "up_proj", "down_proj"):
+        if len(set(schemes)) == 1 and names == VLLM_PROJ_NAMES:
             return CompressedTensorsMoEMethod.get_moe_method(self, layer, layer_name=prefix)  # vLLM's own method
         # mixed schemes, or expert names vLLM's own lookup does not try (it asks for experts.0.gate_proj)
         return MixedExpertsMethod(layer.moe_config, prefix, schemes)
@@ -88,9 +88,15 @@ class MixedExpertsConfig(CompressedTensorsConfig):
         return found[0]
 
 
+# vLLM's own names of an expert's gate, up and down projections: what its compressed-tensors lookup asks for, and
+# what a layer that declares no checkpoint names (``ckpt_<p>_proj_name``) is stored under
+VLLM_PROJ_NAMES = tuple(f"{p}_proj" for p in ("gate", "up", "down"))
+
+
 def _proj_names(layer: RoutedExperts) -> tuple[str, str, str]:
     """The checkpoint's gate, up and down projection names of this layer's experts (Mixtral: w1, w3, w2)."""
-    return tuple(getattr(layer, f"ckpt_{p}_proj_name", None) or f"{p}_proj" for p in ("gate", "up", "down"))
+    declared = (getattr(layer, f"ckpt_{p}_proj_name", None) for p in ("gate", "up", "down"))
+    return tuple(d or vllm for d, vllm in zip(declared, VLLM_PROJ_NAMES, strict=True))
 
 
 @dataclass
