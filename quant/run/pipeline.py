@@ -26,9 +26,9 @@ from quant.dist.world import SINGLE, World
 from quant.engine.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
 from quant.errors import GateFailed, RunDirError, StopRequested
 from quant.io.rundir import RunDir, environment_error, hash_path
-from quant.measure import profile
+from quant.measure.profile import SCHEMA_VERSION as PROFILE_SCHEMA
 from quant.models import ModelSource, resolve_model
-from quant.plan import bitplan
+from quant.plan.bitplan import SCHEMA_VERSION as PLAN_SCHEMA
 from quant.progress import step as progress_step
 from quant.recipe import Recipe
 from quant.run import stages
@@ -53,7 +53,7 @@ DISTRIBUTED = ("profile", "quantize", "export", "eval")
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop a run after the layer in hand (Slurm job scripts do)
 # Versioned artifacts: one written under another schema_version (by another quant version) counts as missing, so
 # its stage is redone instead of the next stage failing to load it.
-SCHEMAS = {"profile.json": profile.SCHEMA_VERSION, "plan.json": bitplan.SCHEMA_VERSION}
+SCHEMAS = {"profile.json": PROFILE_SCHEMA, "plan.json": PLAN_SCHEMA}
 
 
 def schema_current(path: Path, version: int) -> bool:
@@ -129,8 +129,13 @@ class Run:
             from quant.export import checkpoint_digest
 
             return {o: checkpoint_digest(self.dir.path / o) for o in self.outputs(stage)}
-        return {o: hash_path(p) if o not in SCHEMAS or schema_current(p, SCHEMAS[o]) else None
-                for o in self.outputs(stage) for p in [self.dir.path / o]}
+        return {o: self._output_hash(o) for o in self.outputs(stage)}
+
+    def _output_hash(self, output: str) -> str | None:
+        path = self.dir.path / output
+        if output in SCHEMAS and not schema_current(path, SCHEMAS[output]):
+            return None
+        return hash_path(path)
 
     def execute(self, until: str = "report", force: str | None = None) -> RunResult:
         if until not in STAGES:
