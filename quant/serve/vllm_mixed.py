@@ -69,9 +69,9 @@ class MixedExpertsConfig(CompressedTensorsConfig):
         self._add_fused_moe_to_target_scheme_map()
         names = _proj_names(layer)
         schemes = [self._expert_scheme(layer, prefix, e, names) for e in range(layer.global_num_experts)]
-        if len(set(schemes)) == 1 and names == ("gate_proj", "up_proj", "down_proj"):
+        if len(set(schemes)) == 1 and names == _proj_names(None):
             return CompressedTensorsMoEMethod.get_moe_method(self, layer, layer_name=prefix)  # vLLM's own method
-        # mixed schemes, or expert names vLLM's own lookup does not try (it asks for experts.0.gate_proj)
+        # mixed schemes, or expert names vLLM's own lookup does not try (it asks for expert 0 by its own default names)
         return MixedExpertsMethod(layer.moe_config, prefix, schemes)
 
     def _expert_scheme(self, layer: RoutedExperts, prefix: str, e: int, names: tuple[str, ...]) -> Scheme:
@@ -88,8 +88,9 @@ class MixedExpertsConfig(CompressedTensorsConfig):
         return found[0]
 
 
-def _proj_names(layer: RoutedExperts) -> tuple[str, str, str]:
-    """The checkpoint's gate, up and down projection names of this layer's experts (Mixtral: w1, w3, w2)."""
+def _proj_names(layer: RoutedExperts | None) -> tuple[str, str, str]:
+    """The checkpoint's gate, up and down projection names of this layer's experts (Mixtral: w1, w3, w2);
+    for ``None``, vLLM's defaults, the names its own compressed-tensors lookup asks for."""
     return tuple(getattr(layer, f"ckpt_{p}_proj_name", None) or f"{p}_proj" for p in ("gate", "up", "down"))
 
 
