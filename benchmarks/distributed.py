@@ -131,8 +131,8 @@ def worker(a: argparse.Namespace) -> None:
     world.barrier()
     t0 = time.perf_counter()
     with CudaTrace() if a.memory_trace else contextlib.nullcontext() as trace, _torch_profile(a.torch_profile) as prof:
-        reports = quantize_model(src, calib, plan, QuantizeSpec(algorithm=a.algo, device=dev, batch_size=a.batch,
-                                                                statistics=a.statistics),
+        qspec = QuantizeSpec(algorithm=a.algo, device=dev, batch_size=a.batch, statistics=a.statistics)
+        reports = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, qspec,
                                  Layerwise(src, "bfloat16", dev, a.batch, world=world), qdir)
     sync()
     world.barrier()

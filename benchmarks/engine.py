@@ -121,7 +121,8 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     sync()
     t0 = time.perf_counter()
     with CudaTrace() if memory_trace else contextlib.nullcontext() as trace:
-        reports = quantize_model(src, calib, plan, qspec, Layerwise(src, "bfloat16", dev, batch), qdir)
+        reports = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, qspec,
+                                 Layerwise(src, "bfloat16", dev, batch), qdir)
     sync()
     total = time.perf_counter() - t0
     if trace is not None and trace.peak is not None:

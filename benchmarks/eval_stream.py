@@ -64,7 +64,8 @@ def prepare(work: Path, shape: str, n_layers: int, samples: int, seqlen: int, ba
     plan = plan_bits(profile_routing(src, calib, Layerwise(src, DTYPE, dev, batch)), src.modules, PlanSpec(),
                      "rtn", src.n_layers)
     plan.save(work / "plan.json")
-    quantize_model(src, calib, plan, QuantizeSpec(device=dev, batch_size=batch), Layerwise(src, DTYPE, dev, batch),
+    quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(device=dev, batch_size=batch),
+                   Layerwise(src, DTYPE, dev, batch),
                    work / "quantized")
     t2 = time.perf_counter()
     write_compressed_tensors(src, plan, work / "quantized", work / "checkpoint", 5 << 30)
@@ -112,7 +113,8 @@ def measure(work: Path, mode: str, batch: int) -> dict:
     t0 = time.perf_counter()
     if mode == "streamed":
         shipped = ShippedCheckpoint(work / "checkpoint", src, DTYPES[DTYPE])
-        proxies, loader = streamed_proxies(src, shipped, tokens, DTYPE, dev, batch), "compressed-tensors-per-layer"
+        proxies, loader = streamed_proxies(src, shipped, tokens, DTYPE, dev, batch), \
+            "compressed-tensors-per-layer"
     else:
         with servable_checkpoint(work / "checkpoint", plan, src) as (path, loader):
             proxies = whole_proxies(src.path, path, tokens, DTYPES[DTYPE], dev, batch, False)

@@ -160,7 +160,8 @@ def run(seeds: list[int], out: Path, n_lines: int) -> dict:
             bits[name] = summarize(plan, src, prof)["headline"]["avg_bits_experts"]
             qdir = out / "work" / f"{seed}-{len(results[name])}-{abs(hash(name)) % 10**8}"
             shutil.rmtree(qdir, ignore_errors=True)
-            quantize_model(src, calib, plan, QuantizeSpec(**q_kw), Layerwise(src, "bfloat16", "cpu", 8), qdir)
+            quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(**q_kw),
+                           Layerwise(src, "bfloat16", "cpu", 8), qdir)
             model = load_model(src.path)
             apply_quantized(model, src, qdir)
             results[name].append(metrics(model, eval_tokens, base_ref, lines))

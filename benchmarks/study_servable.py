@@ -163,8 +163,8 @@ def run_task(seed: int, size: str, manifest: str, work: Path) -> dict:
             if algo == "gptq" or key not in _RTN_SEEN:
                 qdir = work / f"{seed}-{size}-{algo}-{abs(hash(name)) % 10**8}-{os.getpid()}"
                 shutil.rmtree(qdir, ignore_errors=True)
-                quantize_model(src, calib if algo == "gptq" else one, plan, QuantizeSpec(algorithm=algo),
-                               Layerwise(src, "bfloat16", "cpu", 8), qdir)
+                quantize_model(src, calib if algo == "gptq" else one, plan.quantized_specs(), plan.algorithm,
+                               QuantizeSpec(algorithm=algo), Layerwise(src, "bfloat16", "cpu", 8), qdir)
                 metrics = _evaluate(qdir, with_lines=size == "1x" and algo == "gptq")
                 shutil.rmtree(qdir, ignore_errors=True)
                 if algo == "rtn":

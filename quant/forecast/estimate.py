@@ -210,7 +210,7 @@ def forward_transient(layer: LayerShape, run: Run, d: Dims, stats_blocks: int) -
 def _reduced(layer: LayerShape, run: Run) -> bool:
     """Whether the ranks sum their own batches' statistics and add the sums (quantize.statistics: reduce, auto on
     GPUs): GPTQ when every expert's Hessians fit one pass (quantize._LayerJob.reduces_statistics), AWQ always."""
-    from quant.engine.quantize import expert_hessian_bytes
+    from quant.engine.budgets import expert_hessian_bytes
 
     if run.gpus == 1 or not run.hessians or run.statistics == "ordered":
         return False
@@ -221,7 +221,7 @@ def _reduced(layer: LayerShape, run: Run) -> bool:
 
 def _expert_chunks(layer: LayerShape, run: Run) -> list[int]:
     """Experts per Hessian pass on one rank (quantize._LayerJob.expert_chunks)."""
-    from quant.engine.quantize import expert_hessian_bytes
+    from quant.engine.budgets import expert_hessian_bytes
 
     n = math.ceil(layer.n_experts / run.expert_ranks)
     if not n:
@@ -233,8 +233,7 @@ def _expert_chunks(layer: LayerShape, run: Run) -> list[int]:
 
 def _element_bytes(run: Run):
     """One element's estimated working set for the run's algorithm (what sizes its sub-batches)."""
-    from quant.engine.awq_layer import search_bytes
-    from quant.engine.rank_split import solve_bytes
+    from quant.engine.budgets import search_bytes, solve_bytes
 
     return search_bytes if run.algorithm == "awq" else solve_bytes
 
@@ -256,7 +255,7 @@ def _solve_problems(layer: LayerShape, run: Run, d: Dims, chunks: list[int]) -> 
     projections split as ``sharing.sub_batches`` splits them, then the linear groups; AWQ searches only the groups
     reading the hidden state (attention or dense MLP inputs: their s folds into a norm; counted also for a shared
     expert, which reuses the experts' s) and rounds the rest."""
-    from quant.engine.rank_split import sub_batches
+    from quant.engine.budgets import sub_batches
 
     D, I = layer.expert_in
     out = []
@@ -270,7 +269,7 @@ def _solve_problems(layer: LayerShape, run: Run, d: Dims, chunks: list[int]) -> 
 
 def quantize_memory(layer: LayerShape, run: Run, d: Dims) -> dict[str, float]:
     """Peak GPU bytes of quantizing ``layer`` on the busiest rank, by term (``total`` is the peak)."""
-    from quant.engine.quantize import expert_hessian_bytes
+    from quant.engine.budgets import expert_hessian_bytes
 
     chunks = _expert_chunks(layer, run)
     per_h = expert_hessian_bytes(*layer.expert_in) if run.hessians else 0

@@ -153,8 +153,9 @@ def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
 
     plan = BitPlan.load(run_dir / "plan.json")
     partial = world.on_writer(lambda: _partial_dir(recipe, run_dir))
-    reports = quantize_model(source, load_calibration(run_dir), plan, recipe.quantize,
-                             _layerwise(recipe, source, recipe.quantize.batch_size, world), partial)
+    # the engine's vocabulary: each quantized module's grid, and the algorithm's name
+    reports = quantize_model(source, load_calibration(run_dir), plan.quantized_specs(), plan.algorithm,
+                             recipe.quantize, _layerwise(recipe, source, recipe.quantize.batch_size, world), partial)
     world.on_writer(lambda: _publish_partial(partial, run_dir / "quantized"))
     return {"layers": len(reports), "rtn_fallbacks": sum(len(r.rtn_fallbacks) for r in reports),
             "resumed_layers": sum(r.resumed for r in reports)}

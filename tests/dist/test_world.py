@@ -139,9 +139,9 @@ def _awq_split(world: World):
     from quant.models import resolve_model
     from quant.plan.bitplan import plan_bits
     from quant.measure.profile import profile_routing
-    from quant.engine.quantize import _LayerJob
+    from quant.engine.algorithms import ALGORITHMS
+    from quant.engine.layer_job import LayerJob
     from quant.recipe import PlanSpec, QuantizeSpec
-    from quant.engine.awq_layer import run_awq
 
     src = resolve_model("builtin:qwen3-moe-tiny")
     calib = build_calibration(str(Path(__file__).parents[2] / "calibration" / "bundled.yaml"),
@@ -150,10 +150,11 @@ def _awq_split(world: World):
     plan = plan_bits(profile_routing(src, calib, lw), src.modules, PlanSpec(group_size=32, symmetric=False), "awq",
                      src.n_layers)
     hidden = lw.embed(calib.tokens)
+    awq = ALGORITHMS["awq"]
     with lw.layer(0) as layer:
-        job = _LayerJob(src, plan, QuantizeSpec(algorithm="awq"), 0, layer, world)
-        run_awq(job, lw, hidden)
-        experts = sorted({int(n.split(".")[3]) for n in job.results if ".experts." in n})
+        job = LayerJob(src, 0, layer, plan.quantized_specs(), QuantizeSpec(algorithm="awq"), world, awq.solve)
+        awq.run_layer(job, lw, hidden)
+        experts = sorted({int(n.split(".")[3]) for n in job.results.codes if ".experts." in n})
         r = job.ranges[world.rank]
         return experts, (r.start, r.stop), job.view.n_experts
 

@@ -70,7 +70,8 @@ def store(tmp_path_factory):
     plan = plan_bits(prof, src.modules, PlanSpec(group_size=32, low_bits=2, high_bits=8, symmetric=False), "awq",
                      src.n_layers, ("compressed-tensors", "gptq"))
     qdir = tmp_path_factory.mktemp("store") / "quantized"
-    quantize_model(src, calib, plan, QuantizeSpec(algorithm="awq"), Layerwise(src, "bfloat16", "cpu", 8), qdir)
+    quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(algorithm="awq"),
+                   Layerwise(src, "bfloat16", "cpu", 8), qdir)
     return src, plan, qdir
 
 

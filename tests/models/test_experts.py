@@ -10,10 +10,12 @@ import torch
 from torch import nn
 
 from quant.calibration import build_calibration
-from quant.engine.awq_layer import run_awq
+from quant.dist.world import World
+from quant.engine.algorithms import ALGORITHMS
+from quant.engine.layer_job import LayerJob
 from quant.engine.layerwise import Layerwise
 from quant.engine.qstore import layer_file, read_layer
-from quant.engine.quantize import _LayerJob, quantize_model
+from quant.engine.quantize import quantize_model
 from quant.errors import ModelError
 from quant.measure.profile import profile_routing
 from quant.models import resolve_model
@@ -115,7 +117,8 @@ def test_quantize_writes_the_native_codes(sources, calib, profiles, algorithm, t
     stored = {}
     for name, src in (("pe", pe), ("nat", nat)):
         out = tmp_path / name
-        quantize_model(src, calib, plan, QuantizeSpec(), Layerwise(src, "float32", "cpu", 4), out)
+        quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(),
+                       Layerwise(src, "float32", "cpu", 4), out)
         stored[name] = {n: q for i in range(src.n_layers) for n, q in read_layer(layer_file(out, i)).items()}
     a, b = stored["pe"], stored["nat"]
     assert a.keys() == b.keys() == plan.quantized().keys()
@@ -144,9 +147,11 @@ def test_awq_on_one_layer_matches_native(sources, calib, profiles):
     for name, src in zip(("pe", "nat"), sources, strict=True):
         lw = Layerwise(src, "float32", "cpu", 4)
         hidden = lw.embed(calib.tokens[:8])
+        awq = ALGORITHMS["awq"]
         with lw.layer(0) as layer:
-            job = _LayerJob(src, plan, QuantizeSpec(), 0, layer)
-            out[name] = (run_awq(job, lw, hidden), job.results)
+            job = LayerJob(src, 0, layer, plan.quantized_specs(), QuantizeSpec(), World(), awq.solve)
+            awq.run_layer(job, lw, hidden)
+            out[name] = (job.results.params, job.results.codes)
     (p_pe, r_pe), (p_nat, r_nat) = out["pe"], out["nat"]
     assert p_pe.keys() == p_nat.keys() and "mlp.gate.weight" in p_pe
     assert all(torch.equal(p_pe[k], p_nat[k]) for k in p_pe)
