@@ -43,6 +43,7 @@ from quant.models.layers import (
 )
 
 log = logging.getLogger(__name__)
+ACTIVATION_BUDGET_BYTES = 8 << 30  # cached activations up to this size stay on the device (quant estimate too)
 
 
 def pick_device(spec: str) -> torch.device:
@@ -185,7 +186,7 @@ class Layerwise:
     """Run a model layer by layer over fixed calibration tokens ``[N, S]``."""
 
     def __init__(self, source: ModelSource, dtype: str, device: str, batch_size: int,
-                 activation_budget_bytes: int = 8 << 30, world: World = SINGLE):
+                 activation_budget_bytes: int = ACTIVATION_BUDGET_BYTES, world: World = SINGLE):
         self.source = source
         self.world = world
         self.n_rows = 0  # rows of the token set last embedded (all ranks)
