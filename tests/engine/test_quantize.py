@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from quant.calibration import build_calibration
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.engine.qstore import layer_file, read_layer
 from quant.engine.quantize import quantize_model
@@ -20,7 +21,7 @@ def setup():
 
     src = resolve_model("builtin:deepseek-v3-tiny")
     calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 8, 64, 0)
-    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4))
+    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4, world=World()))
     return src, calib, prof
 
 
@@ -30,7 +31,7 @@ def _quantize(setup, tmp_path, name, plan_spec=None, **qkw):
     out = tmp_path / name
     device = qkw.get("device", "cpu")
     reports = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(**qkw),
-                             Layerwise(src, "bfloat16", device, 4), out)
+                             Layerwise(src, "bfloat16", device, 4, World()), out)
     return plan, out, reports
 
 
@@ -144,7 +145,7 @@ def test_resumed_layers_report_what_was_measured(setup, tmp_path):
     src, calib, prof = setup
     plan, out, first = _quantize(setup, tmp_path, "resume", min_tokens=10**6)
     again = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(min_tokens=10**6),
-                           Layerwise(src, "bfloat16", "cpu", 4), out)
+                           Layerwise(src, "bfloat16", "cpu", 4, World()), out)
     assert all(r.resumed for r in again) and not any(r.resumed for r in first)
     for a, b in zip(first, again, strict=True):
         assert b.worst_module == a.worst_module and b.worst_rel_error == a.worst_rel_error
@@ -200,14 +201,14 @@ def test_statistics_passes_skip_the_routed_experts_and_change_nothing(model, alg
                         else None)
     tok = AutoTokenizer.from_pretrained(src.path, trust_remote_code=model == "per-expert")
     calib = build_calibration("calibration/bundled.yaml", tok, 8, 32, 0)
-    plan = plan_bits(profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4)), src.modules,
+    plan = plan_bits(profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4, world=World())), src.modules,
                      PlanSpec(group_size=32, symmetric=algorithm != "awq"), algorithm, src.n_layers)
     budget = {"hessian_budget_gb": 2e-5} if algorithm == "gptq" else {}  # several passes per layer
 
     def run(name):
         out = tmp_path / name
         quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(algorithm=algorithm, **budget),
-                       Layerwise(src, "bfloat16", "cpu", 4), out)
+                       Layerwise(src, "bfloat16", "cpu", 4, world=World()), out)
         return {**{f"{i}:{n}": (q.q, q.scale, q.zero) for i in range(src.n_layers)
                    for n, q in read_layer(layer_file(out, i)).items()},
                 **{f"{i}:param:{n}": t for i, n_t in enumerate(read_params(layer_file(out, i))

@@ -24,7 +24,7 @@ def test_the_forecast_takes_the_engines_expert_passes(hessian_budget_gb):
     work = layer_costs.workload_of(recipe, 1)
     layer_idx = min(src.moe_layers())
     shape = layer_costs.layer_shapes(src, plan, work.dtype_bytes, src.top_k)[layer_idx]
-    lw = Layerwise(src, "float32", "cpu", 2)
+    lw = Layerwise(src, "float32", "cpu", 2, world=World())
     with lw.layer(layer_idx) as layer:
         job = LayerJob(src, layer_idx, layer, plan.quantized_specs(), recipe.quantize, World(), solve_gptq)
         engine_passes = [count for _, count in job.expert_chunks(range(job.view.n_experts))]

@@ -39,11 +39,11 @@ def calib(sources):
 
 @pytest.fixture(scope="module")
 def profiles(sources, calib):
-    return tuple(profile_routing(s, calib, Layerwise(s, "float32", "cpu", 4)) for s in sources)
+    return tuple(profile_routing(s, calib, Layerwise(s, "float32", "cpu", 4, world=World())) for s in sources)
 
 
 def _layerwise_logits(src, tokens):
-    return Layerwise(src, "float32", "cpu", batch_size=2).logits(tokens)
+    return Layerwise(src, "float32", "cpu", batch_size=2, world=World()).logits(tokens)
 
 
 def test_remote_code_needs_the_recipe_flag(per_expert_model):
@@ -74,7 +74,7 @@ def test_expert_linears_are_views_of_the_fused_storage_and_routing_is_the_native
     tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(2))
     seen = {}
     for name, src in (("pe", pe), ("nat", nat)):
-        lw = Layerwise(src, "float32", "cpu", batch_size=2)
+        lw = Layerwise(src, "float32", "cpu", batch_size=2, world=World())
         hidden = lw.embed(tokens)
         with lw.layer(1) as layer:
             view = experts_of(src, layer, 1)
@@ -118,7 +118,7 @@ def test_quantize_writes_the_native_codes(sources, calib, profiles, algorithm, t
     for name, src in (("pe", pe), ("nat", nat)):
         out = tmp_path / name
         quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(),
-                       Layerwise(src, "float32", "cpu", 4), out)
+                       Layerwise(src, "float32", "cpu", 4, World()), out)
         stored[name] = {n: q for i in range(src.n_layers) for n, q in read_layer(layer_file(out, i)).items()}
     a, b = stored["pe"], stored["nat"]
     assert a.keys() == b.keys() == plan.quantized().keys()
@@ -145,7 +145,7 @@ def test_awq_on_one_layer_matches_native(sources, calib, profiles):
     plan = plan_bits(profiles[1], sources[1].modules, PlanSpec(group_size=32), "awq", sources[1].n_layers)
     out = {}
     for name, src in zip(("pe", "nat"), sources, strict=True):
-        lw = Layerwise(src, "float32", "cpu", 4)
+        lw = Layerwise(src, "float32", "cpu", 4, world=World())
         hidden = lw.embed(calib.tokens[:8])
         awq = ALGORITHMS["awq"]
         with lw.layer(0) as layer:
