@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quant.calibration import CalibrationSet  # noqa: E402
 from quant.calibration import random_calibration as calibration  # noqa: E402,F401
 from quant.diag.memtrace import CudaTrace  # noqa: E402
+from quant.dist.world import World  # noqa: E402
 from quant.engine.layerwise import Layerwise  # noqa: E402
 from quant.engine.quantize import quantize_model  # noqa: E402
 from quant.measure.profile import profile_routing  # noqa: E402
@@ -104,7 +105,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     TIMERS.clear()
     sync()
     t0 = time.perf_counter()
-    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", dev, batch))
+    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", dev, batch, world=World()))
     sync()
     prof_s = time.perf_counter() - t0
     prof_load_s, prof_peak = TIMERS.get("load_s", 0.0), peak_gb()
@@ -121,7 +122,8 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     sync()
     t0 = time.perf_counter()
     with CudaTrace() if memory_trace else contextlib.nullcontext() as trace:
-        reports = quantize_model(src, calib, plan, qspec, Layerwise(src, "bfloat16", dev, batch), qdir)
+        reports = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, qspec,
+                                 Layerwise(src, "bfloat16", dev, batch, world=World()), qdir)
     sync()
     total = time.perf_counter() - t0
     if trace is not None and trace.peak is not None:
@@ -146,7 +148,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     if not export:
         return out
     t0 = time.perf_counter()
-    ckpt = write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}{tag}", 20 << 30)
+    ckpt = write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}{tag}", 20 << 30, World())
     out["export_s"] = time.perf_counter() - t0
     out["end_to_end_s"] = prof_s + total + out["export_s"]
     if not isinstance(src, TiledSource):  # the layer-error check reads the base model's real layers
@@ -169,7 +171,7 @@ def fp8_release(model_dir: Path) -> ModelSource:
     src = resolve_model(str(out))
     assert isinstance(src, Fp8BlockSource) and src.parts
     keys = sorted(k for k in src.weight_map if k.startswith("model.layers.0."))
-    times, staging = {}, Staging(pin_budget()) if torch.cuda.is_available() else None
+    times, staging = {}, Staging(pin_budget(1)) if torch.cuda.is_available() else None
     for name, source in (("bf16", ModelSource(model_dir)), ("fp8", src), ("fp8 again", src)):
         t0 = time.perf_counter()  # as the read-ahead reads, into one staging buffer (FP8: dequantized on the GPU)
         here = source.read_tensors(keys, "cpu", into=staging.into(0) if staging else None)
@@ -226,7 +228,8 @@ def layer_errors(base: ModelSource, quant_dir: Path, tokens: torch.Tensor, batch
     """Per layer ||Y_q - Y|| / ||Y - X|| with the base model's inputs X fed to both layers."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     qsrc = ModelSource(quant_dir)
-    lw_b, lw_q = Layerwise(base, "bfloat16", dev, batch), Layerwise(qsrc, "bfloat16", dev, batch)
+    lw_b, lw_q = (Layerwise(base, "bfloat16", dev, batch, world=World()),
+                  Layerwise(qsrc, "bfloat16", dev, batch, world=World()))
     hidden = lw_b.embed(tokens)
     errs = []
     for i in range(base.n_layers):

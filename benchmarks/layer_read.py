@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quant.dist.world import SINGLE  # noqa: E402
-from quant.engine.layerwise import _LayerReader
+from quant.dist.world import World  # noqa: E402
+from quant.engine.layerwise import _LayerReader  # noqa: E402
 from quant.io.direct_read import read_into  # noqa: E402
 from quant.io.staging import copy_into  # noqa: E402
 from quant.models import ModelSource  # noqa: E402
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,4,8,16")
     a = ap.parse_args()
     src = ModelSource(Path(a.workdir) / f"model-{a.shape}-{a.layers}")
-    reader = _LayerReader(src, SINGLE, torch.device("cuda"))
+    reader = _LayerReader(src, World(), torch.device("cuda"))
     print(f"host memory: {meminfo()}; read-ahead budget {reader.pin_budget / 1e9:.1f} GB", flush=True)
     rows: list[tuple[str, int, float, float]] = []
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "reference_moe"))
 from evaluate_reference import nextline_samples  # noqa: E402
 
 from quant.calibration import build_calibration  # noqa: E402
+from quant.dist.world import World  # noqa: E402
 from quant.engine.layerwise import Layerwise  # noqa: E402
 from quant.engine.qstore import layer_file, load_into_layer  # noqa: E402
 from quant.engine.quantize import quantize_model  # noqa: E402
@@ -146,7 +147,7 @@ def run(seeds: list[int], out: Path, n_lines: int) -> dict:
     for seed in seeds:
         t0 = time.perf_counter()
         calib = build_calibration("calibration/bundled.yaml", tok, 32, 256, seed)
-        prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8))
+        prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8, world=World()))
         for name, cfg in CONFIGS.items():
             if cfg is None:
                 results[name].append(dict(bf16))
@@ -160,7 +161,8 @@ def run(seeds: list[int], out: Path, n_lines: int) -> dict:
             bits[name] = summarize(plan, src, prof)["headline"]["avg_bits_experts"]
             qdir = out / "work" / f"{seed}-{len(results[name])}-{abs(hash(name)) % 10**8}"
             shutil.rmtree(qdir, ignore_errors=True)
-            quantize_model(src, calib, plan, QuantizeSpec(**q_kw), Layerwise(src, "bfloat16", "cpu", 8), qdir)
+            quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(**q_kw),
+                           Layerwise(src, "bfloat16", "cpu", 8, World()), qdir)
             model = load_model(src.path)
             apply_quantized(model, src, qdir)
             results[name].append(metrics(model, eval_tokens, base_ref, lines))
