@@ -135,8 +135,8 @@ def worker(a: argparse.Namespace) -> None:
     world.barrier()
     t0 = time.perf_counter()
     with CudaTrace() if a.memory_trace else contextlib.nullcontext() as trace, _torch_profile(a.torch_profile) as prof:
-        reports = quantize_model(src, calib, plan, QuantizeSpec(algorithm=a.algo, device=dev, batch_size=a.batch,
-                                                                statistics=a.statistics),
+        qspec = QuantizeSpec(algorithm=a.algo, device=dev, batch_size=a.batch, statistics=a.statistics)
+        reports = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, qspec,
                                  Layerwise(src, "bfloat16", dev, a.batch, world=world), qdir)
     sync()
     world.barrier()
@@ -257,6 +257,7 @@ def main() -> None:
     for r in rows:
         r["identical_layer_files"] = same_codes(base, Path(r["qdir"]))
     if a.error_samples:
+        from quant.dist.world import World
         from quant.export.compressed_tensors import write_compressed_tensors
 
         src = ModelSource(model_dir)
@@ -265,7 +266,8 @@ def main() -> None:
             from quant.plan.bitplan import BitPlan
 
             plan = BitPlan.load(Path(r["qdir"] + ".plan.json"))
-            ckpt = write_compressed_tensors(src, plan, Path(r["qdir"]), work / f"ckpt-{Path(r['qdir']).name}", 20 << 30)
+            ckpt = write_compressed_tensors(src, plan, Path(r["qdir"]), work / f"ckpt-{Path(r['qdir']).name}", 20 << 30,
+                                            World())
             errs = checkpoint_layer_errors(src, ckpt, work, calib.tokens[: a.error_samples], a.batch, DEVICE)
             r["mean_rel_layer_error"] = sum(errs) / len(errs)
             say(ranks=r["ranks"], statistics=r["statistics"], rel_layer_error=errs)

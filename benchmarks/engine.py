@@ -35,6 +35,7 @@ from quant.calibration import CalibrationSet
 from quant.calibration import random_calibration as calibration
 from quant.diag.calltime import CallTimes
 from quant.diag.memtrace import CudaTrace
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.engine.quantize import quantize_model
 from quant.eval.layer_error import checkpoint_layer_errors
@@ -78,7 +79,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     TIMERS.clear()
     sync()
     t0 = time.perf_counter()
-    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", dev, batch))
+    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", dev, batch, world=World()))
     sync()
     prof_s = time.perf_counter() - t0
     prof_load_s, prof_peak = TIMERS.get("load_s"), peak_gb()
@@ -95,7 +96,8 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     sync()
     t0 = time.perf_counter()
     with CudaTrace() if memory_trace else contextlib.nullcontext() as trace:
-        reports = quantize_model(src, calib, plan, qspec, Layerwise(src, "bfloat16", dev, batch), qdir)
+        reports = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, qspec,
+                                 Layerwise(src, "bfloat16", dev, batch, world=World()), qdir)
     sync()
     total = time.perf_counter() - t0
     if trace is not None and trace.peak is not None:
@@ -120,7 +122,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     if not export:
         return out
     t0 = time.perf_counter()
-    ckpt = write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}{tag}", 20 << 30)
+    ckpt = write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}{tag}", 20 << 30, World())
     out["export_s"] = time.perf_counter() - t0
     out["end_to_end_s"] = prof_s + total + out["export_s"]
     if not isinstance(src, TiledSource):  # the layer-error check reads the base model's real layers
@@ -143,7 +145,7 @@ def fp8_release(model_dir: Path) -> ModelSource:
     src = resolve_model(str(out))
     assert isinstance(src, Fp8BlockSource) and src.parts
     keys = sorted(src.layer_keys(0))
-    times, staging = {}, Staging(pin_budget()) if torch.cuda.is_available() else None
+    times, staging = {}, Staging(pin_budget(1)) if torch.cuda.is_available() else None
     for name, source in (("bf16", ModelSource(model_dir)), ("fp8", src), ("fp8 again", src)):
         t0 = time.perf_counter()  # as the read-ahead reads, into one staging buffer (FP8: dequantized on the GPU)
         here = source.read_tensors(keys, "cpu", into=staging.into(0) if staging else None)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from quant.calibration import random_calibration as calibration
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.models import ModelSource, synthetic
 from quant.models.synthetic import build_model
@@ -63,13 +64,14 @@ def prepare(work: Path, shape: str, n_layers: int, samples: int, seqlen: int, ba
     src = ModelSource(work / "model")
     calib = calibration(16, 256, SHAPES[shape]["vocab_size"], seed=0)
     t1 = time.perf_counter()
-    plan = plan_bits(profile_routing(src, calib, Layerwise(src, DTYPE, dev, batch)), src.modules, PlanSpec(),
+    plan = plan_bits(profile_routing(src, calib, Layerwise(src, DTYPE, dev, batch, World())), src.modules, PlanSpec(),
                      "rtn", src.n_layers)
     plan.save(work / "plan.json")
-    quantize_model(src, calib, plan, QuantizeSpec(device=dev, batch_size=batch), Layerwise(src, DTYPE, dev, batch),
+    quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(device=dev, batch_size=batch),
+                   Layerwise(src, DTYPE, dev, batch, World()),
                    work / "quantized")
     t2 = time.perf_counter()
-    write_compressed_tensors(src, plan, work / "quantized", work / "checkpoint", 5 << 30)
+    write_compressed_tensors(src, plan, work / "quantized", work / "checkpoint", 5 << 30, World())
     tokens = calibration(samples, seqlen, SHAPES[shape]["vocab_size"], seed=1).tokens
     save_file({"tokens": tokens}, str(work / "tokens.safetensors"))
     return {"build_s": t1 - t0, "quantize_s": t2 - t1, "export_s": time.perf_counter() - t2,
@@ -114,10 +116,11 @@ def measure(work: Path, mode: str, batch: int) -> dict:
     t0 = time.perf_counter()
     if mode == "streamed":
         shipped = ShippedCheckpoint(work / "checkpoint", src, DTYPES[DTYPE])
-        proxies, loader = streamed_proxies(src, shipped, tokens, DTYPE, dev, batch), "compressed-tensors-per-layer"
+        proxies, loader = streamed_proxies(src, shipped, tokens, DTYPE, dev, batch, World()), \
+            "compressed-tensors-per-layer"
     else:
         with servable_checkpoint(work / "checkpoint", plan, src) as (path, loader):
-            proxies = whole_proxies(src.path, path, tokens, DTYPES[DTYPE], dev, batch, False)
+            proxies = whole_proxies(src.path, path, tokens, DTYPES[DTYPE], dev, batch, False, World())
     if dev == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0

@@ -40,7 +40,7 @@ def main() -> None:
     write_fp8_release(ModelSource(model), release, device="cuda")
     src = resolve_model(str(release))
     keys = sorted(src.layer_keys(0))
-    bf16, staging, bf16_staging = ModelSource(model), Staging(pin_budget()), Staging(pin_budget())
+    bf16, staging, bf16_staging = ModelSource(model), Staging(pin_budget(1)), Staging(pin_budget(1))
     for i in range(2):
         timed(f"bf16 read {i}", lambda: bf16.read_tensors(keys, "cpu", into=bf16_staging.into(0)))
     for i in range(2):

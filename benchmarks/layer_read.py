@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from quant.dist.world import SINGLE
+from quant.dist.world import World
 from quant.engine.layerwise import LayerReader
 from quant.io.direct_read import read_into
 from quant.io.staging import copy_into
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,4,8,16")
     a = ap.parse_args()
     src = ModelSource(Path(a.workdir) / f"model-{a.shape}-{a.layers}")
-    reader = LayerReader(src, SINGLE, torch.device("cuda"))
+    reader = LayerReader(src, World(), torch.device("cuda"))
     print(f"host memory: {meminfo()}; read-ahead budget {reader.pin_budget / 1e9:.1f} GB", flush=True)
     rows: list[tuple[str, int, float, float]] = []
 

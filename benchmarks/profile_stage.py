@@ -20,6 +20,7 @@ import torch
 
 from quant.calibration import random_calibration as calibration
 from quant.diag.calltime import CallTimes
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.measure.profile import profile_routing
 from quant.models import ModelSource
@@ -76,7 +77,7 @@ def main() -> None:
     TIMERS.wrap(quant.engine.layerwise.LayerReader, "take", "take_s", device_sync=False)  # read-ahead waits, layer 0's
     TIMERS.wrap(quant.io.staging, "page_locked", "pin_s", device_sync=False)  # on the read-ahead thread too
     calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
-    lw = Layerwise(src, "bfloat16", a.device, a.batch)
+    lw = Layerwise(src, "bfloat16", a.device, a.batch, world=World())
     sync()
     t0 = time.perf_counter()
     hidden = lw.embed(calib.tokens)
@@ -107,13 +108,13 @@ def main() -> None:
 
             cold = cProfile.Profile()
             cold.enable()
-            profile_routing(src, calib, Layerwise(src, "bfloat16", a.device, a.batch))
+            profile_routing(src, calib, Layerwise(src, "bfloat16", a.device, a.batch, world=World()))
             sync()
             cold.disable()
             pstats.Stats(cold).sort_stats("cumulative").print_stats(35)
             pstats.Stats(cold).sort_stats("tottime").print_stats(15)
         else:
-            profile_routing(src, calib, Layerwise(src, "bfloat16", a.device, a.batch))
+            profile_routing(src, calib, Layerwise(src, "bfloat16", a.device, a.batch, world=World()))
         sync()
         s = time.perf_counter() - t0
         n_tok, load_s = calib.tokens.numel() * src.n_layers, TIMERS.get("load_s")
@@ -125,7 +126,7 @@ def main() -> None:
         return
     short = calibration(min(64, a.samples), a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        profile_routing(src, short, Layerwise(src, "bfloat16", a.device, a.batch))
+        profile_routing(src, short, Layerwise(src, "bfloat16", a.device, a.batch, world=World()))
         sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from quant.calibration import build_calibration
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.engine.quantize import quantize_model
 from quant.measure.profile import profile_routing
@@ -80,7 +81,7 @@ def run(seeds: list[int], out: Path, n_lines: int) -> dict:
     for seed in seeds:
         t0 = time.perf_counter()
         calib = build_calibration("calibration/bundled.yaml", tok, 32, 256, seed)
-        prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8))
+        prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8, world=World()))
         for name, cfg in CONFIGS.items():
             if cfg is None:
                 results[name].append(dict(bf16))
@@ -94,7 +95,8 @@ def run(seeds: list[int], out: Path, n_lines: int) -> dict:
             bits[name] = summarize(plan, src, prof).headline.avg_bits_experts
             qdir = out / "work" / f"{seed}-{len(results[name])}-{abs(hash(name)) % 10**8}"
             shutil.rmtree(qdir, ignore_errors=True)
-            quantize_model(src, calib, plan, QuantizeSpec(**q_kw), Layerwise(src, "bfloat16", "cpu", 8), qdir)
+            quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(**q_kw),
+                           Layerwise(src, "bfloat16", "cpu", 8, World()), qdir)
             model = load_model(src.path)
             apply_quantized(model, src, qdir)
             results[name].append(metrics(model, eval_tokens, base_ref, lines))

@@ -108,6 +108,7 @@ def _plan_record(plan, src, prof) -> dict:
 def run_task(seed: int, size: str, manifest: str, work: Path) -> dict:
     """One calibration set: profile + layer damage, then every configuration x algorithm quantized and evaluated."""
     from quant.calibration import build_calibration
+    from quant.dist.world import World
     from quant.engine.layerwise import Layerwise
     from quant.engine.quantize import quantize_model
     from quant.measure.layer_damage import measure_layer_damage, spread_rows
@@ -117,10 +118,10 @@ def run_task(seed: int, size: str, manifest: str, work: Path) -> dict:
 
     src, t0, cpu0 = _WORKER["src"], time.perf_counter(), time.process_time()
     calib = build_calibration(manifest, _WORKER["tok"], SIZES[size], SEQ_LEN, seed)
-    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8))
+    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8, world=World()))
     n = calib.tokens.shape[0]
     prof = replace(prof, layer_damage=measure_layer_damage(src, calib.tokens[spread_rows(n, DAMAGE_SAMPLES)],
-                                                           Layerwise(src, "float32", "cpu", 8), SCHEMES))
+                                                           Layerwise(src, "float32", "cpu", 8, world=World()), SCHEMES))
     one = type(calib)(calib.tokens[:1], calib.sample_ids[:1], calib.domains[:1], calib.seed, calib.manifest)
     out = {"seed": seed, "size": size, "n_tokens": int(calib.tokens.numel()),
            "damage": {k: v.tolist() for k, v in prof.layer_damage.items()}, "results": {}}
@@ -134,8 +135,8 @@ def run_task(seed: int, size: str, manifest: str, work: Path) -> dict:
             if algo == "gptq" or key not in _RTN_SEEN:
                 qdir = work / f"{seed}-{size}-{algo}-{abs(hash(name)) % 10**8}-{os.getpid()}"
                 shutil.rmtree(qdir, ignore_errors=True)
-                quantize_model(src, calib if algo == "gptq" else one, plan, QuantizeSpec(algorithm=algo),
-                               Layerwise(src, "bfloat16", "cpu", 8), qdir)
+                quantize_model(src, calib if algo == "gptq" else one, plan.quantized_specs(), plan.algorithm,
+                               QuantizeSpec(algorithm=algo), Layerwise(src, "bfloat16", "cpu", 8, World()), qdir)
                 metrics = _evaluate(qdir, with_lines=size == "1x" and algo == "gptq")
                 shutil.rmtree(qdir, ignore_errors=True)
                 if algo == "rtn":

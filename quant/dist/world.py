@@ -57,13 +57,16 @@ class StopFlag:
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the job. ``size == 1`` means no process group exists."""
+    """This process's place in the job. ``size == 1`` means no process group exists. Made once per run by the
+    caller (:func:`init_world` in the CLI; ``World()``, a world of one, for an in-process run or a test) and
+    passed to every stage; its stop flag belongs to this run alone."""
 
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     backend: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    local_size: int = 1  # processes of the job on this node (torchrun's LOCAL_WORLD_SIZE)
     stop: StopFlag = field(default_factory=StopFlag, compare=False, repr=False)
     groups: dict = field(default_factory=dict, compare=False, repr=False)  # "objects", "idle": gloo groups
 
@@ -80,6 +83,10 @@ class World:
     def device(self) -> torch.device:
         """Where tensors live for the tensor collectives (NCCL: this rank's GPU)."""
         return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+
+    def alone(self) -> World:
+        """This process as a world of one, for work it does by itself: same node, timeout and stop flag."""
+        return World(local_rank=self.local_rank, timeout_s=self.timeout_s, local_size=self.local_size, stop=self.stop)
 
     def shard(self, items: Sequence[T]) -> list[T]:
         """This rank's contiguous share of ``items`` (sizes differ by at most one; earlier ranks take more)."""
@@ -300,6 +307,19 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def env_local_world_size() -> int:
+    """Processes of the job on this node (torchrun's ``LOCAL_WORLD_SIZE``), 1 without a launcher."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise DistError(f"LOCAL_WORLD_SIZE is '{value}': it must be a whole number of processes on this node "
+                        "(torchrun sets it; unset it outside a launcher)")
+    return n
+
+
 def init_world(device: str, timeout_s: float | None = None) -> World:
     """Join the process group the launcher set up (env:// rendezvous), or return a fresh size-1 world.
 
@@ -307,9 +327,9 @@ def init_world(device: str, timeout_s: float | None = None) -> World:
     Each CUDA rank uses GPU ``LOCAL_RANK``. ``timeout_s`` defaults to ``QUANT_DIST_TIMEOUT_S`` or 1800 s.
     """
     timeout_s = float(timeout_s or os.environ.get("QUANT_DIST_TIMEOUT_S") or DEFAULT_TIMEOUT_S)
-    size = env_world_size()
+    size, local_size = env_world_size(), env_local_world_size()
     if size <= 1:
-        return World(timeout_s=timeout_s)
+        return World(timeout_s=timeout_s, local_size=local_size)
     import torch.distributed as dist
 
     try:
@@ -325,7 +345,7 @@ def init_world(device: str, timeout_s: float | None = None) -> World:
                             f"node): start at most {visible} process(es) per node (torchrun --nproc-per-node "
                             f"{visible}), or run on CPUs with quantize.device: cpu")
         torch.cuda.set_device(local_rank)
-    world = World(rank, size, local_rank, backend, timeout_s)
+    world = World(rank, size, local_rank, backend, timeout_s, local_size)
     with world._collective("joining the process group"):
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -369,5 +389,3 @@ def exit_process(code: int) -> NoReturn:
         os._exit(code)
     sys.exit(code)
 
-
-SINGLE = World()

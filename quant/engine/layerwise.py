@@ -27,7 +27,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.errors import RecipeError
 from quant.io.staging import Staging, copy_into, host_available_bytes, pin_budget
 from quant.models import ModelSource
@@ -43,6 +43,7 @@ from quant.models.layers import (
 )
 
 log = logging.getLogger(__name__)
+ACTIVATION_BUDGET_BYTES = 8 << 30  # cached activations up to this size stay on the device (quant estimate too)
 
 
 def pick_device(spec: str) -> torch.device:
@@ -136,7 +137,7 @@ class LayerReader:
     def pin_budget(self) -> int:
         """Largest read-ahead (bytes) kept in page-locked memory (``staging.pin_budget``). Two layers' worth is held
         at a time (one uploading, the next being read), so at most half the host's available memory."""
-        return pin_budget()
+        return pin_budget(self.world.local_size)
 
     def take(self, idx: int) -> dict[str, torch.Tensor] | None:
         """Layer ``idx``'s tensors (None: ``load_layer`` reads them itself), and start reading ``idx + 1``. On a GPU a
@@ -183,8 +184,8 @@ class LayerReader:
 class Layerwise:
     """Run a model layer by layer over fixed calibration tokens ``[N, S]``."""
 
-    def __init__(self, source: ModelSource, dtype: str, device: str, batch_size: int,
-                 activation_budget_bytes: int = 8 << 30, world: World = SINGLE):
+    def __init__(self, source: ModelSource, dtype: str, device: str, batch_size: int, world: World,
+                 activation_budget_bytes: int = ACTIVATION_BUDGET_BYTES):
         self.source = source
         self.world = world
         self.n_rows = 0  # rows of the token set last embedded (all ranks)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from quant.calibration import build_calibration
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.engine.layerwise import device_memory_bytes, pick_device
 from quant.errors import RecipeError
 from quant.eval.stream import ProxySums, ShippedCheckpoint, streamed_proxies
@@ -83,7 +83,7 @@ def final_hidden(model, tokens: torch.Tensor, batch: int, device) -> torch.Tenso
 
 
 def whole_proxies(base_path: Path, quant_path: Path, tokens: torch.Tensor, dtype, device, batch: int,
-                  trust_remote_code: bool, world: World = SINGLE) -> dict:
+                  trust_remote_code: bool, world: World) -> dict:
     """The proxies with each model loaded whole (one at a time), this rank scoring its share of the samples."""
     mine = tokens[world.shard(range(tokens.shape[0]))]
     sums = ProxySums(device)
@@ -231,7 +231,7 @@ def _quantized_tasks(recipe: Recipe, source: ModelSource, plan: BitPlan, checkpo
         return _run_tasks(recipe, source, path, device, gpus)
 
 
-def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
     """Proxies on every rank (each scores its share of the samples; sums all-reduced, identical everywhere);
     lm-eval tasks on the writer rank alone, the other ranks waiting for its result without the collective
     timeout (``World.on_writer``), so every rank returns the same result."""
@@ -252,7 +252,7 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
     mode, reason = proxy_mode(e.mode, source, plan, dtype, device)
     log.info("eval proxies: %s (%s)", mode, reason)
     if mode == "streamed":
-        shipped = ShippedCheckpoint(checkpoint, source, dtype, device)
+        shipped = ShippedCheckpoint(checkpoint, source, dtype, device, world.local_size)
         proxy, loader = streamed_proxies(source, shipped, tokens, recipe.model.dtype, device, e.batch_size, world), \
             "compressed-tensors-per-layer"
         tasks = tasks_on_writer()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.models import ModelSource
 
@@ -31,7 +32,7 @@ def layer_errors(base: ModelSource, quantized: ModelSource, tokens: torch.Tensor
                  device: str = "cpu", dtype: str = "bfloat16") -> list[float]:
     """Per decoder layer ``||Y_q - Y|| / ||Y - X||`` with the base model's inputs ``X`` fed to both layers
     (``quantized``: a dense model folder, e.g. ``dense_copy``'s)."""
-    lw_b, lw_q = Layerwise(base, dtype, device, batch), Layerwise(quantized, dtype, device, batch)
+    lw_b, lw_q = Layerwise(base, dtype, device, batch, World()), Layerwise(quantized, dtype, device, batch, World())
     hidden = lw_b.embed(tokens)
     errs = []
     for i in range(base.n_layers):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.export.writer import CARD, add_to_manifest, checkpoint_digest
 from quant.models import ModelSource
 from quant.plan.bitplan import BitPlan
@@ -31,8 +31,7 @@ def check_formats(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) 
         check_gptq_plan(plan, source)
 
 
-def export_all(source: ModelSource, plan: BitPlan, recipe: Recipe, run_dir: Path,
-               world: World = SINGLE) -> dict[str, Path]:
+def export_all(source: ModelSource, plan: BitPlan, recipe: Recipe, run_dir: Path, world: World) -> dict[str, Path]:
     """Every format's checkpoint; under torchrun each rank writes its share of every checkpoint's shard files."""
     from quant.export.compressed_tensors import write_compressed_tensors
     from quant.export.gptq import write_gptq
@@ -40,7 +39,7 @@ def export_all(source: ModelSource, plan: BitPlan, recipe: Recipe, run_dir: Path
     writers = {"compressed-tensors": write_compressed_tensors, "gptq": write_gptq}
     max_bytes = int(recipe.export.max_shard_gb * 1e9)
     extra = {"recipe": recipe.name, "base_model": source.display_name, "model_fingerprint": source.fingerprint}
-    return {fmt: writers[fmt](source, plan, run_dir / "quantized", run_dir / folder, max_bytes, extra, world)
+    return {fmt: writers[fmt](source, plan, run_dir / "quantized", run_dir / folder, max_bytes, world, extra)
             for fmt, folder in checkpoint_dirs(recipe).items()}
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.engine.qstore import packed_words, with_codes
 from quant.export.targets import name_regexes
 from quant.export.writer import write_checkpoint
@@ -83,7 +83,7 @@ def compress_module(qw) -> dict[str, torch.Tensor]:
 
 
 def write_compressed_tensors(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
-                             extra_manifest: dict | None = None, world: World = SINGLE) -> Path:
+                             world: World, extra_manifest: dict | None = None) -> Path:
     """Write the checkpoint to ``out`` atomically (each rank of ``world`` its share of the shards); returns ``out``."""
     config = json.loads((source.path / "config.json").read_text())
     config["quantization_config"] = quantization_config(source, plan)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.engine.qstore import packed_words, with_codes
 from quant.errors import PlanError
 from quant.export.writer import write_checkpoint
@@ -178,8 +178,8 @@ def check_gptq_plan(plan: BitPlan, source: ModelSource) -> None:
     dynamic_rules(plan, source)
 
 
-def write_gptq(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
-               extra_manifest: dict | None = None, world: World = SINGLE) -> Path:
+def write_gptq(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int, world: World,
+               extra_manifest: dict | None = None) -> Path:
     """Write the GPTQ-format checkpoint to ``out`` atomically (each rank of ``world`` its share of the shards);
     returns ``out``."""
     check_gptq_plan(plan, source)

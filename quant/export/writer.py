@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.errors import CheckpointError
 from quant.export.shards import Shard, index, plan_shards, plan_tensors, shard_owners, write_shard
 from quant.io.rundir import atomic_write_text, environment_error
@@ -121,7 +121,7 @@ def replace_directory(tmp: Path, final: Path) -> None:
 
 def write_checkpoint(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
                      module_tensors: Callable, config_files: dict[str, dict], manifest: dict,
-                     world: World = SINGLE) -> Path:
+                     world: World) -> Path:
     """Write every tensor of ``source`` to a new checkpoint at ``out`` (atomically), each rank of ``world`` its share
     of the shard files: quantized modules as ``module_tensors(stored) -> {suffix: tensor}`` (``stored`` as
     ``qstore.read_layer(packed=True)`` returns it: W4 codes may come two a byte), kept tensors from the

@@ -122,10 +122,11 @@ def host_available_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def pin_budget() -> int:
+def pin_budget(processes_per_node: int) -> int:
     """Largest buffer (bytes) one process pins for reads: a quarter of the host's available memory per process on
-    the node (a DeepSeek-V3 layer, 23 GB, on a 128 GB host with one GPU; a rank's 1/8 share on an 8-GPU node)."""
-    return host_available_bytes() // (4 * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    the node (``processes_per_node``, the world's ``local_size``: a DeepSeek-V3 layer, 23 GB, on a 128 GB host with
+    one GPU; a rank's 1/8 share on an 8-GPU node)."""
+    return host_available_bytes() // (4 * max(1, processes_per_node))
 
 
 def page_locked(n_bytes: int) -> torch.Tensor | None:

@@ -11,10 +11,13 @@ from quant.models.source import ModelSource, ModuleInfo, fp8_block_size, read_js
 __all__ = ["BUILTINS", "DEFAULT_BUILTIN", "ModuleInfo", "ModelSource", "resolve_model"]
 
 
-def resolve_model(spec: str, trust_remote_code: bool = False, family: str | None = None) -> ModelSource:
+def resolve_model(spec: str, trust_remote_code: bool = False, family: str | None = None,
+                  processes_per_node: int = 1) -> ModelSource:
     """``builtin:NAME`` or a local folder -> ModelSource. Hub ids are resolved to the local HF cache only.
     ``trust_remote_code`` (the recipe's ``model.trust_remote_code``) lets the folder's own Python run; ``family``
-    (``model.family``) names the family a remote ``model_type`` follows."""
+    (``model.family``) names the family a remote ``model_type`` follows. ``processes_per_node``: the job's
+    processes on this host (a release read through a dequantizer stages its stored bytes in page-locked memory,
+    a share of the host's)."""
     kw = dict(display_name=spec, trust_remote_code=trust_remote_code, family=family)
     if spec.startswith("builtin:"):
         path = builtin_path(spec.split(":", 1)[1])
@@ -31,7 +34,7 @@ def resolve_model(spec: str, trust_remote_code: bool = False, family: str | None
         if fp8_block_size(config) is not None:
             from quant.models.fp8 import Fp8BlockSource
 
-            return Fp8BlockSource(path, **kw)
+            return Fp8BlockSource(path, processes_per_node=processes_per_node, **kw)
     return ModelSource(path, **kw)
 
 

@@ -36,11 +36,14 @@ class DequantizingSource(ModelSource):
     maps each dequantized weight to its stored tensors (the stored weight first), ``weight_map`` lists dense names.
 
     ``dtype``: the dense weights' dtype. ``device``: where to dequantize; None picks the current CUDA device at
-    each read when there is one (a rank's read-ahead thread runs under its own device), else the CPU."""
+    each read when there is one (a rank's read-ahead thread runs under its own device), else the CPU.
+    ``processes_per_node``: processes of the job on this host, which share its page-locked memory."""
 
-    def __init__(self, path: Path, dtype: torch.dtype, device: str | torch.device | None = None, **kw):
+    def __init__(self, path: Path, dtype: torch.dtype, device: str | torch.device | None = None,
+                 processes_per_node: int = 1, **kw):
         super().__init__(path, **kw)
         self.dtype = dtype
+        self.processes_per_node = processes_per_node
         self.device = None if device is None else torch.device(device)
         self.raw_map = self.weight_map
         self.parts: dict[str, list[str]] = {}
@@ -122,7 +125,7 @@ class DequantizingSource(ModelSource):
     def stored_staging(self) -> Staging:
         """One page-locked buffer for the stored bytes of a read; a read's uploads finish (the stream is synchronized
         after each chunk) before the next read writes it."""
-        return Staging(pin_budget())
+        return Staging(pin_budget(self.processes_per_node))
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         """Dequantization's own stream per GPU: the read-ahead thread's kernels and copies do not queue behind the

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from quant.algos.grid import shared_group_size
+from quant.algos.grid import QuantSpec, shared_group_size
 from quant.errors import PlanError
 from quant.measure.profile import RoutingProfile
 from quant.models import ModuleInfo
@@ -41,6 +41,12 @@ class ModulePlan:
     @property
     def keep(self) -> bool:
         return self.bits is None
+
+    @property
+    def spec(self) -> QuantSpec:
+        """The quantization grid of a quantized module (``algos`` and the engine speak in these)."""
+        assert self.bits is not None, "a kept module has no quantization spec"
+        return QuantSpec(self.bits, self.group_size, self.symmetric)
 
 
 def _by_bits(d: dict[Any, float]) -> dict[int, float]:
@@ -99,6 +105,10 @@ class BitPlan:
 
     def quantized(self) -> dict[str, ModulePlan]:
         return {n: p for n, p in self.modules.items() if not p.keep}
+
+    def quantized_specs(self) -> dict[str, QuantSpec]:
+        """Canonical name -> spec of every quantized module, in plan order: what the engine quantizes."""
+        return {n: p.spec for n, p in self.quantized().items()}
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))

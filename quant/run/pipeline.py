@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.engine.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
 from quant.errors import GateFailed, RunDirError, StopRequested
 from quant.io.rundir import RunDir, environment_error, hash_path
@@ -85,7 +85,7 @@ def share_fingerprint(world: World, source: ModelSource) -> str:
 class Run:
     """One recipe applied to one run directory."""
 
-    def __init__(self, recipe: Recipe, run_dir: Path, world: World = SINGLE):
+    def __init__(self, recipe: Recipe, run_dir: Path, world: World):
         self.recipe = recipe
         self.dir = RunDir(run_dir)
         self.world = world
@@ -94,7 +94,8 @@ class Run:
     @cached_property
     def source(self) -> ModelSource:
         m = self.recipe.model
-        return resolve_model(m.path, trust_remote_code=m.trust_remote_code, family=m.family)
+        return resolve_model(m.path, trust_remote_code=m.trust_remote_code, family=m.family,
+                             processes_per_node=self.world.local_size)
 
     def identity(self) -> dict:
         return {"recipe": self.recipe.name, "model": self.recipe.model.path,
@@ -232,7 +233,10 @@ class Run:
 
 
 def run(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None,
-        world: World = SINGLE) -> RunResult:
+        world: World | None = None) -> RunResult:
+    """Apply ``recipe`` to ``run_dir`` up to stage ``until`` in ``world`` (the CLI's process group; None: this
+    process alone, a fresh world of one whose stop flag is this run's)."""
+    world = World() if world is None else world
     try:
         return Run(recipe, run_dir, world).execute(until=until, force=force)
     except OSError as e:  # a full disk or unwritable path outside a stage (manifest writes)

@@ -14,7 +14,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from quant.calibration import CalibrationSet, build_calibration, load_manifest, resolve_dataset_path
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.io.rundir import atomic_write_text, temp_path
 from quant.measure.profile import RoutingProfile, profile_routing
@@ -56,7 +56,7 @@ def load_calibration(run_dir: Path) -> CalibrationSet:
 
 
 def _layerwise(recipe: Recipe, source: ModelSource, batch_size: int, world: World) -> Layerwise:
-    return Layerwise(source, recipe.model.dtype, recipe.quantize.device, batch_size, world=world)
+    return Layerwise(source, recipe.model.dtype, recipe.quantize.device, batch_size, world)
 
 
 def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
@@ -66,20 +66,21 @@ def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     return {"n_tokens": int(calib.tokens.numel())}
 
 
-def _layer_damage(recipe: Recipe, source: ModelSource, calib: CalibrationSet) -> dict:
+def _layer_damage(recipe: Recipe, source: ModelSource, calib: CalibrationSet, world: World) -> dict:
+    """The layer-damage pass, run by this process alone (``world.alone()``)."""
     from quant.measure.layer_damage import measure_layer_damage, spread_rows
 
     ls = recipe.profile.layer_sensitivity
     tokens = calib.tokens[spread_rows(calib.tokens.shape[0], ls.n_samples)]
-    lw = Layerwise(source, ls.dtype, recipe.quantize.device, recipe.profile.batch_size)
+    lw = Layerwise(source, ls.dtype, recipe.quantize.device, recipe.profile.batch_size, world)
     return measure_layer_damage(source, tokens, lw, ls.schemes)
 
 
-def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
     calib = load_calibration(run_dir)
     profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size, world))
     if recipe.profile.layer_sensitivity is not None:  # one pass on the writer, its result on every rank
-        profile = replace(profile, layer_damage=world.on_writer(lambda: _layer_damage(recipe, source, calib)))
+        profile = replace(profile, layer_damage=world.on_writer(lambda: _layer_damage(recipe, source, calib, world.alone())))
     if world.is_writer:
         tmp = temp_path(run_dir / "profile.json")
         profile.save(tmp)
@@ -146,21 +147,22 @@ def _publish_partial(partial: Path, final: Path) -> None:
     partial.rename(final)
 
 
-def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
     """Layer files go to ``quantize.partial/`` (kept across crashes, keyed by the plan); renamed when done.
     Every rank runs this; the writer alone touches the run directory."""
     from quant.engine.quantize import quantize_model
 
     plan = BitPlan.load(run_dir / "plan.json")
     partial = world.on_writer(lambda: _partial_dir(recipe, run_dir))
-    reports = quantize_model(source, load_calibration(run_dir), plan, recipe.quantize,
-                             _layerwise(recipe, source, recipe.quantize.batch_size, world), partial)
+    # the engine's vocabulary: each quantized module's grid, and the algorithm's name
+    reports = quantize_model(source, load_calibration(run_dir), plan.quantized_specs(), plan.algorithm,
+                             recipe.quantize, _layerwise(recipe, source, recipe.quantize.batch_size, world), partial)
     world.on_writer(lambda: _publish_partial(partial, run_dir / "quantized"))
     return {"layers": len(reports), "rtn_fallbacks": sum(len(r.rtn_fallbacks) for r in reports),
             "resumed_layers": sum(r.resumed for r in reports)}
 
 
-def run_export(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+def run_export(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
     """Every rank writes its share of each checkpoint's shard files; the writer alone finishes each checkpoint."""
     from quant.export import export_all, served_by
 
@@ -169,7 +171,7 @@ def run_export(recipe: Recipe, source: ModelSource, run_dir: Path, world: World 
     return {"formats": list(written), "served_by": served_by(plan, source, recipe)}
 
 
-def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
     from quant.eval.evaluate import evaluate_run
 
     result = evaluate_run(recipe, source, run_dir, world)

@@ -71,7 +71,7 @@ class MixedExpertsConfig(CompressedTensorsConfig):
         schemes = [self._expert_scheme(layer, prefix, e, names) for e in range(layer.global_num_experts)]
         if len(set(schemes)) == 1 and names == VLLM_PROJ_NAMES:
             return CompressedTensorsMoEMethod.get_moe_method(self, layer, layer_name=prefix)  # vLLM's own method
-        # mixed schemes, or expert names vLLM's own lookup does not try (it asks for experts.0.gate_proj)
+        # mixed schemes, or expert names vLLM's own lookup does not try (it asks for expert 0 by its own default names)
         return MixedExpertsMethod(layer.moe_config, prefix, schemes)
 
     def _expert_scheme(self, layer: RoutedExperts, prefix: str, e: int, names: tuple[str, ...]) -> Scheme:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from quant.calibration import build_calibration
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.engine.qstore import layer_file, read_layer
 from quant.engine.quantize import quantize_model
@@ -20,7 +21,7 @@ def setup():
 
     src = resolve_model("builtin:deepseek-v3-tiny")
     calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 8, 64, 0)
-    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4))
+    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4, world=World()))
     return src, calib, prof
 
 
@@ -29,7 +30,8 @@ def _quantize(setup, tmp_path, name, plan_spec=None, **qkw):
     plan = plan_bits(prof, src.modules, plan_spec or PlanSpec(group_size=32), qkw.pop("algorithm", "gptq"), src.n_layers)
     out = tmp_path / name
     device = qkw.get("device", "cpu")
-    reports = quantize_model(src, calib, plan, QuantizeSpec(**qkw), Layerwise(src, "bfloat16", device, 4), out)
+    reports = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(**qkw),
+                             Layerwise(src, "bfloat16", device, 4, World()), out)
     return plan, out, reports
 
 
@@ -117,7 +119,7 @@ def test_each_statistics_chunk_is_freed_before_the_next_is_allocated(setup, tmp_
     import gc
     import weakref
 
-    import quant.engine.quantize as q
+    import quant.engine.hessians as q
 
     alive, most = [], [0]
     orig = q.ExpertStats.__init__
@@ -142,7 +144,8 @@ def test_resumed_layers_report_what_was_measured(setup, tmp_path):
     fallbacks and repairs, not zeros and empty names."""
     src, calib, prof = setup
     plan, out, first = _quantize(setup, tmp_path, "resume", min_tokens=10**6)
-    again = quantize_model(src, calib, plan, QuantizeSpec(min_tokens=10**6), Layerwise(src, "bfloat16", "cpu", 4), out)
+    again = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(min_tokens=10**6),
+                           Layerwise(src, "bfloat16", "cpu", 4, World()), out)
     assert all(r.resumed for r in again) and not any(r.resumed for r in first)
     for a, b in zip(first, again, strict=True):
         assert b.worst_module == a.worst_module and b.worst_rel_error == a.worst_rel_error
@@ -198,14 +201,14 @@ def test_statistics_passes_skip_the_routed_experts_and_change_nothing(model, alg
                         else None)
     tok = AutoTokenizer.from_pretrained(src.path, trust_remote_code=model == "per-expert")
     calib = build_calibration("calibration/bundled.yaml", tok, 8, 32, 0)
-    plan = plan_bits(profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4)), src.modules,
+    plan = plan_bits(profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4, world=World())), src.modules,
                      PlanSpec(group_size=32, symmetric=algorithm != "awq"), algorithm, src.n_layers)
     budget = {"hessian_budget_gb": 2e-5} if algorithm == "gptq" else {}  # several passes per layer
 
     def run(name):
         out = tmp_path / name
-        quantize_model(src, calib, plan, QuantizeSpec(algorithm=algorithm, **budget),
-                       Layerwise(src, "bfloat16", "cpu", 4), out)
+        quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(algorithm=algorithm, **budget),
+                       Layerwise(src, "bfloat16", "cpu", 4, world=World()), out)
         return {**{f"{i}:{n}": (q.q, q.scale, q.zero) for i in range(src.n_layers)
                    for n, q in read_layer(layer_file(out, i)).items()},
                 **{f"{i}:param:{n}": t for i, n_t in enumerate(read_params(layer_file(out, i))
@@ -235,10 +238,10 @@ def test_host_reads_do_not_grow_with_the_modules(setup, tmp_path, monkeypatch):
     from collections import Counter
 
     from quant.diag.hostsync import HostSyncs
-    from quant.engine import quantize as qz
+    from quant.engine.results import LayerResults
 
     calls = Counter()
-    record = qz._LayerJob.record
+    record = LayerResults.record
 
     def counted(self, *a, **kw):
         calls["record"] += 1
@@ -252,7 +255,7 @@ def test_host_reads_do_not_grow_with_the_modules(setup, tmp_path, monkeypatch):
         calls["gptq"] += 1
         return solve(*a, **kw)
 
-    monkeypatch.setattr(qz._LayerJob, "record", counted)
+    monkeypatch.setattr(LayerResults, "record", counted)
     monkeypatch.setattr(gq, "gptq", counted_solve)
     with HostSyncs() as s:
         _, _, reports = _quantize(setup, tmp_path, "reads")
@@ -286,7 +289,7 @@ def test_a_diverged_solve_names_the_module(setup, tmp_path, monkeypatch):
 def test_slice_sums_equal_direct_sums_per_module():
     """record's one-read checks: each (batch element, row slice)'s sum from one cumulative sum equals summing the
     slice directly (float64); a NaN row spoils only sums over its own batch element's later rows."""
-    from quant.engine.quantize import _slice_sums
+    from quant.engine.results import _slice_sums
 
     g = torch.Generator().manual_seed(0)
     v = torch.rand(3, 4, 10, generator=g, dtype=torch.float64)

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from quant.dist.world import World
 from quant.export.shards import Planned, plan_shards, plan_tensors, shard_owners
 from quant.models.headers import read_safetensors_header
 
@@ -66,11 +67,12 @@ def store(tmp_path_factory):
 
     src = resolve_model("builtin:qwen3-moe-tiny")
     calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 8, 32, 0)
-    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8))
+    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8, world=World()))
     plan = plan_bits(prof, src.modules, PlanSpec(group_size=32, low_bits=2, high_bits=8, symmetric=False), "awq",
                      src.n_layers, ("compressed-tensors", "gptq"))
     qdir = tmp_path_factory.mktemp("store") / "quantized"
-    quantize_model(src, calib, plan, QuantizeSpec(algorithm="awq"), Layerwise(src, "bfloat16", "cpu", 8), qdir)
+    quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(algorithm="awq"),
+                   Layerwise(src, "bfloat16", "cpu", 8, World()), qdir)
     return src, plan, qdir
 
 
@@ -84,7 +86,7 @@ def test_every_file_holds_exactly_the_planned_tensors(store, tmp_path, fmt):
                    else (lambda qw: gptq_tensors(qw, True), write_gptq))
     limit = 150_000
     shards = plan_shards(plan_tensors(src, plan, qdir, make), limit)
-    write(src, plan, qdir, tmp_path / "ckpt", limit)
+    write(src, plan, qdir, tmp_path / "ckpt", limit, World())
     assert len(shards) >= 3
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors")) == [s.file for s in shards]
     for s in shards:

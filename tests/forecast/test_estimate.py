@@ -141,8 +141,8 @@ def test_deepseek_v3_awq_fits_80gb_at_defaults(shapes_dir):
     """AWQ on the DeepSeek-V3 layer at the recipe's defaults fits an 80 GB card, profile included: its expert
     statistics come in hessian_budget_gb chunks (one pass each, as GPTQ's) and its searches take a few experts at a
     time, sized as quant/engine/awq_layer.py sizes them; the profile's probe rounds a few experts at a time."""
-    from quant.engine.awq_layer import search_bytes
-    from quant.forecast.estimate import AWQ_FACTOR
+    from quant.engine.budgets import search_bytes
+    from quant.forecast.layer_costs import AWQ_FACTOR
 
     path = shapes_dir("deepseek-v3", 1)
     recipe = _bench_recipe(path, 32, "awq", 3.0)
@@ -248,7 +248,7 @@ def test_reduced_statistics_hold_every_experts_hessians_on_each_rank(shapes_dir)
     """Qwen3-30B-A3B at 2 GPUs: its 128 experts' Hessians (2.4 GB) fit one pass, so by default on GPUs each rank
     sums its own batches for every expert (``quantize.statistics: reduce``) and holds all of them, as one GPU does;
     ``ordered`` holds only the rank's 64. DeepSeek-V3's (56 GB) need chunks: ordered either way."""
-    from quant.engine.quantize import expert_hessian_bytes
+    from quant.engine.budgets import expert_hessian_bytes
 
     per = expert_hessian_bytes(2048, 768)
     path = shapes_dir("qwen3-30b-a3b", 1)

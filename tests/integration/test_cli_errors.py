@@ -57,6 +57,21 @@ def test_usage_error_through_the_console_entry_point():
     assert p.returncode == 2 and "No such option: --no-such-option" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_a_bad_launcher_variable_is_one_error_line_before_any_work(tmp_path, monkeypatch, capsys):
+    """LOCAL_WORLD_SIZE is read where the process group is set up (once, before any stage): a value that is not a
+    number of processes is one line, exit 1, and no run directory is made."""
+    from quant.cli import cli_exit_code
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+    assert cli_exit_code(["run", HEADLINE, "-o", str(tmp_path / "r"), *FAST]) == 1
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert lines == ["error: LOCAL_WORLD_SIZE is 'eight': it must be a whole number of processes on this node "
+                     "(torchrun sets it; unset it outside a launcher)"], err
+    assert "Traceback" not in err and not (tmp_path / "r").exists()
+
+
 def test_help_exits_0(capsys):
     from quant.cli import cli_exit_code
 

@@ -92,7 +92,7 @@ def test_two_ranks_give_the_one_process_checkpoint_with_awq_in_expert_chunks(tmp
     experts' Hessians): every pass's relay hands both ranks every batch, each rank searches every expert, and the
     checkpoint is the one process's byte for byte (deepseek-v3-tiny: its dense first layer takes the unrouted
     path, its shared expert reuses the routed experts' s)."""
-    from quant.engine.quantize import expert_hessian_bytes
+    from quant.engine.budgets import expert_hessian_bytes
     from quant.models import resolve_model
 
     budget = 1.3e-4

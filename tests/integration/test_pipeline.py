@@ -1,12 +1,15 @@
 """The whole pipeline on every builtin family: artifacts, checkpoint exactness, loading, generation."""
 
+import gc
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from quant.dist.world import World
 from quant.engine.qstore import dequantize_2d, layer_file, load_into_layer, read_layer
+from quant.errors import StopRequested
 from quant.models import BUILTINS, resolve_model
 from quant.recipe import load_recipe
 from quant.run.pipeline import STAGES, run
@@ -19,6 +22,21 @@ FAST = ("calibration.n_samples=8", "calibration.seq_len=64", "eval.perplexity.n_
 def _run(tmp_path, name, *overrides, until="report"):
     recipe = load_recipe(HEADLINE, overrides=FAST + overrides, model=f"builtin:{name}")
     return recipe, run(recipe, tmp_path / name, until=until)
+
+
+def test_a_stop_request_ends_with_the_run_that_took_it(tmp_path):
+    """A stop file stops the run in hand after its stage, and only that run: the next run in the same process has a
+    stop flag of its own (one flag shared by every in-process run made each later run stop at once)."""
+    recipe = load_recipe(HEADLINE, overrides=FAST, model="builtin:qwen3-moe-tiny")
+    d = tmp_path / "r"
+    run(recipe, d, until="calibrate")
+    (d / "STOP").touch()
+    with pytest.raises(StopRequested, match="stop file"):
+        run(recipe, d, until="profile", force="calibrate")
+    assert not (d / "STOP").exists()
+    gc.collect()  # the stopped run's directory lock goes with its objects (the CLI's process ends instead)
+    again = run(recipe, d, until="profile", force="calibrate")
+    assert again.ran == ["calibrate", "profile"]
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +208,7 @@ def test_streamed_eval_equals_whole_model_eval_on_a_mixed_plan(family_runs, name
     assert ev["proxy_mode"] == "whole" and ev["proxy_mode_reason"].startswith("auto")
     assert ev["loader"] == "compressed-tensors-dequantize"
     recipe = load_recipe(HEADLINE, overrides=FAST + ("eval.mode=streamed",), model=f"builtin:{name}")
-    streamed = evaluate_run(recipe, resolve_model(f"builtin:{name}"), result.run_dir)
+    streamed = evaluate_run(recipe, resolve_model(f"builtin:{name}"), result.run_dir, World())
     assert streamed["proxy_mode"] == "streamed" and streamed["loader"] == "compressed-tensors-per-layer"
     _proxies_close(ev["proxies"], streamed["proxies"])
 
@@ -207,7 +225,7 @@ def test_streamed_eval_equals_transformers_loading_the_checkpoint(tmp_path, name
     out = {}
     for mode in ("whole", "streamed"):
         recipe = load_recipe(HEADLINE, overrides=FAST + overrides + (f"eval.mode={mode}",), model=f"builtin:{name}")
-        out[mode] = evaluate_run(recipe, src, result.run_dir)
+        out[mode] = evaluate_run(recipe, src, result.run_dir, World())
     assert out["whole"]["loader"] == "transformers"
     _proxies_close(out["whole"]["proxies"], out["streamed"]["proxies"])
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.measure.layer_damage import measure_layer_damage, spread_rows
 from quant.models import resolve_model
@@ -34,7 +35,7 @@ def _reference_kl(source, tokens: torch.Tensor, layer: int, bits: int, group: in
 
 def test_matches_whole_model_reference(source):
     tokens = torch.randint(0, source.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
-    damage = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), SCHEMES)
+    damage = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2, world=World()), SCHEMES)
     moe = source.moe_layers()
     assert set(damage) == set(SCHEMES) and all(d.shape == (len(moe),) for d in damage.values())
     for row in (0, len(moe) - 1):
@@ -50,8 +51,9 @@ def test_branches_do_not_leak_into_each_other(source):
     """A scheme measured alone gives the same damage as in a pass with other schemes (each branch starts from the
     original weights and the clean stream runs on them)."""
     tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    alone = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), ("w4g32",))
-    mixed = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), ("w2g32", "w4g32", "w8g32"))
+    alone = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2, world=World()), ("w4g32",))
+    mixed = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2, World()),
+                                 ("w2g32", "w4g32", "w8g32"))
     assert torch.allclose(alone["w4g32"], mixed["w4g32"], rtol=1e-5, atol=0)
 
 
@@ -70,5 +72,5 @@ def test_a_layer_s_expert_weights_are_gone_before_the_next_layer_loads(monkeypat
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     alive = expert_weights_alive_at_each_load(
         monkeypatch, layer_damage,
-        lambda: measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2), ("w4g32",)))
+        lambda: measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2, world=World()), ("w4g32",)))
     assert alive == [0] * src.n_layers
