@@ -31,8 +31,16 @@ def resolve_model(spec: str, trust_remote_code: bool = False, family: str | None
         if fp8_block_size(config) is not None:
             from quant.models.fp8 import Fp8BlockSource
 
-            return Fp8BlockSource(path, **kw)
-    return ModelSource(path, **kw)
+            return checked(Fp8BlockSource(path, **kw))
+    return checked(ModelSource(path, **kw))
+
+
+def checked(source: ModelSource) -> ModelSource:
+    """``source`` once its tensors are those its config.json implies (``models.expected``)."""
+    from quant.models.expected import check_model
+
+    check_model(source)
+    return source
 
 
 def _hub_snapshot(repo_id: str, with_code: bool) -> Path:

@@ -15,8 +15,11 @@ from pathlib import Path
 
 from quant.errors import ModelError
 from quant.io.direct_read import DTYPE_NAMES, TORCH_DTYPES, header_table
+from quant.models.expected import check_model
 from quant.models.source import (
     ModelSource,
+    check_layer_count_type,
+    check_shard_names,
     fp8_block_size,
     fp8_dense_dtype,
     prediction_layers,
@@ -47,7 +50,11 @@ class HeaderSource(ModelSource):
         self.display_name = display_name
         self.trust_remote_code = trust_remote_code
         self.config_dict = config
-        self.family = self._family(config.get("model_type", "?"), family)
+        model_type = config.get("model_type", "?")
+        if not isinstance(model_type, str):
+            raise ModelError(f"{display_name}: config.json's model_type must be a string, got {model_type!r}")
+        self.family = self._family(model_type, family)
+        check_layer_count_type(config, f"{display_name}: config.json")
         self.left_out = prediction_layers(config, tensors, display_name)
         left_out = set(self.left_out)
         self.tensors = {k: v for k, v in tensors.items() if k not in left_out}
@@ -55,6 +62,25 @@ class HeaderSource(ModelSource):
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: shape for k, (_, shape) in self.tensors.items()}
+
+    def dtypes(self) -> dict[str, str]:
+        return {k: dtype for k, (dtype, _) in self.tensors.items()}
+
+    def hf_config(self):
+        """From the folder's config.json when there is one, else from the hub's config.json for a model_type
+        transformers defines (None for remote code: its Python is not fetched for an estimate)."""
+        if (self.path / "config.json").is_file():
+            return self.config
+        from transformers import CONFIG_MAPPING
+
+        model_type = self.config_dict.get("model_type")
+        if model_type not in CONFIG_MAPPING:
+            return None
+        try:
+            return CONFIG_MAPPING[model_type].from_dict(dict(self.config_dict))
+        except Exception as e:  # noqa: BLE001 - config.json's values reach arbitrary transformers code: bad input
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ModelError(f"transformers cannot read the config.json of {self.display_name}: {reason}") from None
 
     def read_tensors(self, keys, device="cpu", into=None):
         raise ModelError(f"{self.display_name}: only tensor shapes are known here (quant estimate), not weights")
@@ -70,6 +96,7 @@ def _local(path: Path) -> tuple[dict, dict]:
     files = sorted(set(map(str, weight_map.values()))) if weight_map else sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise ModelError(f"{path} has no safetensors files (quant reads safetensors only)")
+    check_shard_names(path, files, str(index) if weight_map else str(path))
     tensors: dict = {}
     for name in files:
         tensors.update(read_safetensors_header(path / name))
@@ -112,7 +139,9 @@ def load_headers(spec: str, trust_remote_code: bool = False, family: str | None 
         dense = DTYPE_NAMES[fp8_dense_dtype(config)]
         tensors = {k: (dense if k + "_scale_inv" in scales else dtype, shape) for k, (dtype, shape) in tensors.items()
                    if k not in scales}
-    return HeaderSource(config, tensors, spec, trust_remote_code, family, path, stored_quantized=bool(scales))
+    source = HeaderSource(config, tensors, spec, trust_remote_code, family, path, stored_quantized=bool(scales))
+    check_model(source)
+    return source
 
 
 @dataclass(frozen=True)
