@@ -4,12 +4,12 @@ Local folders (and builtins): ``config.json`` and the safetensors headers, parse
 JSON table of name -> dtype, shape, offsets), so no weight is read and a header-only file serves as well. Hub ids:
 ``config.json`` alone through ``hf_hub_download`` and every shard's header through huggingface_hub's
 ``get_safetensors_metadata`` (HTTP range requests): nothing else is downloaded, so a 671 B model is sized in
-seconds on a login node.
+seconds on a login node. When the hub cannot be reached (``models.hub``), a copy in the local hub cache is read as a
+folder, or the id is one error at once.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,16 +103,32 @@ def _local(path: Path) -> tuple[dict, dict]:
     return read_json_object(path / "config.json", "it must be the model's configuration"), tensors
 
 
-def _hub(repo_id: str, hub) -> tuple[dict, dict]:
+def _hub(repo_id: str, hub) -> tuple[dict, dict, Path | None]:
+    """(config, tensors, None) from the hub's metadata; when the hub cannot be reached, a copy in the local hub
+    cache is read as a folder (its path third), at once."""
+    from quant.models.hub import cache_only_error, unreachable_reason
+
+    offline = unreachable_reason()
+    if offline:
+        try:
+            path = Path(hub.snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"], local_files_only=True))
+        except Exception:  # noqa: BLE001 - not cached, in whatever way huggingface_hub says it
+            raise ModelError(cache_only_error(repo_id, offline)) from None
+        if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+            raise ModelError(cache_only_error(repo_id, offline))
+        return *_local(path), path
     try:
-        config = json.loads(Path(hub.hf_hub_download(repo_id, "config.json")).read_text())
+        config = read_json_object(Path(hub.hf_hub_download(repo_id, "config.json")), "it must be the model's "
+                                  "configuration")
         meta = hub.get_safetensors_metadata(repo_id)
+    except ModelError:
+        raise
     except Exception as e:  # noqa: BLE001 - any hub failure is the same user-facing problem
         raise ModelError(f"model '{repo_id}' is not a local folder and its config/safetensors headers could not be "
                          f"read from the hub: {e}") from None
     tensors = {name: (info.dtype, tuple(info.shape)) for f in meta.files_metadata.values()
                for name, info in f.tensors.items()}
-    return config, tensors
+    return config, tensors, None
 
 
 def load_headers(spec: str, trust_remote_code: bool = False, family: str | None = None, hub=None) -> HeaderSource:
@@ -128,8 +144,7 @@ def load_headers(spec: str, trust_remote_code: bool = False, family: str | None 
     elif spec.count("/") == 1 and not spec.startswith((".", "/")):
         if hub is None:
             import huggingface_hub as hub
-        config, tensors = _hub(spec, hub)
-        path = None
+        config, tensors, path = _hub(spec, hub)
     else:
         raise ModelError(f"model path does not exist: {spec} (use a folder, a hub id, or builtin:NAME)")
     refuse_quantized(config, f"model {spec}")
