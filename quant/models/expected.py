@@ -30,7 +30,7 @@ import torch
 from quant.errors import ModelError
 from quant.io.direct_read import DTYPE_NAMES
 from quant.models.families import FamilySpec
-from quant.models.source import ModelSource, layer_of_key
+from quant.models.source import ModelSource, error_reason, layer_of_key
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,6 @@ EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk")
 POSITIVE_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                  "moe_intermediate_size", "head_dim", *EXPERT_COUNT_KEYS, *TOP_K_KEYS)
-# saved by old transformers versions beside the weights; a non-persistent buffer now, never read from disk
-IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.(.+)\.experts\.(gate_up_proj|down_proj)$")
 SHOWN = 3  # tensors named in a message
 
@@ -94,11 +92,16 @@ def _span(layers: list[int]) -> str:
 def _expert_counts(source: ModelSource) -> dict[int, int]:
     """MoE layer -> its number of routed experts, after checking each holds experts 0..E-1 with every projection."""
     held: dict[int, dict[int, set[str]]] = {}
+    dtypes, stored = source.dtypes(), {}
     for m in source.modules.values():
         if m.kind == "expert":
             held.setdefault(m.layer, {}).setdefault(m.expert, set()).add(m.name.rsplit(".", 1)[1])
+            stored.setdefault(m.layer, set()).add(dtypes.get(m.disk_prefix + ".weight"))
     out = {}
     for layer, by_expert in sorted(held.items()):
+        if len(stored[layer]) > 1:  # they are stacked into one [E, ., .] tensor per projection
+            raise ModelError(f"{source.display_name}: layer {layer}'s expert weights are stored in different dtypes "
+                             f"({', '.join(sorted(map(str, stored[layer])))}); re-save the model in one dtype")
         E = max(by_expert) + 1
         gaps = [e for e in range(E) if by_expert.get(e) != {"gate", "up", "down"}]
         if gaps:
@@ -156,7 +159,7 @@ def _meta_model(source: ModelSource):
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, trust_remote_code=source.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a config's values reach arbitrary transformers code: all are bad input
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        reason = error_reason(e)
         raise ModelError(f"{source.display_name}: transformers cannot build the model config.json describes "
                          f"({type(e).__name__}: {reason}); fix config.json or re-download the model") from None
 
@@ -211,7 +214,7 @@ def _compare(source: ModelSource, implied: dict, optional: set[str], tied_hint: 
     if problems:
         raise ModelError(f"{source.display_name} does not match its config.json: {_listed(problems)}; the weights "
                          "and config.json must be of one model (re-download it, or fix config.json)")
-    extra = sorted(k for k in shapes if k not in implied and not IGNORED.search(k))
+    extra = sorted(k for k in shapes if k not in implied)
     if extra:
         raise ModelError(f"{source.display_name} holds tensors its config.json does not describe: {_listed(extra)}; "
                          "they would be left out of the quantized checkpoint: remove them, or use the config they "

@@ -20,8 +20,10 @@ from quant.models.source import (
     ModelSource,
     check_layer_count_type,
     check_shard_names,
+    error_reason,
     fp8_block_size,
     fp8_dense_dtype,
+    never_read,
     prediction_layers,
     read_json_object,
     refuse_quantized,
@@ -56,7 +58,7 @@ class HeaderSource(ModelSource):
         self.family = self._family(model_type, family)
         check_layer_count_type(config, f"{display_name}: config.json")
         self.left_out = prediction_layers(config, tensors, display_name)
-        left_out = set(self.left_out)
+        left_out = set(self.left_out + never_read(tensors))
         self.tensors = {k: v for k, v in tensors.items() if k not in left_out}
         self.weight_map = {k: "(header)" for k in self.tensors}
 
@@ -79,8 +81,8 @@ class HeaderSource(ModelSource):
         try:
             return CONFIG_MAPPING[model_type].from_dict(dict(self.config_dict))
         except Exception as e:  # noqa: BLE001 - config.json's values reach arbitrary transformers code: bad input
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ModelError(f"transformers cannot read the config.json of {self.display_name}: {reason}") from None
+            raise ModelError(f"transformers cannot read the config.json of {self.display_name}: {error_reason(e)}"
+                             ) from None
 
     def read_tensors(self, keys, device="cpu", into=None):
         raise ModelError(f"{self.display_name}: only tensor shapes are known here (quant estimate), not weights")

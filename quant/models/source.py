@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -61,6 +62,14 @@ def open_safetensors(path: Path, device: str = "cpu") -> Iterator:
         reason = (str(e).strip().splitlines() or [""])[0]
         raise ModelError(f"{path} is not a readable safetensors file ({reason}); it is truncated or damaged: "
                          "re-download or re-save it") from None
+
+
+def error_reason(e: BaseException) -> str:
+    """A library exception's message as one short clause: its first two non-empty lines (transformers' config
+    validation puts the field on the first and the problem on the second)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()][:2]
+    text = " ".join(lines) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def read_json_object(path: Path, what: str, error: type[Exception] = ModelError) -> dict:
@@ -150,7 +159,7 @@ class ModelSource:
         self._dtypes: dict[str, str] = {}
         self._headers = self._read_headers()
         self.left_out = prediction_layers(self.config_dict, self._headers, str(self.path))
-        for key in self.left_out:
+        for key in self.left_out + never_read(self._headers):
             del self.weight_map[key], self._headers[key], self._dtypes[key]
 
     def _family(self, model_type: str, declared: str | None) -> FamilySpec:
@@ -186,8 +195,7 @@ class ModelSource:
         try:
             return AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
         except Exception as e:  # noqa: BLE001 - config.json's values reach arbitrary transformers code: bad input
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ModelError(f"transformers cannot read {self.path / 'config.json'}: {reason}") from None
+            raise ModelError(f"transformers cannot read {self.path / 'config.json'}: {error_reason(e)}") from None
 
     def hf_config(self):
         """transformers' config object (``config``), or None where none can be made without the model's own code
@@ -285,6 +293,16 @@ class ModelSource:
         for file, digest in zip(files, digests, strict=True):
             h.update(f"{file}:{digest}".encode())
         return h.hexdigest()[:16]
+
+
+# buffers old transformers versions saved beside the weights (rotary inverse frequencies); transformers computes
+# them and never reads them from a checkpoint, so neither does quant, nor does it ship them
+_NEVER_READ = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def never_read(keys) -> list[str]:
+    """Stored tensors that are not weights of the model (``_NEVER_READ``): left out when a folder is opened."""
+    return [k for k in keys if _NEVER_READ.search(k)]
 
 
 def check_layer_count_type(config: dict, where: str) -> None:
