@@ -85,12 +85,14 @@ def _check_layer_count(source: ModelSource) -> None:
 
 
 def _span(layers: list[int]) -> str:
-    return f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1)) else \
+    """Sorted distinct ``layers`` as ``0-3``, or the first few."""
+    return f"{layers[0]}-{layers[-1]}" if layers[-1] - layers[0] + 1 == len(layers) else \
         ", ".join(map(str, layers[:SHOWN])) + (", ..." if len(layers) > SHOWN else "")
 
 
 def _expert_counts(source: ModelSource) -> dict[int, int]:
-    """MoE layer -> its number of routed experts, after checking each holds experts 0..E-1 with every projection."""
+    """MoE layer -> its number of routed experts, after checking each holds experts 0..E-1 with every projection
+    (counted over the tensors: an expert index in a tensor name is never ranged over)."""
     held: dict[int, dict[int, set[str]]] = {}
     dtypes, stored = source.dtypes(), {}
     for m in source.modules.values():
@@ -103,10 +105,14 @@ def _expert_counts(source: ModelSource) -> dict[int, int]:
             raise ModelError(f"{source.display_name}: layer {layer}'s expert weights are stored in different dtypes "
                              f"({', '.join(sorted(map(str, stored[layer])))}); re-save the model in one dtype")
         E = max(by_expert) + 1
-        gaps = [e for e in range(E) if by_expert.get(e) != {"gate", "up", "down"}]
+        if len(by_expert) < E:
+            e = next(i for i in range(len(by_expert) + 1) if i not in by_expert)
+            raise ModelError(f"{source.display_name}: layer {layer} holds no weight of expert {e}, but one of expert "
+                             f"{E - 1} ({len(by_expert)} experts in all); re-download the model")
+        gaps = sorted(e for e, projs in by_expert.items() if projs != {"gate", "up", "down"})
         if gaps:
             e = gaps[0]
-            lacks = ", ".join(p for p in ("gate", "up", "down") if p not in by_expert.get(e, ()))
+            lacks = ", ".join(p for p in ("gate", "up", "down") if p not in by_expert[e])
             raise ModelError(f"{source.display_name}: layer {layer}'s expert {e} lacks its {lacks} weight(s) "
                              f"({len(gaps)} of the layer's {E} experts are incomplete); re-download the model")
         out[layer] = E
