@@ -122,15 +122,20 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, model: ModelOpt = None) -> 
 @app.command()
 def estimate(recipe: RecipeArg, set_: SetOpt = None, model: ModelOpt = None,
              gpus: Annotated[int, typer.Option("--gpus", help="GPUs of the job (experts divided over ranks)")] = 1,
-             gpu_memory_gb: Annotated[float, typer.Option("--gpu-memory-gb", help="memory of one GPU")] = 80.0) -> None:
+             gpu_memory_gb: Annotated[float, typer.Option("--gpu-memory-gb", help="memory of one GPU")] = 80.0,
+             host_memory_gb: Annotated[float | None, typer.Option(
+                 "--host-memory-gb", help="memory of the job's host (default: this machine's)")] = None) -> None:
     """Forecast peak GPU/host memory, disk and time per stage from config.json and tensor shapes (no weights);
-    exit 1 if the plan cannot fit."""
-    from quant.forecast.estimate import check_fits, forecast, render
+    exit 1 if the plan cannot fit (a GPU, or the host)."""
+    from quant.forecast.estimate import check_fits, check_machine, forecast, render
+    from quant.io.staging import host_total_bytes
     from quant.models.headers import load_headers
 
     r = _recipe(recipe, set_, model)
+    host = host_memory_gb if host_memory_gb is not None else host_total_bytes() / 1e9
+    check_machine(gpus, gpu_memory_gb, host)  # before the headers are read (from the hub, maybe)
     source = load_headers(r.model.path, r.model.trust_remote_code, r.model.family)
-    f = forecast(r, source, gpus, gpu_memory_gb)
+    f = forecast(r, source, gpus, gpu_memory_gb, host_memory_gb=host)
     typer.echo(render(f, r))
     check_fits(f, r)
 

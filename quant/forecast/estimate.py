@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
 from quant.engine.layerwise import ACTIVATION_BUDGET_BYTES
-from quant.errors import PlanError
+from quant.errors import PlanError, RecipeError
 from quant.forecast.layer_costs import (
     DTYPE_BYTES,
     LayerShape,
@@ -49,6 +50,7 @@ from quant.measure.layer_damage import pass_cost
 from quant.measure.profile import RoutingProfile
 from quant.models import ModelSource
 from quant.models.headers import Dims, dims
+from quant.models.source import layer_of_key
 from quant.plan.bitplan import BitPlan, plan_bits
 from quant.plan.summary import summarize
 from quant.recipe import Recipe, parse_scheme
@@ -81,9 +83,16 @@ class Forecast:
     stages: list[StageForecast]
     checkpoint_bytes: dict[str, float]
     fitting_budgets: tuple[float, float] | None  # (hessian_budget_gb, solve_budget_gb) that fit, or None
+    host_memory_gb: float | None = None  # the host's memory, when the forecast is to be checked against it
 
     def too_big(self) -> StageForecast | None:
         return next((s for s in self.stages if s.gpu_bytes > HEADROOM * self.gpu_memory_gb * GB), None)
+
+    def too_big_for_host(self) -> StageForecast | None:
+        if self.host_memory_gb is None:
+            return None
+        worst = max(self.stages, key=lambda s: s.host_bytes)
+        return worst if worst.host_bytes > HEADROOM * self.host_memory_gb * GB else None
 
 
 def synthetic_profile(source: ModelSource) -> RoutingProfile:
@@ -232,12 +241,11 @@ def fitting_budgets(layers: list[LayerShape], recipe: Recipe, d: Dims, gpus: int
 
 
 def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: float = 80.0,
-             solve_kernel: str = "fused") -> Forecast:
+             solve_kernel: str = "fused", host_memory_gb: float | None = None) -> Forecast:
     """Every stage's forecast for ``recipe`` on ``source`` (shapes only) with ``gpus`` GPUs of ``gpu_memory_gb``.
     ``solve_kernel``: GPTQ's column loop (``throughputs.SOLVE_KERNELS``): the engine's, or the one an older
-    record measured."""
-    if gpus < 1 or gpu_memory_gb <= 0:
-        raise PlanError(f"--gpus must be >= 1 and --gpu-memory-gb > 0, got {gpus} and {gpu_memory_gb}")
+    record measured. ``host_memory_gb``: the host's memory, which ``check_fits`` then checks too."""
+    check_machine(gpus, gpu_memory_gb, host_memory_gb)
     d = dims(source.config_dict)
     plan, profile = plan_for(recipe, source)
     run = dataclasses.replace(workload_of(recipe, gpus, solve_kernel=solve_kernel),
@@ -248,13 +256,23 @@ def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: 
     tokens_bytes = recipe.calibration.n_samples * recipe.calibration.seq_len * 8
     profile_run = dataclasses.replace(run, batch=recipe.profile.batch_size)
     profile_stage = _profile_stage(layers, profile_run, d, recipe)
-    stages = [StageForecast("calibrate", 0.0, HOST_BASE, tokens_bytes, 0.0), profile_stage,
+    stages = [StageForecast("calibrate", 0.0, HOST_BASE + tokens_bytes, tokens_bytes, 0.0), profile_stage,
               StageForecast("plan", 0.0, HOST_BASE, 0.0, 0.0), _quantize_stage(layers, run, d),
               _export_stage(recipe, layers, ckpt, gpus),
               _eval_stage(recipe, source, plan, model_bytes, run, d, layers, gpu_memory_gb)]
     params = sum(math.prod(s) for s in source.shapes().values())
     return Forecast(source.display_name, params, gpus, gpu_memory_gb, stages, ckpt,
-                    fitting_budgets(layers, recipe, d, gpus, gpu_memory_gb))
+                    fitting_budgets(layers, recipe, d, gpus, gpu_memory_gb), host_memory_gb)
+
+
+def check_machine(gpus: int, gpu_memory_gb: float, host_memory_gb: float | None = None) -> None:
+    """The job's machine as given on the command line: at least one GPU, memories finite and positive."""
+    def positive(x: float) -> bool:
+        return math.isfinite(x) and x > 0
+
+    if gpus < 1 or not positive(gpu_memory_gb) or (host_memory_gb is not None and not positive(host_memory_gb)):
+        raise PlanError(f"--gpus must be >= 1 and --gpu-memory-gb and --host-memory-gb finite and > 0, got {gpus}, "
+                        f"{gpu_memory_gb:g} and {host_memory_gb if host_memory_gb is None else f'{host_memory_gb:g}'}")
 
 
 def _gb(b: float) -> str:
@@ -270,7 +288,8 @@ def _duration(s: float) -> str:
 
 def render(f: Forecast, recipe: Recipe) -> str:
     q = recipe.quantize
-    lines = [f"{f.model}: {f.params / 1e9:.1f} B parameters; {f.gpus} GPU(s) x {f.gpu_memory_gb:g} GB; "
+    host = f", host {_gb(f.host_memory_gb * GB)}" if f.host_memory_gb is not None else ""
+    lines = [f"{f.model}: {f.params / 1e9:.1f} B parameters; {f.gpus} GPU(s) x {f.gpu_memory_gb:g} GB{host}; "
              f"{recipe.calibration.n_samples} x {recipe.calibration.seq_len} calibration tokens, {q.algorithm}",
              f"{'stage':<10} {'peak GPU':>10} {'host':>10} {'disk':>10} {'time (H200)':>12}"]
     for s in f.stages:
@@ -298,9 +317,10 @@ def render(f: Forecast, recipe: Recipe) -> str:
 
 
 def check_fits(f: Forecast, recipe: Recipe) -> None:
-    """Raise PlanError (one line) naming the stage that does not fit and what to change."""
+    """Raise PlanError (one line) naming the stage that does not fit (a GPU, then the host) and what to change."""
     stage = f.too_big()
     if stage is None:
+        _check_host(f)
         return
     need = (f"the {stage.stage} stage needs {_gb(stage.gpu_bytes)} per GPU but {f.gpus} x {f.gpu_memory_gb:g} GB "
             f"cards leave {_gb(HEADROOM * f.gpu_memory_gb * GB)}")
@@ -311,3 +331,49 @@ def check_fits(f: Forecast, recipe: Recipe) -> None:
     biggest = max(stage.parts, key=stage.parts.get) if stage.parts else "the model"
     raise PlanError(f"{need} ({biggest} alone: {_gb(stage.parts.get(biggest, stage.gpu_bytes))}); use more or "
                     f"larger GPUs (--gpus, --gpu-memory-gb)")
+
+
+def _check_host(f: Forecast) -> None:
+    stage = f.too_big_for_host()
+    if stage is None:
+        return
+    raise PlanError(f"the {stage.stage} stage needs {_gb(stage.host_bytes)} of host memory per process but the host "
+                    f"has {_gb(f.host_memory_gb * GB)} (--host-memory-gb; {_gb(HEADROOM * f.host_memory_gb * GB)} usable); "
+                    "lower calibration.n_samples or calibration.seq_len (cached activations beyond a GPU's budget "
+                    "stay on the host), use more GPUs, or a host with more memory")
+
+
+def run_host_parts(recipe: Recipe, source: ModelSource, stage: str, on_cpu: bool, ranks: int = 1) -> dict[str, float]:
+    """Host bytes one process of a run holds in ``stage``, by term: the token table (int64), this rank's cached
+    hidden states ``[N, S, D]`` in the model dtype (eval: the base model's and the quantized one's) where they stay on
+    the host (a CPU run, or beyond layerwise's GPU budget), and two decoder layers (one materialized, the next
+    being read)."""
+    d = dims(source.config_dict)
+    dt = DTYPE_BYTES[recipe.model.dtype]
+    spec = recipe.eval.perplexity if stage == "eval" else recipe.calibration
+    copies = 2 if stage == "eval" else 1
+    hidden = copies * math.ceil(spec.n_samples / ranks) * spec.seq_len * d.hidden * dt
+    layers: dict[int, int] = defaultdict(int)
+    for key, shape in source.shapes().items():
+        if (layer := layer_of_key(key)) is not None:
+            layers[layer] += math.prod(shape)
+    return {"tokens": spec.n_samples * spec.seq_len * 8,
+            "cached hidden states": hidden if on_cpu or hidden / copies > ACTIVATION_BUDGET_BYTES else 0.0,
+            "two decoder layers": 2 * max(layers.values(), default=0) * dt}
+
+
+def check_run_memory(recipe: Recipe, source: ModelSource, stage: str, on_cpu: bool, ranks: int,
+                     available_bytes: int) -> None:
+    """Before ``stage`` allocates: RecipeError (one line) when its host memory (``run_host_parts``) exceeds what the
+    host has available."""
+    parts = run_host_parts(recipe, source, stage, on_cpu, ranks)
+    need = sum(parts.values())
+    if need <= available_bytes:
+        return
+    key = "eval.perplexity" if stage == "eval" else "calibration"
+    spec = recipe.eval.perplexity if stage == "eval" else recipe.calibration
+    terms = ", ".join(f"{k} {_gb(v)}" for k, v in parts.items() if v)
+    who = "the eval stage needs" if stage == "eval" else "calibration, profile and quantize need"
+    raise RecipeError(f"{who} about {_gb(need)} of host memory ({terms}) for {spec.n_samples} x "
+                      f"{spec.seq_len} tokens, but this host has {_gb(available_bytes)} available; lower {key}.n_samples "
+                      f"or {key}.seq_len" + ("" if not on_cpu else ", or run on a GPU"))

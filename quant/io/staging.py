@@ -15,6 +15,7 @@ import mmap
 import os
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -120,6 +121,19 @@ def host_available_bytes() -> int:
         return int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_total_bytes() -> int:
+    """The host's memory: its physical memory, or the cgroup's limit (a container, a Slurm job) when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
 
 
 def pin_budget(processes_per_node: int) -> int:

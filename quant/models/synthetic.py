@@ -95,35 +95,22 @@ def write_shapes_only(shape: str, n_layers: int, path: Path) -> Path:
     """config.json and a header-only model.safetensors (names, dtypes, shapes; no data) of a ``shape`` model with
     ``n_layers`` layers, in the per-expert on-disk layout save_pretrained writes: what ``quant estimate`` reads.
     The model is built on the meta device, so a 671 B architecture costs no memory."""
-    import re
     import struct
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from quant.models.expected import implied_tensors
     from quant.models.families import family_for
 
     kw = dict(SHAPES[shape])
     cfg = AutoConfig.for_model(kw.pop("model_type"), num_hidden_layers=n_layers, **kw)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    fam = family_for(cfg.model_type)
-    shapes: dict[str, list[int]] = {}
-    for key, t in model.state_dict().items():
-        m = re.match(r"model\.layers\.(\d+)\.(.+)\.experts\.(gate_up_proj|down_proj)$", key)
-        if not m:
-            layer = re.match(r"model\.layers\.(\d+)\.(.+)$", key)
-            shapes[fam.disk_key(int(layer[1]), layer[2]) if layer else key] = list(t.shape)
-            continue
-        layer, block, E = int(m[1]), m[2], t.shape[0]
-        parts = ({"gate": t.shape[1] // 2, "up": t.shape[1] // 2} if m[3] == "gate_up_proj" else {"down": t.shape[1]})
-        for e in range(E):
-            for proj, rows in parts.items():
-                local = f"{block}.experts.{e}.{fam.expert_proj[proj]}.weight"
-                shapes[fam.disk_key(layer, local)] = [rows, t.shape[2]]
+    implied, _ = implied_tensors(model, family_for(cfg.model_type))
     header, offset = {}, 0
-    for key, shp in sorted(shapes.items()):
+    for key, (shp, _) in sorted(implied.items()):
         n = 2 * int(torch.Size(shp).numel())
-        header[key] = {"dtype": "BF16", "shape": shp, "data_offsets": [offset, offset + n]}
+        header[key] = {"dtype": "BF16", "shape": list(shp), "data_offsets": [offset, offset + n]}
         offset += n
     path.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(path)

@@ -163,6 +163,8 @@ class Run:
                 skipped.append(stage)
                 log.info("stage %s: up to date, skipped", stage)
                 continue
+            if stage in ("calibrate", "profile", "quantize", "eval"):  # before it allocates
+                w.on_writer(lambda stage=stage: stages.check_memory(self.recipe, self.source, stage, w.size))
             if stage == "quantize" or (stage == "export" and "quantize" not in ran):
                 w.on_writer(lambda stage=stage: stages.check_disk(self.recipe, self.source, self.dir.path, stage))
             position = (i, len(todo))

@@ -117,6 +117,17 @@ def check_eval(recipe: Recipe, source: ModelSource) -> None:
     check_sandboxed_tasks(recipe.eval.tasks, recipe.eval.humaneval_sandbox)
 
 
+def check_memory(recipe: Recipe, source: ModelSource, stage: str, ranks: int) -> None:
+    """Before ``stage`` (calibrate, profile, quantize, eval) allocates: refuse when its token table and cached
+    hidden states cannot fit the host's available memory."""
+    from quant.engine.layerwise import pick_device
+    from quant.forecast.estimate import check_run_memory
+    from quant.io.staging import host_available_bytes
+
+    device = pick_device(recipe.eval.device if stage == "eval" else recipe.quantize.device)
+    check_run_memory(recipe, source, stage, device.type == "cpu", ranks, host_available_bytes())
+
+
 def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -> None:
     """Before ``quantize`` (or ``export`` alone): refuse when the run directory's disk cannot hold the quantized
     store and the checkpoints (layers already in ``quantize.partial/`` count as written)."""

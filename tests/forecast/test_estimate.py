@@ -414,3 +414,60 @@ def test_every_builtin_family_is_forecast_at_any_world_size(algorithm, gpus):
         f = forecast(recipe, src, gpus=gpus)
         assert {s.stage for s in f.stages} >= {"profile", "quantize", "export", "eval"}
         assert all(s.gpu_bytes >= 0 and s.seconds >= 0 for s in f.stages), name
+
+
+def test_a_forecast_over_the_hosts_memory_is_refused(quant_cache, capsys):
+    """Before: calibration within the recipe's limit but far over memory forecast 265 GB of host memory and exit 0."""
+    from tests.export.test_gptq_format import quant_cli
+
+    big = ("calibration.n_samples=1000000", "calibration.seq_len=2048")
+    recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", overrides=big)
+    f = forecast(recipe, load_headers("builtin:qwen3-moe-tiny"), host_memory_gb=64)
+    check_fits(forecast(recipe, load_headers("builtin:qwen3-moe-tiny")), recipe)  # no host given: not checked
+    with pytest.raises(PlanError, match=r"the profile stage needs 26\d.\d GB of host memory per process but the host "
+                                        r"has 64.0 GB \(--host-memory-gb"):
+        check_fits(f, recipe)
+    args = ["estimate", str(REPO / "recipes" / "mixed_int8_int4.yaml"), *(a for kv in big for a in ("--set", kv))]
+    code, _, err = quant_cli(capsys, *args)  # this machine's memory by default
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "of host memory per process" in errors[0], err
+    assert quant_cli(capsys, *args, "--host-memory-gb", "1000")[0] == 0
+
+
+@pytest.mark.parametrize("option", [("--gpu-memory-gb", "nan"), ("--gpu-memory-gb", "inf"), ("--gpu-memory-gb", "0"),
+                                    ("--host-memory-gb", "nan"), ("--host-memory-gb", "-1"), ("--gpus", "0")])
+def test_a_machine_that_cannot_exist_is_one_error_line(option, quant_cache, capsys):
+    """Before: --gpu-memory-gb nan exited 0."""
+    from tests.export.test_gptq_format import quant_cli
+
+    code, _, err = quant_cli(capsys, "estimate", str(REPO / "recipes" / "mixed_int8_int4.yaml"), *option)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "finite and > 0" in errors[0], err
+
+
+def test_a_run_that_cannot_fit_the_hosts_memory_is_refused_before_it_allocates(quant_cache, tmp_path):
+    """Before: calibration.n_samples x seq_len within the recipe's limit but far over memory allocated 16.4 GB and
+    ended in an internal error. The eval stage's held-out set is checked the same way before eval allocates."""
+    from quant.errors import RecipeError
+    from quant.forecast.estimate import check_run_memory
+    from quant.run.pipeline import run
+
+    recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml",
+                         overrides=("calibration.n_samples=1000000", "calibration.seq_len=2048"))
+    with pytest.raises(RecipeError, match=r"calibration, profile and quantize need about 27\d.\d GB of host memory "
+                                          r"\(tokens 16.4 GB, cached hidden states 262.1 GB.*lower calibration"):
+        run(recipe, tmp_path / "r")
+    assert not (tmp_path / "r" / "calibration.safetensors").exists()
+    source = resolve_model("builtin:qwen3-moe-tiny")
+    evals = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml",
+                        overrides=("eval.perplexity.n_samples=100000", "eval.perplexity.seq_len=65536"))
+    with pytest.raises(RecipeError, match="the eval stage needs about .* lower eval.perplexity.n_samples"):
+        check_run_memory(evals, source, "eval", True, 1, 64 << 30)
+    check_run_memory(recipe, source, "eval", True, 1, 64 << 30)
+    mid = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml",  # hidden states 4.3 GB: within a GPU's budget
+                      overrides=("calibration.n_samples=16384", "calibration.seq_len=2048"))
+    with pytest.raises(RecipeError, match="cached hidden states 4.3 GB.*or run on a GPU"):
+        check_run_memory(mid, source, "profile", True, 1, 2 << 30)
+    check_run_memory(mid, source, "profile", False, 1, 2 << 30)
+    with pytest.raises(RecipeError, match="cached hidden states 2.1 GB"):  # a rank holds its share of the rows
+        check_run_memory(mid, source, "profile", True, 2, 2 << 30)
