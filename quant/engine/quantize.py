@@ -4,7 +4,8 @@ For each decoder layer: load it (layerwise), run the calibration activations thr
 accumulate Hessians (GPTQ), quantize every planned module — experts of one projection and one spec as a single
 ``[E, out, in]`` problem — write the codes to ``quantized/layer_XXXXX.safetensors``, put the dequantized
 weights into the layer and propagate the activations through the *quantized* layer, so later layers calibrate
-on what they will see at inference. A layer whose file exists is not recomputed (resume after a crash).
+on what they will see at inference. A layer whose file exists, and still holds the bytes whose SHA-256 was
+recorded when it was written, is not recomputed (resume after a crash); a damaged one is.
 
 With several ranks (``lw.world``) each rank owns a contiguous range of a layer's experts, and the layer's other
 modules (solved in groups that share an input) go to ranks by estimated solve time (``dist.assign``, longest
@@ -50,6 +51,8 @@ from quant.engine.qstore import (
     pack_codes,
     packs,
     read_report,
+    remove_layer,
+    stored_layer_problem,
 )
 from quant.engine.rank_split import my_linear_groups, share_results, sub_batches
 from quant.errors import NumericalError, QuantError
@@ -440,7 +443,7 @@ def _one_layer(source, plan, spec, lw: Layerwise, out_dir: Path, idx: int, hidde
         job = _LayerJob(source, plan, spec, idx, layer, world)
         job.report.load_seconds = time.perf_counter() - t0
         path = layer_file(out_dir, idx)
-        if world.broadcast_object(path.is_file() if world.is_writer else None):
+        if world.broadcast_object(_reusable(path, idx) if world.is_writer else None):
             _apply_stored(job, path, lw.device)
             job.report.resumed = True
         else:
@@ -450,6 +453,19 @@ def _one_layer(source, plan, spec, lw: Layerwise, out_dir: Path, idx: int, hidde
     report = job.finish_report(time.perf_counter() - t0)
     _log_layer(report, source.n_layers)
     return report
+
+
+def _reusable(path: Path, idx: int) -> bool:
+    """Whether layer ``idx``'s stored file (a killed run's) can be reused: present and still the bytes recorded
+    when it was written. A damaged or unverifiable one is removed with a warning, and the layer is recomputed."""
+    if not path.exists():
+        return False
+    problem = stored_layer_problem(path)
+    if problem is None:
+        return True
+    log.warning("layer %d: the stored %s is %s; recomputing the layer", idx, path.name, problem)
+    remove_layer(path)
+    return False
 
 
 def _log_layer(report: LayerReport, n_layers: int) -> None:

@@ -195,3 +195,30 @@ def test_a_bad_statistics_mode_is_one_line(value):
     """``quantize.statistics`` takes auto, ordered or reduce; anything else is one line naming the key, exit 1."""
     p = run_cli("validate", HEADLINE, "--set", f"quantize.statistics={value}")
     _one_error_line(p, 1, "quantize.statistics")
+
+
+def test_a_resumed_quantize_recomputes_damaged_partial_layers(tmp_path):
+    """Killed after two layers were stored; then one stored layer gets a flipped byte and the other is truncated. The
+    rerun recomputes both (one warning line each) and exports the checkpoint an uninterrupted run exports."""
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    kill = ("import os, quant.engine.qstore as q\n"
+            "orig = q.write_layer\n"
+            "def write_then_die(path, *a, **k):\n    orig(path, *a, **k)\n"
+            "    if path.name == 'layer_00001.safetensors':\n        os._exit(137)\n"
+            "q.write_layer = write_then_die\n")
+    assert _patched(kill, "export", HEADLINE, "-o", str(killed), *FAST).returncode == 137
+    partial = killed / "quantize.partial"
+    first, second = partial / "layer_00000.safetensors", partial / "layer_00001.safetensors"
+    data = bytearray(first.read_bytes())
+    data[-2] ^= 0x04
+    first.write_bytes(bytes(data))
+    with open(second, "r+b") as f:
+        f.truncate(second.stat().st_size // 3)
+    p = run_cli("export", HEADLINE, "-o", str(killed), *FAST)
+    assert p.returncode == 0, p.stderr[-3000:]
+    warned = [ln for ln in p.stderr.splitlines() if "recomputing the layer" in ln]
+    assert len(warned) == 2 and "damaged" in warned[0] and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert json.loads((killed / "manifest.json").read_text())["stages"]["quantize"]["resumed_layers"] == 0
+    assert run_cli("export", HEADLINE, "-o", str(clean), *FAST).returncode == 0
+    ckpt = "checkpoint/model.safetensors"
+    assert (killed / ckpt).read_bytes() == (clean / ckpt).read_bytes()
