@@ -131,7 +131,6 @@ class LayerSensitivitySpec(_Strict):
 class ProfileSpec(_Strict):
     batch_size: int = Field(8, ge=1)
     min_tokens: int = Field(4, ge=0)
-    extra_datasets: tuple[str, ...] = ()
     layer_sensitivity: LayerSensitivitySpec | None = None
 
 
@@ -376,13 +375,6 @@ class Recipe(_Strict):
                                  f"no scheme with group {g}: add e.g. w{p.low_bits}g{g}")
         return self
 
-    @field_validator("schema_version")
-    @classmethod
-    def _version(cls, v: int) -> int:
-        if v != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {v} is not supported (this quant reads {SCHEMA_VERSION})")
-        return v
-
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -488,9 +480,13 @@ def parse_recipe(data: Any, *, overrides: tuple[str, ...] = (), model: str | Non
     data = strict_yaml.plain(data, "", RecipeError)  # overrides and --model checked the same way
     _check_keys(data, Recipe, "")
     try:
-        return Recipe.model_validate_json(json.dumps(data), strict=True)
+        recipe = Recipe.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as e:
         raise RecipeError(_format_validation(e)) from None
+    if recipe.schema_version != SCHEMA_VERSION:  # the loader's own key: which schema the file was written for
+        raise RecipeError(f"invalid recipe value at 'schema_version': schema_version {recipe.schema_version} is not "
+                          f"supported (this quant reads {SCHEMA_VERSION})")
+    return recipe
 
 
 def load_recipe(path: str | Path, *, overrides: tuple[str, ...] = (), model: str | None = None) -> Recipe:

@@ -40,7 +40,7 @@ from quant.models import ModelSource
 from quant.models.builtin import cache_root
 from quant.models.layers import DTYPES
 from quant.plan.bitplan import BitPlan
-from quant.recipe import Recipe
+from quant.recipe import EvalSpec, Recipe
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def _task_cache_key(source: ModelSource, recipe: Recipe) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def task_gpus(e, model_bytes: int) -> int:
+def task_gpus(e: EvalSpec, model_bytes: int) -> int:
     """GPUs the hf lm-eval backend dispatches the model over: ``eval.gpus``, else every visible GPU when the dense
     model exceeds ~90% of GPU 0's memory, else 1."""
     visible = torch.cuda.device_count()

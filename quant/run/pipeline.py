@@ -34,7 +34,7 @@ from quant.run import stages
 log = logging.getLogger(__name__)
 
 STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "report")
-# stage -> (recipe sections it reads, upstream stages whose outputs it reads, its outputs)
+# stage -> (recipe sections (or top-level keys) it reads, upstream stages whose outputs it reads, its outputs)
 DEPENDS = {
     "calibrate": (("model", "calibration"), (), ("calibration.safetensors", "calibration.json")),
     "profile": (("model", "profile"), ("calibrate",), ("profile.json",)),
@@ -42,7 +42,8 @@ DEPENDS = {
     "quantize": (("model", "quantize"), ("calibrate", "plan"), ("quantized",)),
     "export": (("export",), ("plan", "quantize"), ()),  # outputs: one folder per format
     "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
-    "report": (("report", "eval"), ("profile", "plan", "quantize", "export", "eval"), ("report.md", "metrics.json")),
+    "report": (("report", "eval", "description"), ("profile", "plan", "quantize", "export", "eval"),
+               ("report.md", "metrics.json")),
 }
 # stages every rank runs (``run_<stage>(..., world)``); the others run on the writer alone
 DISTRIBUTED = ("profile", "quantize", "export", "eval")
