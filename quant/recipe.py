@@ -269,6 +269,8 @@ class ExportSpec(_Strict):
     def _nonempty(cls, v: tuple) -> tuple:
         if not v:
             raise ValueError("export.formats must name at least one format")
+        if len(set(v)) != len(v):
+            raise ValueError(f"export.formats names a format twice ({', '.join(v)}); list each once")
         return v
 
 
@@ -438,15 +440,29 @@ _TYPE_TAGS = {"int", "float", "str", "bool", "none"}
 _KEY = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
 
 
+def _schema_depth(model: type[BaseModel]) -> int:
+    """Levels of the deepest key of ``model`` (a dict section's entry names count as one)."""
+    depths = [1]
+    for f in model.model_fields.values():
+        sub = _submodel(f.annotation)
+        if sub is not None:
+            depths.append(1 + (get_origin(f.annotation) is dict) + _schema_depth(sub))
+    return max(depths)
+
+
 def apply_override(data: dict, assignment: str) -> None:
     """Apply one ``a.b.c=value`` override in place; the value is parsed as (strict) YAML: numbers, lists, bools."""
     if "=" not in assignment:
         raise RecipeError(f"--set expects KEY=VALUE (e.g. plan.top_fraction=0.3), got {assignment!r}")
     key, raw = assignment.split("=", 1)
     key = key.strip()
+    shown = key if len(key) <= 80 else key[:77] + "..."
     if not _KEY.fullmatch(key):
-        raise RecipeError(f"--set key {key!r} must be dotted recipe keys (e.g. plan.top_fraction)")
+        raise RecipeError(f"--set key {shown!r} must be dotted recipe keys (e.g. plan.top_fraction)")
     parts = key.split(".")
+    if len(parts) > strict_yaml.MAX_DEPTH:  # nested mappings that deep are refused in a file too
+        raise RecipeError(f"unknown recipe key '{shown}': {len(parts)} levels deep, recipe keys have at most "
+                          f"{_schema_depth(Recipe)} (e.g. eval.gates.perplexity.max_rel_increase)")
     value = strict_yaml.load(raw, f"--set {key}", RecipeError) if raw.strip() else ""
     node = data
     for part in parts[:-1]:

@@ -222,3 +222,24 @@ def test_a_resumed_quantize_recomputes_damaged_partial_layers(tmp_path):
     assert run_cli("export", HEADLINE, "-o", str(clean), *FAST).returncode == 0
     ckpt = "checkpoint/model.safetensors"
     assert (killed / ckpt).read_bytes() == (clean / ckpt).read_bytes()
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("export.formats=[gptq,gptq]", "export.formats names a format twice"),
+    ("export.formats=[compressed-tensors,gptq,compressed-tensors]", "export.formats names a format twice"),
+    (".".join(["a"] * 5000) + "=1", "5000 levels deep, recipe keys have at most 4"),
+])
+def test_recipe_mistakes_found_by_validate_are_one_line(override, pattern):
+    _one_error_line(run_cli("validate", HEADLINE, "--set", override), 1, pattern)
+
+
+def test_shards_smaller_than_a_module_still_evaluate(tmp_path):
+    """export.max_shard_gb far below one module's size: every module in a file of its own, its parts together, and
+    eval reads the checkpoint (a file holding only another module's scale was an internal error in eval)."""
+    out = tmp_path / "tiny-shards"
+    p = run_cli("eval", HEADLINE, "-o", str(out), *FAST, "--set", "export.max_shard_gb=0.000001")
+    assert p.returncode == 0, p.stderr[-3000:]
+    index = json.loads((out / "checkpoint" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 100
+    assert index["model.layers.0.mlp.experts.0.up_proj.weight_scale"] == \
+        index["model.layers.0.mlp.experts.0.up_proj.weight_packed"]
