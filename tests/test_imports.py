@@ -13,7 +13,7 @@ LAYERS = [
     {"engine.quantize", "eval.evaluate", "plan.runtimes", "plan.summary", "forecast.estimate", "forecast.footprint",
      "plan.servable"},
     {"plan.bitplan", "plan.layer_policy"},
-    {"measure.profile", "engine.hessians", "engine.awq_layer", "eval.stream", "engine.rank_split",
+    {"measure.profile", "engine.hessians", "engine.awq_layer", "eval.stream", "eval.shipped_gptq", "engine.rank_split",
      "measure.layer_damage"},
     {"engine.layerwise", "calibration", "engine.qstore", "eval.lmeval", "eval.humaneval"},
     {"dist.relay"},

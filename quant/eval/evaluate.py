@@ -11,6 +11,8 @@ computed in token chunks by ``evalstream.ProxySums`` and split over ranks by sam
   mixed expert schemes as garbage). Faster for small models.
 ``auto`` (default) takes ``whole`` when the dense model fits in half the eval device's memory (and a mixed plan's
 dense copy fits the temporary folder's free disk), else ``streamed``; eval.json records which and why.
+The checkpoint evaluated is the first of ``export.formats``; a GPTQ-format one is read back by
+``shipped_gptq.GptqCheckpoint`` (streamed), or as its dense copy (whole, lm-eval's hf backend).
 Tasks (``eval.tasks``): lm-eval on both models with identical settings, on the writer rank; base scores are
 cached by model fingerprint and task settings. Gates turn deltas into pass/fail.
 """
@@ -33,11 +35,13 @@ import torch
 from quant.calibration import build_calibration
 from quant.dist.world import SINGLE, World
 from quant.engine.layerwise import device_memory_bytes, pick_device
-from quant.errors import RecipeError
+from quant.errors import CheckpointError, RecipeError
+from quant.eval.shipped_gptq import GptqCheckpoint, dense_copy
 from quant.eval.stream import ProxySums, ShippedCheckpoint, streamed_proxies
 from quant.io.storage import remove_stale
 from quant.models import ModelSource
 from quant.models.builtin import cache_root
+from quant.models.dequant import DequantizingSource
 from quant.models.layers import DTYPES
 from quant.plan.bitplan import BitPlan
 from quant.recipe import EvalSpec, Recipe
@@ -55,20 +59,47 @@ def _load(path: Path, dtype, device, trust_remote_code: bool):
     return model
 
 
-@contextmanager
-def servable_checkpoint(checkpoint: Path, plan: BitPlan, source: ModelSource):
-    """A folder transformers loads correctly: the checkpoint itself, or its compressed-tensors dequantization."""
+def checkpoint_format(checkpoint: Path) -> str:
+    """``gptq`` or ``compressed-tensors``: the quant_method of an exported checkpoint's config.json."""
+    from quant.models.source import read_json_object
+
+    qcfg = read_json_object(checkpoint / "config.json", "re-run the export", CheckpointError).get("quantization_config")
+    return "gptq" if isinstance(qcfg, dict) and qcfg.get("quant_method") == "gptq" else "compressed-tensors"
+
+
+def shipped_checkpoint(checkpoint: Path, source: ModelSource, dtype: torch.dtype, device) -> DequantizingSource:
+    """The exported checkpoint as a source of dense weights, read by its format's reader."""
+    reader = GptqCheckpoint if checkpoint_format(checkpoint) == "gptq" else ShippedCheckpoint
+    return reader(checkpoint, source, dtype, device)
+
+
+def needs_dense_copy(checkpoint: Path, plan: BitPlan, source: ModelSource) -> bool:
+    """Whether transformers needs a dense copy to load the checkpoint correctly (GPTQ files always; a
+    compressed-tensors checkpoint when transformers cannot serve its plan)."""
     from quant.plan.runtimes import problems_for
 
-    if not problems_for(plan, source, "transformers"):
+    return checkpoint_format(checkpoint) == "gptq" or bool(problems_for(plan, source, "transformers"))
+
+
+@contextmanager
+def servable_checkpoint(checkpoint: Path, plan: BitPlan, source: ModelSource, dtype: torch.dtype = torch.bfloat16):
+    """A folder transformers loads correctly: the checkpoint itself, or its dense copy in the temporary folder
+    (compressed-tensors' dequantization, or the GPTQ files read back by ``shipped_gptq``)."""
+    if not needs_dense_copy(checkpoint, plan, source):
         yield checkpoint, "transformers"
         return
-    from compressed_tensors.entrypoints.convert import convert_checkpoint
-    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
-
     remove_stale(Path(tempfile.gettempdir()), "quant-dense-")  # left by killed runs
     tmp = Path(tempfile.mkdtemp(prefix=f"quant-dense-{os.getpid()}-"))
     try:
+        if checkpoint_format(checkpoint) == "gptq":
+            dense_copy(GptqCheckpoint(checkpoint, source, dtype, "cpu"), tmp)
+            yield tmp, "gptq-dequantize"
+            return
+        from compressed_tensors.entrypoints.convert import convert_checkpoint
+        from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
+            CompressedTensorsDequantizer,
+        )
+
         convert_checkpoint(checkpoint, tmp, CompressedTensorsDequantizer(checkpoint), device="cpu")
         yield tmp, "compressed-tensors-dequantize"
     finally:
@@ -117,22 +148,27 @@ def check_mode(requested: str, source: ModelSource) -> None:
                           "weights quant quantized; use eval.mode: streamed or auto")
 
 
-def proxy_mode(requested: str, source: ModelSource, plan: BitPlan, dtype: torch.dtype, device) -> tuple[str, str]:
+def proxy_mode(requested: str, source: ModelSource, plan: BitPlan, dtype: torch.dtype, device,
+               dense_copy_needed: bool | None = None) -> tuple[str, str]:
     """(``whole`` or ``streamed``, why): ``requested`` unless ``auto``, then the documented size rule; a base model
-    stored quantized (``check_mode``) is streamed."""
+    stored quantized (``check_mode``) is streamed. ``dense_copy_needed``: whole would load a dense copy of the
+    checkpoint (``needs_dense_copy``; None: when transformers cannot serve the plan), which must fit the temporary
+    folder."""
     check_mode(requested, source)
     if requested != "auto":
         return requested, f"eval.mode: {requested} (recipe)"
     if source.stored_quantized:
         return "streamed", "auto: the base model is stored in FP8 blocks (streamed reads it dequantized, as quantize did)"
-    from quant.plan.runtimes import problems_for
-
     dense = dense_bytes(source, dtype)
     memory = device_memory_bytes(torch.device(device))
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     if dense > WHOLE_MAX_MEMORY_FRACTION * memory:
         return "streamed", f"auto: dense model {gb(dense)} > {WHOLE_MAX_MEMORY_FRACTION:g} x {device} memory {gb(memory)}"
-    if problems_for(plan, source, "transformers"):
+    if dense_copy_needed is None:
+        from quant.plan.runtimes import problems_for
+
+        dense_copy_needed = bool(problems_for(plan, source, "transformers"))
+    if dense_copy_needed:
         free = shutil.disk_usage(tempfile.gettempdir()).free
         if dense > free:
             return "streamed", f"auto: a dense copy ({gb(dense)}) does not fit the free disk of the temporary folder"
@@ -229,7 +265,7 @@ def _quantized_tasks(recipe: Recipe, source: ModelSource, plan: BitPlan, checkpo
         return _run_tasks(recipe, source, checkpoint, device)
     if dense is not None:
         return _run_tasks(recipe, source, dense, device, gpus)
-    with servable_checkpoint(checkpoint, plan, source) as (path, _):
+    with servable_checkpoint(checkpoint, plan, source, DTYPES[recipe.model.dtype]) as (path, _):
         return _run_tasks(recipe, source, path, device, gpus)
 
 
@@ -251,15 +287,15 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
             return {}
         return world.on_writer(lambda: _quantized_tasks(recipe, source, plan, checkpoint, device, gpus, dense))
 
-    mode, reason = proxy_mode(e.mode, source, plan, dtype, device)
+    mode, reason = proxy_mode(e.mode, source, plan, dtype, device, needs_dense_copy(checkpoint, plan, source))
     log.info("eval proxies: %s (%s)", mode, reason)
     if mode == "streamed":
-        shipped = ShippedCheckpoint(checkpoint, source, dtype, device)
-        proxy, loader = streamed_proxies(source, shipped, tokens, recipe.model.dtype, device, e.batch_size, world), \
-            "compressed-tensors-per-layer"
+        shipped = shipped_checkpoint(checkpoint, source, dtype, device)
+        proxy = streamed_proxies(source, shipped, tokens, recipe.model.dtype, device, e.batch_size, world)
+        loader = f"{checkpoint_format(checkpoint)}-per-layer"
         tasks = tasks_on_writer()
     else:
-        with servable_checkpoint(checkpoint, plan, source) as (path, loader):
+        with servable_checkpoint(checkpoint, plan, source, dtype) as (path, loader):
             proxy = whole_proxies(source.path, path, tokens, dtype, device, e.batch_size, source.trust_remote_code,
                                   world)
             tasks = tasks_on_writer(path)

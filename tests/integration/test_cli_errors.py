@@ -243,3 +243,14 @@ def test_shards_smaller_than_a_module_still_evaluate(tmp_path):
     assert len(set(index.values())) > 100
     assert index["model.layers.0.mlp.experts.0.up_proj.weight_scale"] == \
         index["model.layers.0.mlp.experts.0.up_proj.weight_packed"]
+
+
+def test_a_gptq_only_export_is_evaluated_from_its_gptq_files(tmp_path):
+    """export.formats: [gptq] alone (a documented format) runs to the report: eval reads the GPTQ files back (it
+    failed in eval, after every other stage, looking for a compressed-tensors checkpoint)."""
+    out = tmp_path / "gptq"
+    p = run_cli("run", HEADLINE, "-o", str(out), *FAST, "--set", "export.formats=[gptq]", "--set", "plan.group_size=32")
+    assert p.returncode == 0, p.stderr[-3000:]
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["loader"] == "gptq-dequantize" and ev["passed"] is True
+    assert json.loads((out / "checkpoint" / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
