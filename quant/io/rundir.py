@@ -97,6 +97,56 @@ def versions() -> dict[str, str]:
     return out
 
 
+STATUSES = ("running", "done", "failed", "interrupted", "stopped")
+_NUMBER = (int, float)
+# stage entry field -> the JSON types it may hold (a hand-edited manifest is refused, not half read)
+_STAGE_FIELDS: dict[str, tuple] = {
+    "status": (str,), "input_hash": (str,), "error": (str,), "updated": (str,), "device": (str,),
+    "upstream": (dict,), "outputs": (dict,), "wall_s": _NUMBER, "peak_memory_bytes": _NUMBER, "ranks": (int,),
+    "passed": (bool, type(None)), "failed_gates": (list,)}
+
+
+def manifest_problem(data) -> str | None:
+    """What makes ``data`` (a parsed manifest.json) not one quant wrote, or None."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    for key, kinds in (("identity", (dict,)), ("stages", (dict,)), ("versions", (dict,)), ("passed", (bool, type(None)))):
+        if key in data and not isinstance(data[key], kinds):
+            return f"'{key}' is a {type(data[key]).__name__}"
+    for stage, entry in data.get("stages", {}).items():
+        if not isinstance(entry, dict):
+            return f"stage '{stage}' is a {type(entry).__name__}, not an object"
+        for field, kinds in _STAGE_FIELDS.items():
+            value = entry.get(field, kinds[0]())
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):  # true is no number
+                return f"stages.{stage}.{field} is a {type(value).__name__}"
+        if entry.get("status", "done") not in STATUSES:
+            return f"stages.{stage}.status is {entry['status']!r}"
+        if not all(isinstance(v, str | None) for v in entry.get("outputs", {}).values()):
+            return f"stages.{stage}.outputs holds a value that is not a digest"
+        if not all(isinstance(v, dict | None) for v in entry.get("upstream", {}).values()):
+            return f"stages.{stage}.upstream holds a value that is not a stage's outputs"
+        if not all(isinstance(g, str) for g in entry.get("failed_gates", [])):
+            return f"stages.{stage}.failed_gates holds a value that is not a gate's text"
+    return None
+
+
+def read_run_manifest(path: Path) -> dict:
+    """The manifest at ``path`` ({} when there is none), or a RunDirError saying it is damaged."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_bytes())
+    except ValueError as e:  # not JSON, or not UTF-8 text
+        problem = f"not JSON: {str(e).splitlines()[0][:100]}"
+    else:
+        problem = manifest_problem(data)
+    if problem is not None:
+        raise RunDirError(f"{path} is damaged or was edited ({problem}); remove the run directory or use another "
+                          "--output")
+    return data
+
+
 class RunDir:
     """``runs/<name>/``: holds the manifest and every stage's artifacts."""
 
@@ -105,13 +155,7 @@ class RunDir:
         self._lock_file = None
 
     def manifest(self) -> dict:
-        p = self.path / MANIFEST
-        if not p.is_file():
-            return {}
-        try:
-            return json.loads(p.read_text())
-        except json.JSONDecodeError:
-            raise RunDirError(f"{p} is corrupt; remove the run directory or use another --output") from None
+        return read_run_manifest(self.path / MANIFEST)
 
     def save_manifest(self, data: dict) -> None:
         atomic_write_text(self.path / MANIFEST, json.dumps(data, indent=1))

@@ -254,3 +254,36 @@ def test_a_gptq_only_export_is_evaluated_from_its_gptq_files(tmp_path):
     ev = json.loads((out / "eval.json").read_text())
     assert ev["loader"] == "gptq-dequantize" and ev["passed"] is True
     assert json.loads((out / "checkpoint" / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory) -> Path:
+    """A run directory finished up to eval (copied by the tests that edit it)."""
+    out = tmp_path_factory.mktemp("evaluated") / "run"
+    p = run_cli("eval", HEADLINE, "-o", str(out), *FAST)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out
+
+
+def _edit_manifest(how: str, m: dict) -> bytes:
+    if how == "list":
+        return json.dumps([m]).encode()
+    if how == "binary":
+        return b"\x89PNG\r\n\x1a\n\x00\xff\xfe" + bytes(range(256))
+    if how == "stage-as-string":
+        m["stages"]["calibrate"] = "done"
+    elif how == "failed-gates-7":
+        m["stages"]["eval"].update(passed=False, failed_gates=7)
+    return json.dumps(m).encode()
+
+
+@pytest.mark.parametrize("how", ["list", "binary", "stage-as-string", "failed-gates-7"])
+@pytest.mark.parametrize("command", ["run", "publish"])
+def test_a_hand_edited_run_manifest_is_one_line(evaluated_run, tmp_path, how, command):
+    d = tmp_path / "edited"
+    shutil.copytree(evaluated_run, d)
+    path = d / "manifest.json"
+    path.write_bytes(_edit_manifest(how, json.loads(path.read_text())))
+    argv = ["run", HEADLINE, "-o", str(d), *FAST] if command == "run" else ["publish", str(d), "--repo-id", "me/x"]
+    line = _one_error_line(run_cli(*argv), 1, "manifest.json")
+    assert ("damaged or was edited" if command == "run" else "not ") in line
