@@ -23,6 +23,7 @@ from quant.errors import RunDirError
 from quant.io.storage import file_sha256, free_bytes, is_disk_full, remove_stale
 
 MANIFEST = "manifest.json"
+LOCK = ".lock"
 # OSErrors that are the environment's, not a bug: reported as one line naming the file
 ENVIRONMENT_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
                       errno.EIO, errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EDQUOT}
@@ -160,17 +161,23 @@ class RunDir:
     def save_manifest(self, data: dict) -> None:
         atomic_write_text(self.path / MANIFEST, json.dumps(data, indent=1))
 
-    def claim(self, identity: dict, force: bool) -> dict:
-        """Create or reopen the run dir for ``identity`` (recipe hash, model); refuse a different run."""
+    def claim(self, identity: dict, force: bool, managed: tuple[str, ...] = ()) -> dict:
+        """Create or reopen the run dir for ``identity`` (recipe hash, model); refuse a different run, and a symbolic
+        link in place of an entry quant writes (``managed``: names in the run directory)."""
         try:
-            return self._claim(identity, force)
+            return self._claim(identity, force, managed)
         except OSError as e:
             raise environment_error(e, self.path) or RunDirError(f"cannot create or use run directory {self.path}: "
                                                                  f"{e.strerror or e}") from None
 
-    def _claim(self, identity: dict, force: bool) -> dict:
+    def _claim(self, identity: dict, force: bool, managed: tuple[str, ...]) -> dict:
         if self.path.exists() and not self.path.is_dir():
             raise RunDirError(f"{self.path} is a file, not a run directory; use another --output")
+        for name in (MANIFEST, LOCK, *managed):
+            if (self.path / name).is_symlink():
+                raise RunDirError(f"{self.path / name} is a symbolic link; quant writes, replaces and removes "
+                                  f"{name} itself and follows no links in a run directory: remove the link (or put "
+                                  "the whole run directory where it points, with --output)")
         if self.path.exists() and not (self.path / MANIFEST).is_file() and any(self.path.iterdir()) and not force:
             raise RunDirError(f"{self.path} exists and is not a quant run directory; use another --output or --force")
         self.path.mkdir(parents=True, exist_ok=True)
@@ -196,7 +203,7 @@ class RunDir:
         return m
 
     def _lock(self) -> None:
-        self._lock_file = open(self.path / ".lock", "w")  # noqa: SIM115 - held for the process lifetime
+        self._lock_file = open(self.path / LOCK, "w")  # noqa: SIM115 - held for the process lifetime
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

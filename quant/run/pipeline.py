@@ -106,6 +106,11 @@ class Run:
         cards = [f"{d}/{CARD}" for d in checkpoint_dirs(self.recipe).values()] if stage == "report" else []
         return list(DEPENDS[stage][2]) + cards
 
+    def managed(self) -> tuple[str, ...]:
+        """Top-level names the stages write in the run directory (their outputs, the partial quantized store)."""
+        names = {o.split("/")[0] for stage in STAGES for o in self.outputs(stage)}
+        return tuple(sorted(names | {stages.PARTIAL}))
+
     def output_hashes(self, stage: str) -> dict[str, str | None]:
         """What each output holds now (None: missing or damaged). A checkpoint counts by the SHA-256 manifest it
         carries, verified file by file (digests cached by stat, so an unchanged checkpoint is not re-read)."""
@@ -127,7 +132,7 @@ class Run:
         def claim() -> dict:  # on the writer, which resolves the model first (a hub model downloads once)
             if STAGES.index(until) >= STAGES.index("eval"):
                 stages.check_eval(self.recipe, self.source)  # a recipe the model cannot serve fails before any work
-            return self.dir.claim(self.identity(), force=force is not None)
+            return self.dir.claim(self.identity(), force=force is not None, managed=self.managed())
 
         m = w.on_writer(claim)
         share_fingerprint(w, self.source)

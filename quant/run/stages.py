@@ -23,6 +23,7 @@ from quant.plan.summary import summarize
 from quant.recipe import Recipe
 
 log = logging.getLogger(__name__)
+PARTIAL = "quantize.partial"  # the quantized store while quantize runs (kept across crashes)
 
 
 def dataset_hash(dataset: str) -> str:
@@ -123,14 +124,14 @@ def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -
 
     plan = BitPlan.load(run_dir / "plan.json")
     need = estimate(source, plan, recipe.export.formats, scale_bytes=2 if recipe.model.dtype != "float32" else 4)
-    partial = run_dir / "quantize.partial"
+    partial = run_dir / PARTIAL
     written = sum(f.stat().st_size for f in partial.glob("layer_*.safetensors")) if stage == "quantize" else 0
     check_free_disk(run_dir, need, with_store=stage == "quantize", existing_bytes=written)
 
 
 def _partial_dir(recipe: Recipe, run_dir: Path) -> Path:
     """``quantize.partial/`` kept across crashes when its key (plan, quantize section, tokens) still matches."""
-    partial = run_dir / "quantize.partial"
+    partial = run_dir / PARTIAL
     key = hashlib.sha256((run_dir / "plan.json").read_bytes() + recipe.section_hash("quantize").encode()
                          + (run_dir / "calibration.safetensors").read_bytes()).hexdigest()[:16]
     if partial.exists() and (not (partial / "key").is_file() or (partial / "key").read_text() != key):

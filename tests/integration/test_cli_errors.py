@@ -287,3 +287,20 @@ def test_a_hand_edited_run_manifest_is_one_line(evaluated_run, tmp_path, how, co
     argv = ["run", HEADLINE, "-o", str(d), *FAST] if command == "run" else ["publish", str(d), "--repo-id", "me/x"]
     line = _one_error_line(run_cli(*argv), 1, "manifest.json")
     assert ("damaged or was edited" if command == "run" else "not ") in line
+
+
+@pytest.mark.parametrize("name", ["quantized", "quantize.partial", "checkpoint"])
+def test_a_symlink_in_place_of_a_run_directory_entry_is_one_line(evaluated_run, tmp_path, name):
+    """quant replaces and removes its own entries (rmtree of a link failed inside the quantize stage); a link is
+    refused before any stage, and what it points to is left alone."""
+    d, elsewhere = tmp_path / "linked", tmp_path / "elsewhere"
+    shutil.copytree(evaluated_run, d)
+    if (d / name).exists():
+        shutil.move(d / name, elsewhere)
+    else:
+        elsewhere.mkdir()
+    (d / name).symlink_to(elsewhere, target_is_directory=True)
+    before = sorted(p.name for p in elsewhere.iterdir())
+    line = _one_error_line(run_cli("run", HEADLINE, "-o", str(d), *FAST, "--force", "quantize"), 1, "symbolic link")
+    assert name in line
+    assert sorted(p.name for p in elsewhere.iterdir()) == before
