@@ -195,6 +195,35 @@ def task_gpus(e: EvalSpec, model_bytes: int) -> int:
     return visible if model_bytes > 0.9 * device_memory_bytes(torch.device("cuda", 0)) else 1
 
 
+def base_scores_path(source: ModelSource, recipe: Recipe) -> Path:
+    """Where the base model's task scores for these eval settings are cached."""
+    return cache_root() / "eval" / f"base-{_task_cache_key(source, recipe)}.json"
+
+
+def read_cached_scores(path: Path, tasks) -> dict | None:
+    """The base model's cached task scores at ``path`` (``{task: {"value": ...}}`` covering ``tasks``), or None when
+    there are none; a damaged entry is a miss (a warning, and the base model is scored again), never an error."""
+    if not path.is_file():
+        return None
+    try:
+        scores = json.loads(path.read_bytes())
+        if all(isinstance(scores[t]["value"], int | float) and not isinstance(scores[t]["value"], bool) for t in tasks):
+            return scores
+        problem = "a score that is not a number"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}"
+    log.warning("cached base-model scores %s are damaged (%s); scoring the base model again", path, problem)
+    return None
+
+
+def write_cached_scores(path: Path, scores: dict) -> None:
+    """Cache the base model's task scores (atomically: a killed run never leaves half a file)."""
+    from quant.io.rundir import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(scores))
+
+
 def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpus: int = 1) -> dict:
     from quant.eval.lmeval import run_lm_eval
 
@@ -207,13 +236,11 @@ def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpu
     else:
         max_mem = None if e.max_memory_per_gpu_gb is None else int(e.max_memory_per_gpu_gb * 1e9)
         kw.update(gpus=gpus, max_memory_per_gpu=max_mem)
-    cache = cache_root() / "eval" / f"base-{_task_cache_key(source, recipe)}.json"
-    if cache.is_file():
-        base = json.loads(cache.read_text())
-    else:
+    cache = base_scores_path(source, recipe)
+    base = read_cached_scores(cache, e.tasks)
+    if base is None:
         base = {k: asdict(v) for k, v in run_lm_eval(source.path, list(e.tasks), **kw).items()}
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(base))
+        write_cached_scores(cache, base)
     quant = {k: asdict(v) for k, v in run_lm_eval(quant_dir, list(e.tasks), **kw).items()}
     return {t: {"metric": quant[t]["metric"], "base": base[t]["value"], "quantized": quant[t]["value"],
                 "delta": quant[t]["value"] - base[t]["value"], "stderr": quant[t]["stderr"], "n": quant[t]["n"]}
