@@ -304,3 +304,17 @@ def test_a_symlink_in_place_of_a_run_directory_entry_is_one_line(evaluated_run, 
     line = _one_error_line(run_cli("run", HEADLINE, "-o", str(d), *FAST, "--force", "quantize"), 1, "symbolic link")
     assert name in line
     assert sorted(p.name for p in elsewhere.iterdir()) == before
+
+
+@pytest.mark.parametrize("key", ["calibration.dataset", "eval.perplexity.dataset"])
+def test_infinite_calibration_weights_are_one_line_before_any_stage(tmp_path, key):
+    """A manifest weight of .inf (calibration or held-out set) is refused before any stage runs: the held-out set
+    was read only in the eval stage, after every other stage."""
+    shutil.copytree(REPO / "calibration" / "data", tmp_path / "data")
+    text = (REPO / "calibration" / "bundled.yaml").read_text().replace("weight: 0.2", "weight: .inf")
+    (tmp_path / "inf.yaml").write_text(text)
+    out = tmp_path / "run"
+    p = run_cli("run", HEADLINE, "-o", str(out), *FAST, "--set", f"{key}={tmp_path / 'inf.yaml'}")
+    _one_error_line(p, 1, "weight: Input should be a finite number")
+    stages = json.loads((out / "manifest.json").read_text())["stages"] if (out / "manifest.json").is_file() else {}
+    assert all(s["status"] != "done" for s in stages.values()), stages
