@@ -306,6 +306,7 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
     dtype = DTYPES[recipe.model.dtype]
     tokens = build_calibration(e.perplexity.dataset, source.tokenizer(), e.perplexity.n_samples,
                                e.perplexity.seq_len, seed=0).tokens
+    source.check_token_ids(tokens, f"the held-out set {e.perplexity.dataset}")
     checkpoint = run_dir / "checkpoint"
     gpus = task_gpus(e, dense_bytes(source, dtype)) if e.tasks and e.backend == "hf" else 1
 

@@ -45,6 +45,9 @@ DEPENDS = {
     "report": (("report", "eval", "description"), ("profile", "plan", "quantize", "export", "eval"),
                ("report.md", "metrics.json")),
 }
+# stages that read the model's tokenizer files (tokenize, or copy them into the checkpoint): the fingerprint covers
+# weights and config only, so a changed tokenizer redoes them
+TOKENIZES = ("calibrate", "export", "eval")
 # stages every rank runs (``run_<stage>(..., world)``); the others run on the writer alone
 DISTRIBUTED = ("profile", "quantize", "export", "eval")
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop a run after the layer in hand (Slurm job scripts do)
@@ -95,6 +98,8 @@ class Run:
         }
         if stage == "calibrate":
             blob["dataset"] = stages.dataset_hash(self.recipe.calibration.dataset)
+        if stage in TOKENIZES:
+            blob["tokenizer"] = self.source.tokenizer_digest()
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
     def outputs(self, stage: str) -> list[str]:

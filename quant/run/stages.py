@@ -62,6 +62,7 @@ def _layerwise(recipe: Recipe, source: ModelSource, batch_size: int, world: Worl
 def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     c = recipe.calibration
     calib = build_calibration(c.dataset, source.tokenizer(), c.n_samples, c.seq_len, c.seed)
+    source.check_token_ids(calib.tokens, f"the calibration set {c.dataset}")
     save_calibration(calib, run_dir)
     return {"n_tokens": int(calib.tokens.numel())}
 

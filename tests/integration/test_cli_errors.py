@@ -318,3 +318,45 @@ def test_infinite_calibration_weights_are_one_line_before_any_stage(tmp_path, ke
     _one_error_line(p, 1, "weight: Input should be a finite number")
     stages = json.loads((out / "manifest.json").read_text())["stages"] if (out / "manifest.json").is_file() else {}
     assert all(s["status"] != "done" for s in stages.values()), stages
+
+
+def _builtin_copy(dst: Path) -> Path:
+    from quant.models.builtin import builtin_path
+
+    return Path(shutil.copytree(builtin_path("qwen3-moe-tiny"), dst))
+
+
+def test_a_model_folder_without_tokenizer_files_is_blamed_on_the_tokenizer(tmp_path):
+    model = _builtin_copy(tmp_path / "no-tokenizer")
+    for f in model.glob("tokenizer*"):
+        f.unlink()
+    line = _one_error_line(run_cli("run", HEADLINE, "-o", str(tmp_path / "r"), *FAST, "--model", str(model)), 1,
+                           "has no tokenizer files")
+    assert "0 tokens" not in line and "calibration" not in line
+
+
+def test_token_ids_beyond_the_models_vocabulary_are_one_line_at_calibrate(tmp_path):
+    """A tokenizer that gives ids the embedding has no rows for (here 'the' renumbered 1500 of 1024) is refused when
+    the calibration set is tokenized (an IndexError in the profile stage before)."""
+    model = _builtin_copy(tmp_path / "big-ids")
+    tok = json.loads((model / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["the"] = 1500
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    p = run_cli("run", HEADLINE, "-o", str(tmp_path / "r"), *FAST, "--model", str(model))
+    _one_error_line(p, 1, "gives token id 1500")
+    stages = json.loads((tmp_path / "r" / "manifest.json").read_text())["stages"]
+    assert stages["calibrate"]["status"] == "failed" and "profile" not in stages
+
+
+def test_a_changed_tokenizer_redoes_the_stages_that_read_it(tmp_path):
+    """The model fingerprint covers weights and config; the calibration tokens (and the checkpoint's copy of the
+    tokenizer) depend on the tokenizer files too, so a rerun after they changed tokenizes again."""
+    model = _builtin_copy(tmp_path / "model")
+    args = ("calibrate", HEADLINE, "-o", str(tmp_path / "r"), *FAST, "--model", str(model))
+    assert run_cli(*args).returncode == 0
+    tok = json.loads((model / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["the"], vocab["and"] = vocab["and"], vocab["the"]
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    p = run_cli(*args)
+    assert p.returncode == 0 and "calibrate: ran calibrate" in p.stdout, p.stdout + p.stderr[-2000:]
