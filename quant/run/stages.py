@@ -110,14 +110,19 @@ def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
 
 def check_eval(recipe: Recipe, source: ModelSource) -> None:
     """The eval stage's recipe against the model and the machine, before any work (``evaluate.check_mode``; a
-    task that runs generated code where the sandbox lacks a kernel layer: ``lmeval.check_sandboxed_tasks``), and its
-    held-out manifest (read and validated: its sources are tokenized only in the eval stage)."""
+    task that runs generated code where the sandbox lacks a kernel layer: ``lmeval.check_sandboxed_tasks``), its
+    held-out manifest (read and validated: its sources are tokenized only in the eval stage) and its lm-eval tasks
+    (``lmeval.check_tasks``)."""
     from quant.eval.evaluate import check_mode
     from quant.eval.lmeval import check_sandboxed_tasks
 
     check_mode(recipe.eval.mode, source)
     check_sandboxed_tasks(recipe.eval.tasks, recipe.eval.humaneval_sandbox)
     load_manifest(resolve_dataset_path(recipe.eval.perplexity.dataset))
+    if recipe.eval.tasks:
+        from quant.eval.lmeval import check_tasks
+
+        check_tasks(recipe.eval.tasks)
 
 
 def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -> None:

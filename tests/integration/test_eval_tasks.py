@@ -60,3 +60,19 @@ def test_a_damaged_base_score_cache_is_scored_again(tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
         assert len([ln for ln in p.stderr.splitlines() if "cached base-model scores" in ln]) == 1, p.stderr[-3000:]
         assert json.loads(entry.read_text()) == good
+
+
+@pytest.mark.parametrize("tasks,pattern", [
+    ("[mmlu]", "cais/mmlu of lm-eval's tasks are not in the local cache"),
+    ("[quant_mmlu,humaneval]", "would run generated code outside quant's sandbox"),
+])
+def test_tasks_that_cannot_run_are_refused_before_any_stage(tmp_path, tasks, pattern):
+    """lm-eval's mmlu offline (its dataset not cached: a ConnectionError) and lm-eval's humaneval (unsandboxed code)
+    failed in the eval stage, after every other stage; now one line before the run directory is made."""
+    from tests.conftest import run_cli
+
+    p = run_cli("run", str(REPO / "recipes" / "mixed_int8_int4.yaml"), "-o", str(tmp_path / "r"), "--set",
+                f"eval.tasks={tasks}", env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 1 and len(lines) == 1 and pattern in lines[0], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and not (tmp_path / "r").exists()
