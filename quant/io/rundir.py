@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from quant.errors import RunDirError
-from quant.io.storage import file_sha256, free_bytes, is_disk_full, remove_stale
+from quant.io.storage import file_sha256, free_bytes, is_disk_full, pid_alive, remove_stale, temp_pid
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -178,7 +178,7 @@ class RunDir:
                 raise RunDirError(f"{self.path / name} is a symbolic link; quant writes, replaces and removes "
                                   f"{name} itself and follows no links in a run directory: remove the link (or put "
                                   "the whole run directory where it points, with --output)")
-        if self.path.exists() and not (self.path / MANIFEST).is_file() and any(self.path.iterdir()) and not force:
+        if self.path.exists() and not (self.path / MANIFEST).is_file() and self._foreign() and not force:
             raise RunDirError(f"{self.path} exists and is not a quant run directory; use another --output or --force")
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock()
@@ -201,6 +201,12 @@ class RunDir:
              "versions": versions()}
         self.save_manifest(m)
         return m
+
+    def _foreign(self) -> list[str]:
+        """Entries of a directory without a manifest that are not a claim's own leftovers: the lock, and temporaries
+        of processes that are gone (a claim stopped by a full disk leaves just those)."""
+        return [p.name for p in self.path.iterdir()
+                if p.name != LOCK and not ((pid := temp_pid(p.name)) is not None and not pid_alive(pid))]
 
     def _lock(self) -> None:
         self._lock_file = open(self.path / LOCK, "w")  # noqa: SIM115 - held for the process lifetime

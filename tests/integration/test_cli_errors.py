@@ -360,3 +360,16 @@ def test_a_changed_tokenizer_redoes_the_stages_that_read_it(tmp_path):
     (model / "tokenizer.json").write_text(json.dumps(tok))
     p = run_cli(*args)
     assert p.returncode == 0 and "calibrate: ran calibrate" in p.stdout, p.stdout + p.stderr[-2000:]
+
+
+def test_a_claim_stopped_by_a_full_disk_is_resumed_once_there_is_space(tmp_path):
+    """The disk fills up while the run directory is claimed: one line, a directory holding only the lock; once space
+    is freed the same command runs (it was refused: "exists and is not a quant run directory")."""
+    args = f"calibrate {HEADLINE} -o $FS/run {' '.join(FAST)}"
+    script = (f"dd if=/dev/zero of=$FS/filler bs=4k 2>/dev/null; QUANT {args}; echo rc=$? >&2; ls -A $FS/run >&2; "
+              f"rm $FS/filler; QUANT {args} >&2; echo rc=$? >&2")
+    p = _in_small_fs(tmp_path, "size=1m", script)
+    first, _, second = p.stderr.partition("rc=1")
+    assert "no space left on" in first and second.split("\n")[1] == ".lock", p.stderr[-3000:]
+    assert "calibrate: ran calibrate" in second and second.rstrip().endswith("rc=0"), p.stderr[-3000:]
+    assert "not a quant run directory" not in p.stderr
