@@ -53,6 +53,7 @@ def test_a_damaged_base_score_cache_is_scored_again(tmp_path):
     args += [a for o in overrides for a in ("--set", o)]
     p = run_cli(*args)
     assert p.returncode == 0 and entry.is_file(), p.stderr[-3000:]
+    assert "Running loglikelihood requests" not in p.stderr and "it/s]" not in p.stderr  # lm-eval's bars kept out
     good = json.loads(entry.read_text())
     for damage in (b"\x00\xff not json", json.dumps({"quant_mmlu": {"value": "high"}}).encode()):
         entry.write_bytes(damage)
