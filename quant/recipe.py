@@ -433,7 +433,13 @@ def _format_validation(err: ValidationError) -> str:
     msg = first["msg"].removeprefix("Value error, ")
     got = first.get("input")
     shown = "" if isinstance(got, dict | list) or first["type"] == "value_error" else f" (got {got!r})"
+    if first["type"] == "float_type" and isinstance(got, str) and _YAML_TEXT_FLOAT.fullmatch(got.strip()):
+        mantissa, exponent = got.strip().lower().split("e")
+        shown += f"; YAML reads {got.strip()} as text: write {float(mantissa)!r}e{exponent}"
     return f"invalid recipe value at '{where}': {msg}{shown}"
+
+
+_YAML_TEXT_FLOAT = re.compile(r"[-+]?\d+[eE][-+]?\d+")  # 1e-6: a float in JSON, a string in YAML 1.1
 
 
 _TYPE_TAGS = {"int", "float", "str", "bool", "none"}

@@ -228,6 +228,7 @@ def test_a_resumed_quantize_recomputes_damaged_partial_layers(tmp_path):
     ("export.formats=[gptq,gptq]", "export.formats names a format twice"),
     ("export.formats=[compressed-tensors,gptq,compressed-tensors]", "export.formats names a format twice"),
     (".".join(["a"] * 5000) + "=1", "5000 levels deep, recipe keys have at most 4"),
+    ("export.max_shard_gb=1e-6", "YAML reads 1e-6 as text: write 1.0e-6"),
 ])
 def test_recipe_mistakes_found_by_validate_are_one_line(override, pattern):
     _one_error_line(run_cli("validate", HEADLINE, "--set", override), 1, pattern)
