@@ -4,7 +4,8 @@ classes (their validators only check it), so a key that nothing reads cannot be 
 The check reads the package's source (``ast``) and follows a recipe section from where it is typed: a parameter
 annotated with a section class (``spec: QuantizeSpec``), ``recipe`` (a ``Recipe``), an attribute chain from one
 (``recipe.profile.layer_sensitivity``), a section's ``model_validate*`` result, names and ``self.`` attributes
-assigned from those, values of a dict section in a ``for`` over ``.items()``/``.values()``. A field read only through a path it cannot follow would be
+assigned from those, values of a dict section in a ``for`` over ``.items()``/``.values()``; a call of one of the
+schema's own methods that is not a validator (``spec.pinned_layers()``) reads the fields that method reads. A field read only through a path it cannot follow would be
 reported falsely; then the fix is an annotation at the read, not an entry in a list of exceptions.
 """
 
@@ -38,10 +39,11 @@ def _held(annotation) -> tuple[type | None, bool]:
 class _Reads(ast.NodeVisitor):
     """Collects (section class name, field) pairs read as attributes."""
 
-    def __init__(self, class_attrs: dict[str, dict[str, object]]):
+    def __init__(self, class_attrs: dict[str, dict[str, object]], accessors: dict[tuple[str, str], set[str]]):
         self.scopes: list[dict[str, object]] = [{}]
         self.classes: list[str] = []
         self.class_attrs = class_attrs  # class name -> self attribute -> type, over the whole package
+        self.accessors = accessors  # (section, method) -> fields the method reads
         self.reads: set[tuple[str, str]] = set()
 
     def _annotation(self, node) -> object:
@@ -131,32 +133,54 @@ class _Reads(ast.NodeVisitor):
         owner = self.typeof(node.value)
         if owner in SECTIONS.values() and node.attr in owner.model_fields:
             self.reads.add((owner.__name__, node.attr))
+        if owner in SECTIONS.values():  # a method of the section (spec.pinned_layers()) reads what it reads
+            self.reads |= {(owner.__name__, f) for f in self.accessors.get((owner.__name__, node.attr), ())}
         self.generic_visit(node)
 
 
-def _package_trees() -> list[ast.Module]:
-    trees = []
+def _accessors(tree: ast.Module) -> dict[tuple[str, str], set[str]]:
+    """(section, method) -> the fields the method reads from ``self``, for the schema's methods that are not
+    validators (those only check a value; a method the package calls hands fields out)."""
+    out = {}
+    for cls in tree.body:
+        if not (isinstance(cls, ast.ClassDef) and cls.name in SECTIONS):
+            continue
+        for fn in cls.body:
+            validator = isinstance(fn, ast.FunctionDef) and any(
+                "validator" in ast.unparse(d) for d in fn.decorator_list)
+            if isinstance(fn, ast.FunctionDef) and not validator:
+                out[(cls.name, fn.name)] = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)
+                                            and isinstance(n.value, ast.Name) and n.value.id == "self"
+                                            and n.attr in SECTIONS[cls.name].model_fields}
+    return out
+
+
+def _package_trees() -> tuple[list[ast.Module], dict[tuple[str, str], set[str]]]:
+    """Every module of the package (the schema's classes left out: they read their own fields to check them), and
+    the schema's accessor methods."""
+    trees, accessors = [], {}
     for path in sorted((REPO / "quant").rglob("*.py")):
         tree = ast.parse(path.read_text())
-        if path == Path(recipe_module.__file__).resolve():  # the schema's classes read their own fields to check them
+        if path == Path(recipe_module.__file__).resolve():
+            accessors = _accessors(tree)
             tree.body = [n for n in tree.body if not (isinstance(n, ast.ClassDef) and n.name in SECTIONS)]
         trees.append(tree)
-    return trees
+    return trees, accessors
 
 
-def fields_read(trees: list[ast.Module]) -> set[tuple[str, str]]:
+def fields_read(trees: list[ast.Module], accessors: dict | None = None) -> set[tuple[str, str]]:
     class_attrs: dict[str, dict[str, object]] = {}
     for _ in range(2):  # the second pass knows every class's self attributes
         reads = set()
         for tree in trees:
-            visitor = _Reads(class_attrs)
+            visitor = _Reads(class_attrs, accessors or {})
             visitor.visit(tree)
             reads |= visitor.reads
     return reads
 
 
 def test_every_recipe_field_is_read_by_the_package():
-    read = fields_read(_package_trees())
+    read = fields_read(*_package_trees())
     unread = [f"{cls}.{name}" for cls, c in SECTIONS.items() for name in c.model_fields if (cls, name) not in read]
     assert not unread, f"recipe keys nothing in quant/ reads (remove them, or use them): {unread}"
 
@@ -179,3 +203,6 @@ def untyped(spec):
     assert fields_read([ast.parse(code)]) == {
         ("QuantizeSpec", "awq_grid"), ("Recipe", "eval"), ("EvalSpec", "gates"), ("GateSpec", "max_drop"),
         ("Recipe", "profile"), ("ProfileSpec", "layer_sensitivity"), ("LayerSensitivitySpec", "n_samples")}
+    accessor = "def pinned(spec: PlanSpec):\n    return spec.pinned_layers()\n"
+    assert fields_read([ast.parse(accessor)], {("PlanSpec", "pinned_layers"): {"layer_schemes"}}) == {
+        ("PlanSpec", "layer_schemes")}
