@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from quant import strict_yaml
 from quant.errors import CalibrationError
@@ -27,7 +28,7 @@ TOKENIZE_CHARS = 1 << 20
 
 
 class Source(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     name: str
     kind: Literal["text", "jsonl", "parquet", "hub"] = "text"
     path: str | None = None
@@ -40,10 +41,17 @@ class Source(BaseModel):
 
 
 class Manifest(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     name: str
     description: str = ""
     sources: tuple[Source, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _weights(self) -> Manifest:
+        if not math.isfinite(sum(s.weight for s in self.sources)):
+            raise ValueError("the sources' weights add up to more than a float holds; give them smaller values (only "
+                             "their ratios matter, e.g. 0.4, 0.2, 0.4)")
+        return self
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,8 @@ def load_manifest(path: Path) -> Manifest:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(map(str, first["loc"])) or "manifest"
-        raise CalibrationError(f"invalid calibration manifest {path}: {where}: {first['msg']}") from None
+        msg = first["msg"].removeprefix("Value error, ")
+        raise CalibrationError(f"invalid calibration manifest {path}: {where}: {msg}") from None
 
 
 def read_budget_bytes(n_tokens: int) -> int:
@@ -201,7 +210,7 @@ def tokenize(tokenizer, text: str, max_chars: int = TOKENIZE_CHARS) -> torch.Ten
 def _allocate(n: int, weights: list[float]) -> list[int]:
     """Split n samples by weight with the largest-remainder rule (sums to n exactly)."""
     total = sum(weights)
-    raw = [n * w / total for w in weights]
+    raw = [n * (w / total) for w in weights]  # w / total first: n * w may overflow
     counts = [int(r) for r in raw]
     for i in sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)[: n - sum(counts)]:
         counts[i] += 1

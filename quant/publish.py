@@ -15,20 +15,24 @@ from pathlib import Path
 
 from quant.errors import CheckpointError, PublishError, RunDirError
 from quant.export.writer import CARD, checkpoint_digest, read_manifest, verify_manifest
+from quant.io.rundir import MANIFEST, manifest_problem
 
 RERUN = "re-run the `quant run` command that made this run directory (it redoes export and eval as needed)"
 
 
 def _run_manifest(run_dir: Path) -> dict:
-    manifest_path = run_dir / "manifest.json"
+    manifest_path = run_dir / MANIFEST
     if not manifest_path.is_file():
-        raise RunDirError(f"{run_dir} is not a quant run directory (no manifest.json)")
+        raise RunDirError(f"{run_dir} is not a quant run directory (no {MANIFEST})")
     try:
-        m = json.loads(manifest_path.read_text())
-    except (OSError, ValueError):
-        raise RunDirError(f"{manifest_path} is unreadable; {RERUN}") from None
-    if not isinstance(m, dict) or not isinstance(m.get("stages"), dict):
-        raise RunDirError(f"{manifest_path} is not a quant run manifest")
+        m = json.loads(manifest_path.read_bytes())
+    except OSError as e:
+        raise RunDirError(f"{manifest_path} is unreadable ({e.strerror or e}); {RERUN}") from None
+    except ValueError:  # not JSON, or not UTF-8 text
+        raise RunDirError(f"{manifest_path} is not JSON; {RERUN}") from None
+    problem = manifest_problem(m) or (None if isinstance(m.get("stages"), dict) else "it records no stages")
+    if problem is not None:
+        raise RunDirError(f"{manifest_path} is not a quant run manifest ({problem}); {RERUN}")
     return m
 
 

@@ -131,7 +131,6 @@ class LayerSensitivitySpec(_Strict):
 class ProfileSpec(_Strict):
     batch_size: int = Field(8, ge=1)
     min_tokens: int = Field(4, ge=0)
-    extra_datasets: tuple[str, ...] = ()
     layer_sensitivity: LayerSensitivitySpec | None = None
 
 
@@ -270,6 +269,8 @@ class ExportSpec(_Strict):
     def _nonempty(cls, v: tuple) -> tuple:
         if not v:
             raise ValueError("export.formats must name at least one format")
+        if len(set(v)) != len(v):
+            raise ValueError(f"export.formats names a format twice ({', '.join(v)}); list each once")
         return v
 
 
@@ -376,13 +377,6 @@ class Recipe(_Strict):
                                  f"no scheme with group {g}: add e.g. w{p.low_bits}g{g}")
         return self
 
-    @field_validator("schema_version")
-    @classmethod
-    def _version(cls, v: int) -> int:
-        if v != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {v} is not supported (this quant reads {SCHEMA_VERSION})")
-        return v
-
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -439,11 +433,27 @@ def _format_validation(err: ValidationError) -> str:
     msg = first["msg"].removeprefix("Value error, ")
     got = first.get("input")
     shown = "" if isinstance(got, dict | list) or first["type"] == "value_error" else f" (got {got!r})"
+    if first["type"] == "float_type" and isinstance(got, str) and _YAML_TEXT_FLOAT.fullmatch(got.strip()):
+        mantissa, exponent = got.strip().lower().split("e")
+        shown += f"; YAML reads {got.strip()} as text: write {float(mantissa)!r}e{exponent}"
     return f"invalid recipe value at '{where}': {msg}{shown}"
+
+
+_YAML_TEXT_FLOAT = re.compile(r"[-+]?\d+[eE][-+]?\d+")  # 1e-6: a float in JSON, a string in YAML 1.1
 
 
 _TYPE_TAGS = {"int", "float", "str", "bool", "none"}
 _KEY = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
+
+
+def _schema_depth(model: type[BaseModel]) -> int:
+    """Levels of the deepest key of ``model`` (a dict section's entry names count as one)."""
+    depths = [1]
+    for f in model.model_fields.values():
+        sub = _submodel(f.annotation)
+        if sub is not None:
+            depths.append(1 + (get_origin(f.annotation) is dict) + _schema_depth(sub))
+    return max(depths)
 
 
 def apply_override(data: dict, assignment: str) -> None:
@@ -452,9 +462,13 @@ def apply_override(data: dict, assignment: str) -> None:
         raise RecipeError(f"--set expects KEY=VALUE (e.g. plan.top_fraction=0.3), got {assignment!r}")
     key, raw = assignment.split("=", 1)
     key = key.strip()
+    shown = key if len(key) <= 80 else key[:77] + "..."
     if not _KEY.fullmatch(key):
-        raise RecipeError(f"--set key {key!r} must be dotted recipe keys (e.g. plan.top_fraction)")
+        raise RecipeError(f"--set key {shown!r} must be dotted recipe keys (e.g. plan.top_fraction)")
     parts = key.split(".")
+    if len(parts) > strict_yaml.MAX_DEPTH:  # nested mappings that deep are refused in a file too
+        raise RecipeError(f"unknown recipe key '{shown}': {len(parts)} levels deep, recipe keys have at most "
+                          f"{_schema_depth(Recipe)} (e.g. eval.gates.perplexity.max_rel_increase)")
     value = strict_yaml.load(raw, f"--set {key}", RecipeError) if raw.strip() else ""
     node = data
     for part in parts[:-1]:
@@ -488,9 +502,13 @@ def parse_recipe(data: Any, *, overrides: tuple[str, ...] = (), model: str | Non
     data = strict_yaml.plain(data, "", RecipeError)  # overrides and --model checked the same way
     _check_keys(data, Recipe, "")
     try:
-        return Recipe.model_validate_json(json.dumps(data), strict=True)
+        recipe = Recipe.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as e:
         raise RecipeError(_format_validation(e)) from None
+    if recipe.schema_version != SCHEMA_VERSION:  # the loader's own key: which schema the file was written for
+        raise RecipeError(f"invalid recipe value at 'schema_version': schema_version {recipe.schema_version} is not "
+                          f"supported (this quant reads {SCHEMA_VERSION})")
+    return recipe
 
 
 def load_recipe(path: str | Path, *, overrides: tuple[str, ...] = (), model: str | None = None) -> Recipe:

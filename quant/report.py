@@ -161,6 +161,12 @@ def serving_lines(serving: dict) -> list[str]:
                     "tokens); experts mixing schemes within a layer are weighted by their share of its W4 error."]
 
 
+def _description_lines(description: str) -> list[str]:
+    """The recipe's own description, quoted as written (``--set`` overrides may have changed what it describes)."""
+    text = " ".join(description.split())
+    return [f"Recipe description (as written in the recipe file): {text}", ""] if text else []
+
+
 def write_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     profile = RoutingProfile.load(run_dir / "profile.json")
     plan = BitPlan.load(run_dir / "plan.json")
@@ -172,7 +178,8 @@ def write_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     lines = [f"# quant run `{recipe.name}` — gates {status}", "",
              f"Model `{source.display_name}` ({source.family.name}, fingerprint `{source.fingerprint}`); "
              f"algorithm `{plan.algorithm}`; policy `{plan.policy}`, granularity `{plan.granularity}`, "
-             f"target runtime `{plan.target_runtime}`.", "", "## Evaluation", ""] + _eval_lines(ev)
+             f"target runtime `{plan.target_runtime}`.", ""] + _description_lines(recipe.description)
+    lines += ["## Evaluation", ""] + _eval_lines(ev)
     lines += ["", "## Plan", ""] + _plan_lines(summary)
     lines += ["", "## Serving with vLLM / SGLang", ""] + serving_lines(plan.serving)
     lines += ["", "## Routing", ""] + _routing_lines(profile, recipe.profile.min_tokens)

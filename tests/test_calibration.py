@@ -59,12 +59,26 @@ def test_jsonl_invalid_utf8(tmp_path, tokenizer):
     ("name: m\nsources: !!set {a}\n", "unsupported YAML tag"),
     (b"name: \xff\n", "not UTF-8"),
     ("name: m\nname: n\nsources: []\n", "duplicate key 'name'"),
+    ("name: m\nsources:\n  - {name: a, path: x.txt, weight: .inf}\n", "weight: Input should be a finite number"),
+    ("name: m\nsources:\n  - {name: a, path: x.txt, weight: .nan}\n", "weight: Input should be a finite number"),
+    ("name: m\nsources:\n  - {name: a, path: x.txt, weight: 1.0e308}\n  - {name: b, path: x.txt, weight: 1.0e308}\n",
+     "weights add up to more than a float holds"),
 ])
 def test_bad_manifests(tmp_path, tokenizer, text, match):
     p = tmp_path / "m.yaml"
     p.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(CalibrationError, match=match):
         _build(str(p), tokenizer)
+
+
+def test_huge_weights_that_fit_a_float_split_samples_by_their_ratio(tmp_path, tokenizer):
+    """Weights near the float maximum (their sum fits): n * w overflowed before the ratio was taken."""
+    (tmp_path / "a.txt").write_text("alpha beta gamma delta " * 200)
+    (tmp_path / "b.txt").write_text("one two three four five " * 200)
+    dataset = _manifest(tmp_path, "  - {name: a, path: a.txt, weight: 8.0e307}\n"
+                                  "  - {name: b, path: b.txt, weight: 8.0e307}\n")
+    calib = build_calibration(dataset, tokenizer, n_samples=4, seq_len=16, seed=0)
+    assert sorted(calib.domains) == ["a", "a", "b", "b"]
 
 
 def test_hub_source_while_offline(tmp_path, tokenizer, monkeypatch):

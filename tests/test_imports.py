@@ -33,7 +33,7 @@ STANDALONE = {"eval.sandbox_child", "eval.isolation", "eval.seccomp"}
 MODULES = {
     "run": [{"pipeline"}, {"stages"}],
     "forecast": [{"estimate"}, {"layer_costs", "footprint"}, {"throughputs"}],
-    "eval": [{"evaluate"}, {"stream", "layer_error"}, {"lmeval", "humaneval"}, {"sandbox"}, {"sandbox_child"},
+    "eval": [{"evaluate"}, {"stream", "layer_error", "shipped_gptq"}, {"lmeval", "humaneval"}, {"sandbox"}, {"sandbox_child"},
              {"isolation", "seccomp"}],
     "plan": [{"runtimes", "summary", "servable"}, {"bitplan", "layer_policy"}],
     "measure": [{"profile", "layer_damage"}],

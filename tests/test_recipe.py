@@ -24,6 +24,12 @@ def test_unknown_key_names_closest_key():
         parse_recipe({"name": "x", "plan": {"top_fracton": 0.2}})
 
 
+def test_a_key_nothing_reads_is_unknown():
+    """profile.extra_datasets was accepted and read by nothing; it is an unknown key now (see test_recipe_keys)."""
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'profile\.extra_datasets'"):
+        parse_recipe({"name": "x", "profile": {"extra_datasets": ["calibration/code.yaml"]}})
+
+
 def test_unknown_top_level_section():
     with pytest.raises(RecipeError, match="did you mean 'quantize'"):
         parse_recipe({"name": "x", "quantise": {}})

@@ -6,7 +6,8 @@ over it: calibration passes whose hooks accumulate the statistics it needs (``en
 ``engine.awq_layer``), then every planned module quantized — experts of one projection and one spec as a single
 ``[E, out, in]`` problem; write the codes to ``quantized/layer_XXXXX.safetensors``, put the dequantized
 weights into the layer and propagate the activations through the *quantized* layer, so later layers calibrate
-on what they will see at inference. A layer whose file exists is not recomputed (resume after a crash).
+on what they will see at inference. A layer whose file exists, and still holds the bytes whose SHA-256 was
+recorded when it was written, is not recomputed (resume after a crash); a damaged one is.
 
 With several ranks (``lw.world``) each rank owns a contiguous range of a layer's experts, and the layer's other
 modules (solved in groups that share an input) go to ranks by estimated solve time (``dist.assign``, longest
@@ -37,7 +38,14 @@ from quant.calibration import CalibrationSet
 from quant.engine.algorithms import Algorithm, algorithm
 from quant.engine.layer_job import LayerJob
 from quant.engine.layerwise import Layerwise
-from quant.engine.qstore import LayerWriter, layer_file, load_into_layer, read_report
+from quant.engine.qstore import (
+    LayerWriter,
+    layer_file,
+    load_into_layer,
+    read_report,
+    remove_layer,
+    stored_layer_problem,
+)
 from quant.engine.results import LayerReport
 from quant.errors import QuantError
 from quant.models import ModelSource
@@ -86,7 +94,7 @@ def _one_layer(job_for: Callable[[int, nn.Module], LayerJob], algo: Algorithm, l
         job = job_for(idx, layer)
         job.results.report.load_seconds = time.perf_counter() - t0
         path = layer_file(out_dir, idx)
-        if world.broadcast_object(path.is_file() if world.is_writer else None):
+        if world.broadcast_object(_reusable(path, idx) if world.is_writer else None):
             _apply_stored(job, path, lw.device)
             job.results.report.resumed = True
         else:
@@ -121,6 +129,19 @@ def _apply_stored(job: LayerJob, path: Path, device: torch.device) -> None:
     for k in keep:
         if k in stored:
             setattr(res.report, k, stored[k])
+
+
+def _reusable(path: Path, idx: int) -> bool:
+    """Whether layer ``idx``'s stored file (a killed run's) can be reused: present and still the bytes recorded
+    when it was written. A damaged or unverifiable one is removed with a warning, and the layer is recomputed."""
+    if not path.exists():
+        return False
+    problem = stored_layer_problem(path)
+    if problem is None:
+        return True
+    log.warning("layer %d: the stored %s is %s; recomputing the layer", idx, path.name, problem)
+    remove_layer(path)
+    return False
 
 
 def _log_layer(report: LayerReport, n_layers: int) -> None:

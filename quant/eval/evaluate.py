@@ -11,6 +11,8 @@ computed in token chunks by ``evalstream.ProxySums`` and split over ranks by sam
   mixed expert schemes as garbage). Faster for small models.
 ``auto`` (default) takes ``whole`` when the dense model fits in half the eval device's memory (and a mixed plan's
 dense copy fits the temporary folder's free disk), else ``streamed``; eval.json records which and why.
+The checkpoint evaluated is the first of ``export.formats``; a GPTQ-format one is read back by
+``shipped_gptq.GptqCheckpoint`` (streamed), or as its dense copy (whole, lm-eval's hf backend).
 Tasks (``eval.tasks``): lm-eval on both models with identical settings, on the writer rank; base scores are
 cached by model fingerprint and task settings. Gates turn deltas into pass/fail.
 """
@@ -33,14 +35,16 @@ import torch
 from quant.calibration import build_calibration
 from quant.dist.world import World
 from quant.engine.layerwise import device_memory_bytes, pick_device
-from quant.errors import RecipeError
+from quant.errors import CheckpointError, RecipeError
+from quant.eval.shipped_gptq import GptqCheckpoint, dense_copy
 from quant.eval.stream import ProxySums, ShippedCheckpoint, streamed_proxies
 from quant.io.storage import remove_stale
 from quant.models import ModelSource
 from quant.models.builtin import cache_root
+from quant.models.dequant import DequantizingSource
 from quant.models.layers import DTYPES
 from quant.plan.bitplan import BitPlan
-from quant.recipe import Recipe
+from quant.recipe import EvalSpec, Recipe
 
 log = logging.getLogger(__name__)
 
@@ -55,20 +59,47 @@ def _load(path: Path, dtype, device, trust_remote_code: bool):
     return model
 
 
-@contextmanager
-def servable_checkpoint(checkpoint: Path, plan: BitPlan, source: ModelSource):
-    """A folder transformers loads correctly: the checkpoint itself, or its compressed-tensors dequantization."""
+def checkpoint_format(checkpoint: Path) -> str:
+    """``gptq`` or ``compressed-tensors``: the quant_method of an exported checkpoint's config.json."""
+    from quant.models.source import read_json_object
+
+    qcfg = read_json_object(checkpoint / "config.json", "re-run the export", CheckpointError).get("quantization_config")
+    return "gptq" if isinstance(qcfg, dict) and qcfg.get("quant_method") == "gptq" else "compressed-tensors"
+
+
+def shipped_checkpoint(checkpoint: Path, source: ModelSource, dtype: torch.dtype, device,
+                       processes_per_node: int = 1) -> DequantizingSource:
+    """The exported checkpoint as a source of dense weights, read by its format's reader (``processes_per_node``:
+    the world's ``local_size``, which sizes the page-locked read buffers)."""
+    reader = GptqCheckpoint if checkpoint_format(checkpoint) == "gptq" else ShippedCheckpoint
+    return reader(checkpoint, source, dtype, device, processes_per_node)
+
+
+def needs_dense_copy(checkpoint: Path, plan: BitPlan, source: ModelSource) -> bool:
+    """Whether transformers needs a dense copy to load the checkpoint correctly (GPTQ files always; a
+    compressed-tensors checkpoint when transformers cannot serve its plan)."""
     from quant.plan.runtimes import problems_for
 
-    if not problems_for(plan, source, "transformers"):
+    return checkpoint_format(checkpoint) == "gptq" or bool(problems_for(plan, source, "transformers"))
+
+
+@contextmanager
+def servable_checkpoint(checkpoint: Path, plan: BitPlan, source: ModelSource, dtype: torch.dtype = torch.bfloat16):
+    """A folder transformers loads correctly: the checkpoint itself, or its dense copy in the temporary folder
+    (compressed-tensors' dequantization, or the GPTQ files read back by ``shipped_gptq``)."""
+    if not needs_dense_copy(checkpoint, plan, source):
         yield checkpoint, "transformers"
         return
-    from quant.eval.layer_error import dense_copy
+    from quant.eval.layer_error import dense_copy as ct_dense_copy
 
     remove_stale(Path(tempfile.gettempdir()), "quant-dense-")  # left by killed runs
     tmp = Path(tempfile.mkdtemp(prefix=f"quant-dense-{os.getpid()}-"))
     try:
-        yield dense_copy(checkpoint, tmp, "cpu"), "compressed-tensors-dequantize"
+        if checkpoint_format(checkpoint) == "gptq":
+            dense_copy(GptqCheckpoint(checkpoint, source, dtype, "cpu"), tmp)
+            yield tmp, "gptq-dequantize"
+            return
+        yield ct_dense_copy(checkpoint, tmp, "cpu"), "compressed-tensors-dequantize"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -115,22 +146,27 @@ def check_mode(requested: str, source: ModelSource) -> None:
                           "weights quant quantized; use eval.mode: streamed or auto")
 
 
-def proxy_mode(requested: str, source: ModelSource, plan: BitPlan, dtype: torch.dtype, device) -> tuple[str, str]:
+def proxy_mode(requested: str, source: ModelSource, plan: BitPlan, dtype: torch.dtype, device,
+               dense_copy_needed: bool | None = None) -> tuple[str, str]:
     """(``whole`` or ``streamed``, why): ``requested`` unless ``auto``, then the documented size rule; a base model
-    stored quantized (``check_mode``) is streamed."""
+    stored quantized (``check_mode``) is streamed. ``dense_copy_needed``: whole would load a dense copy of the
+    checkpoint (``needs_dense_copy``; None: when transformers cannot serve the plan), which must fit the temporary
+    folder."""
     check_mode(requested, source)
     if requested != "auto":
         return requested, f"eval.mode: {requested} (recipe)"
     if source.stored_quantized:
         return "streamed", "auto: the base model is stored in FP8 blocks (streamed reads it dequantized, as quantize did)"
-    from quant.plan.runtimes import problems_for
-
     dense = dense_bytes(source, dtype)
     memory = device_memory_bytes(torch.device(device))
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     if dense > WHOLE_MAX_MEMORY_FRACTION * memory:
         return "streamed", f"auto: dense model {gb(dense)} > {WHOLE_MAX_MEMORY_FRACTION:g} x {device} memory {gb(memory)}"
-    if problems_for(plan, source, "transformers"):
+    if dense_copy_needed is None:
+        from quant.plan.runtimes import problems_for
+
+        dense_copy_needed = bool(problems_for(plan, source, "transformers"))
+    if dense_copy_needed:
         free = shutil.disk_usage(tempfile.gettempdir()).free
         if dense > free:
             return "streamed", f"auto: a dense copy ({gb(dense)}) does not fit the free disk of the temporary folder"
@@ -144,7 +180,7 @@ def _task_cache_key(source: ModelSource, recipe: Recipe) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def task_gpus(e, model_bytes: int) -> int:
+def task_gpus(e: EvalSpec, model_bytes: int) -> int:
     """GPUs the hf lm-eval backend dispatches the model over: ``eval.gpus``, else every visible GPU when the dense
     model exceeds ~90% of GPU 0's memory, else 1."""
     visible = torch.cuda.device_count()
@@ -155,6 +191,35 @@ def task_gpus(e, model_bytes: int) -> int:
     if visible <= 1:
         return 1
     return visible if model_bytes > 0.9 * device_memory_bytes(torch.device("cuda", 0)) else 1
+
+
+def base_scores_path(source: ModelSource, recipe: Recipe) -> Path:
+    """Where the base model's task scores for these eval settings are cached."""
+    return cache_root() / "eval" / f"base-{_task_cache_key(source, recipe)}.json"
+
+
+def read_cached_scores(path: Path, tasks) -> dict | None:
+    """The base model's cached task scores at ``path`` (``{task: {"value": ...}}`` covering ``tasks``), or None when
+    there are none; a damaged entry is a miss (a warning, and the base model is scored again), never an error."""
+    if not path.is_file():
+        return None
+    try:
+        scores = json.loads(path.read_bytes())
+        if all(isinstance(scores[t]["value"], int | float) and not isinstance(scores[t]["value"], bool) for t in tasks):
+            return scores
+        problem = "a score that is not a number"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}"
+    log.warning("cached base-model scores %s are damaged (%s); scoring the base model again", path, problem)
+    return None
+
+
+def write_cached_scores(path: Path, scores: dict) -> None:
+    """Cache the base model's task scores (atomically: a killed run never leaves half a file)."""
+    from quant.io.rundir import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(scores))
 
 
 def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpus: int = 1) -> dict:
@@ -169,13 +234,11 @@ def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpu
     else:
         max_mem = None if e.max_memory_per_gpu_gb is None else int(e.max_memory_per_gpu_gb * 1e9)
         kw.update(gpus=gpus, max_memory_per_gpu=max_mem)
-    cache = cache_root() / "eval" / f"base-{_task_cache_key(source, recipe)}.json"
-    if cache.is_file():
-        base = json.loads(cache.read_text())
-    else:
+    cache = base_scores_path(source, recipe)
+    base = read_cached_scores(cache, e.tasks)
+    if base is None:
         base = {k: asdict(v) for k, v in run_lm_eval(source.path, list(e.tasks), **kw).items()}
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(base))
+        write_cached_scores(cache, base)
     quant = {k: asdict(v) for k, v in run_lm_eval(quant_dir, list(e.tasks), **kw).items()}
     return {t: {"metric": quant[t]["metric"], "base": base[t]["value"], "quantized": quant[t]["value"],
                 "delta": quant[t]["value"] - base[t]["value"], "stderr": quant[t]["stderr"], "n": quant[t]["n"]}
@@ -227,7 +290,7 @@ def _quantized_tasks(recipe: Recipe, source: ModelSource, plan: BitPlan, checkpo
         return _run_tasks(recipe, source, checkpoint, device)
     if dense is not None:
         return _run_tasks(recipe, source, dense, device, gpus)
-    with servable_checkpoint(checkpoint, plan, source) as (path, _):
+    with servable_checkpoint(checkpoint, plan, source, DTYPES[recipe.model.dtype]) as (path, _):
         return _run_tasks(recipe, source, path, device, gpus)
 
 
@@ -241,6 +304,7 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
     dtype = DTYPES[recipe.model.dtype]
     tokens = build_calibration(e.perplexity.dataset, source.tokenizer(), e.perplexity.n_samples,
                                e.perplexity.seq_len, seed=0).tokens
+    source.check_token_ids(tokens, f"the held-out set {e.perplexity.dataset}")
     checkpoint = run_dir / "checkpoint"
     gpus = task_gpus(e, dense_bytes(source, dtype)) if e.tasks and e.backend == "hf" else 1
 
@@ -249,15 +313,15 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
             return {}
         return world.on_writer(lambda: _quantized_tasks(recipe, source, plan, checkpoint, device, gpus, dense))
 
-    mode, reason = proxy_mode(e.mode, source, plan, dtype, device)
+    mode, reason = proxy_mode(e.mode, source, plan, dtype, device, needs_dense_copy(checkpoint, plan, source))
     log.info("eval proxies: %s (%s)", mode, reason)
     if mode == "streamed":
-        shipped = ShippedCheckpoint(checkpoint, source, dtype, device, world.local_size)
-        proxy, loader = streamed_proxies(source, shipped, tokens, recipe.model.dtype, device, e.batch_size, world), \
-            "compressed-tensors-per-layer"
+        shipped = shipped_checkpoint(checkpoint, source, dtype, device, world.local_size)
+        proxy = streamed_proxies(source, shipped, tokens, recipe.model.dtype, device, e.batch_size, world)
+        loader = f"{checkpoint_format(checkpoint)}-per-layer"
         tasks = tasks_on_writer()
     else:
-        with servable_checkpoint(checkpoint, plan, source) as (path, loader):
+        with servable_checkpoint(checkpoint, plan, source, dtype) as (path, loader):
             proxy = whole_proxies(source.path, path, tokens, dtype, device, e.batch_size, source.trust_remote_code,
                                   world)
             tasks = tasks_on_writer(path)

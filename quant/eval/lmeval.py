@@ -28,12 +28,16 @@ does not use lm-eval's `code_eval` metric (that one is fetched from the hub by t
 executes code in-process-tree with only `HF_ALLOW_CODE_EVAL=1` as a guard), so the offline task needs
 neither. lm-eval's own `humaneval` is refused unless `allow_unsandboxed_code=True` (and the caller exports
 `HF_ALLOW_CODE_EVAL=1`), because it would run generated code outside our sandbox.
+
+`check_tasks` runs before any stage of a run: unknown names, unsandboxed code tasks and, offline, datasets missing
+from the local cache are one RecipeError there instead of a failure in the eval stage.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import logging
 import math
 import os
@@ -144,6 +148,10 @@ def run_lm_eval(
                 fewshot_random_seed=seed,
                 confirm_run_unsafe_code=allow_unsandboxed_code,
             )
+    except ConnectionError as exc:  # a dataset neither cached nor reachable (check_tasks sees the offline case first)
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise RecipeError(f"lm-eval could not fetch a dataset of eval.tasks {list(tasks)} ({reason}); check the "
+                          "network, or use the offline tasks (quant_mmlu, quant_humaneval)") from None
     except ValueError as exc:
         if "unsafe" not in str(exc):
             raise
@@ -163,6 +171,77 @@ def check_sandboxed_tasks(tasks: Sequence[str], humaneval_sandbox: str) -> None:
     line naming what is missing and the opt-out)."""
     if any(name in SANDBOXED_TASKS for name in tasks):
         require_isolation(humaneval_sandbox)
+
+
+def check_tasks(tasks: Sequence[str], tasks_dir: Path | None = None, allow_unsandboxed_code: bool = False) -> None:
+    """Before any work, a RecipeError for what ``run_lm_eval`` would only find after every other stage: lm-eval
+    missing, an unknown task name (naming the closest), a task that runs generated code outside quant's sandbox
+    (lm-eval's ``unsafe_code`` tasks, e.g. ``humaneval``), and, offline (``datasets``' ``HF_DATASETS_OFFLINE``), a
+    dataset of lm-eval's tasks that is not in the local cache (``mmlu`` offline was a ConnectionError in eval)."""
+    try:
+        _import_lm_eval()
+    except ModuleNotFoundError as e:
+        raise RecipeError(f"eval.tasks needs lm-eval: {e}") from None
+    manager = _task_manager(list(tasks), tasks_dir or default_tasks_dir())
+    leaves = _leaf_tasks(manager, tasks)
+    unsafe = sorted(n for n, cfg in leaves.items() if cfg.get("unsafe_code"))
+    if unsafe and not allow_unsandboxed_code:
+        raise RecipeError(f"eval.tasks: lm-eval's {', '.join(unsafe[:3])} would run generated code outside quant's "
+                          "sandbox; use quant_humaneval (HumanEval graded in the sandbox) or drop it")
+    from datasets import config as datasets_config
+
+    if datasets_config.HF_DATASETS_OFFLINE:
+        missing = sorted({f"{cfg['dataset_path']}" for n, cfg in leaves.items()
+                          if cfg.get("dataset_path") and not _cached_offline(cfg)})
+        if missing:
+            raise RecipeError(f"eval.tasks: the dataset(s) {', '.join(missing[:3])} of lm-eval's tasks are not in the "
+                              "local cache and the hub is off (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE); download them "
+                              "first, or use the offline tasks (quant_mmlu, quant_humaneval)")
+
+
+def _leaf_tasks(manager, names: Sequence[str]) -> dict[str, dict]:
+    """Every task (name -> its config from lm-eval's index) that ``names`` (tasks, groups, tags) stand for."""
+    out: dict[str, dict] = {}
+    todo, seen = list(names), set()
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):  # a group's inline task config
+            todo += [item["task"]] if isinstance(item.get("task"), str) and "dataset_path" not in item else []
+            if "dataset_path" in item or "unsafe_code" in item:
+                out[str(item.get("task", "?"))] = item
+            continue
+        if not isinstance(item, str) or item in seen:
+            continue
+        seen.add(item)
+        entry = manager.task_index.get(item)
+        if entry is None:
+            continue
+        cfg = entry.cfg or {}
+        kind = getattr(entry.kind, "name", "")
+        if kind == "TAG":
+            todo += sorted(entry.tags)
+        elif kind == "GROUP":
+            members = cfg.get("task", [])
+            todo += members if isinstance(members, list) else [members]
+        else:
+            out[item] = cfg
+    return out
+
+
+def _cached_offline(cfg: Mapping[str, Any]) -> bool:
+    """Whether ``datasets`` finds a task's dataset without the hub (only a missing dataset counts: anything else
+    this cannot judge is left to lm-eval)."""
+    import datasets
+
+    kwargs = cfg.get("dataset_kwargs") or {}
+    try:
+        datasets.load_dataset_builder(cfg["dataset_path"], cfg.get("dataset_name"),
+                                      **({"data_files": kwargs["data_files"]} if "data_files" in kwargs else {}))
+    except (ConnectionError, FileNotFoundError):
+        return False
+    except Exception:  # noqa: BLE001 - a builder this check cannot build offline for another reason
+        return True
+    return True
 
 
 # torchrun / srun variables: accelerate (inside lm-eval's hf backend) reads LOCAL_RANK and would turn a torchrun
@@ -192,19 +271,26 @@ def _import_lm_eval():
     return lm_eval
 
 
-def _task_manager(tasks: list[str], tasks_dir: Path):
-    """A TaskManager over our offline tasks; lm-eval's built-ins are indexed only if a task needs them."""
+@functools.lru_cache(maxsize=4)
+def _indexed(tasks_dir: str, include_defaults: bool):
+    """A TaskManager (lm-eval indexes every task config it can see: ~10 s with its built-ins), built once per
+    process: the check before any work, then the base and the quantized model's evaluations, share it."""
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=tasks_dir, include_defaults=include_defaults)
+
+
+def _task_manager(tasks: list[str], tasks_dir: Path):
+    """A TaskManager over our offline tasks; lm-eval's built-ins are indexed only if a task needs them."""
     if not tasks_dir.is_dir():
         raise FileNotFoundError(f"offline lm-eval task directory {tasks_dir} not found; pass tasks_dir")
-    offline = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+    offline = _indexed(str(tasks_dir), False)
     if all(name in offline.all_tasks for name in tasks):
         return offline
     unknown_offline = [n for n in tasks if n.startswith(OFFLINE_TASK_PREFIX) and n not in offline.all_tasks]
     if unknown_offline:
         raise RecipeError(_unknown_tasks_message(unknown_offline, offline.all_tasks))
-    manager = TaskManager(include_path=str(tasks_dir), include_defaults=True)
+    manager = _indexed(str(tasks_dir), True)
     unknown = [n for n in tasks if n not in manager.all_tasks]
     if unknown:
         raise RecipeError(_unknown_tasks_message(unknown, manager.all_tasks))

@@ -55,7 +55,7 @@ class ShippedCheckpoint(DequantizingSource):
         if qcfg.get("quant_method") not in COMPRESSED_TENSORS_METHODS:
             raise CheckpointError(
                 f"{path}: streamed eval reads compressed-tensors checkpoints, this one is "
-                f"'{qcfg.get('quant_method', 'not quantized')}'; list compressed-tensors first in export.formats"
+                f"'{qcfg.get('quant_method', 'not quantized')}' (GPTQ files are read by quant.eval.shipped_gptq)"
             )
         from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
             CompressedTensorsDequantizer,

@@ -34,6 +34,12 @@ from quant.models.names import expert_of, layer_of, module_kind
 log = logging.getLogger(__name__)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "spiece.model", "vocab.txt",
+                   "tokenizer_config.json")
+TOKENIZER_SIDE_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog. 0123456789"
+
+
 @dataclass(frozen=True)
 class ModuleInfo:
     """One quantizable 2-D weight. ``disk_prefix`` is its on-disk name without ``.weight``."""
@@ -204,14 +210,49 @@ class ModelSource:
         return self.config
 
     def tokenizer(self):
-        """The model's own tokenizer (its Python too, with ``trust_remote_code``)."""
+        """The model's own tokenizer (its Python too, with ``trust_remote_code``); one that turns text into no
+        tokens (transformers builds an empty one for a folder without tokenizer files) is a ModelError."""
         from transformers import AutoTokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
         except (ValueError, TypeError, KeyError, OSError) as e:
             reason = (str(e).strip().splitlines() or [""])[0]
             raise ModelError(f"cannot load the tokenizer of {self.path}: {reason}") from None
+        if not tok(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]:
+            found = [f for f in TOKENIZER_FILES if (self.path / f).is_file()]
+            what = (f"its tokenizer files ({', '.join(found)}) hold no vocabulary" if found else
+                    f"the folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)")
+            raise ModelError(f"the tokenizer of {self.path} turns text into no tokens: {what}; copy the tokenizer "
+                             "files from the model's release into the folder")
+        return tok
+
+    def tokenizer_digest(self) -> str:
+        """sha256 over the tokenizer files present (names and bytes): what ``tokenizer()`` reads, which the
+        fingerprint (weights and config) leaves out."""
+        h = hashlib.sha256()
+        for name in (*TOKENIZER_FILES, *TOKENIZER_SIDE_FILES):
+            if (self.path / name).is_file():
+                h.update(name.encode() + b"\0" + file_sha256(self.path / name).encode())
+        return h.hexdigest()[:16]
+
+    def token_rows(self) -> int:
+        """How many token ids the model has rows for: its embedding's rows, at most config.json's vocab_size."""
+        rows = self.shapes().get("model.embed_tokens.weight", (None,))[0]
+        vocab = self.config_dict.get("vocab_size")
+        sizes = [n for n in (rows, vocab) if isinstance(n, int) and not isinstance(n, bool)]
+        return min(sizes) if sizes else 0
+
+    def check_token_ids(self, tokens: torch.Tensor, what: str) -> None:
+        """A ModelError when ``tokens`` hold an id the model has no row for (a tokenizer of another model, or with
+        tokens added after the embedding was sized), instead of an index error deep in a forward."""
+        rows = self.token_rows()
+        top = int(tokens.max()) if tokens.numel() else -1
+        if rows and top >= rows:
+            n = int((tokens >= rows).sum())
+            raise ModelError(f"the tokenizer of {self.path} gives token id {top} ({n} token(s) of {what} at or above "
+                             f"{rows}), but the model has {rows} token embeddings (config.json vocab_size "
+                             f"{self.config_dict.get('vocab_size')}); use the tokenizer files that belong to this model")
 
     def read_tensors(self, keys: list[str], device="cpu", into: Callable[[int], torch.Tensor | None] | None = None
                      ) -> dict:

@@ -36,7 +36,7 @@ from quant.run import stages
 log = logging.getLogger(__name__)
 
 STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "card", "report")
-# stage -> (recipe sections it reads, upstream stages whose outputs it reads, its outputs)
+# stage -> (recipe sections (or top-level keys) it reads, upstream stages whose outputs it reads, its outputs)
 DEPENDS = {
     "calibrate": (("model", "calibration"), (), ("calibration.safetensors", "calibration.json")),
     "profile": (("model", "profile"), ("calibrate",), ("profile.json",)),
@@ -46,8 +46,12 @@ DEPENDS = {
     "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
     # the model card: what was done (recipe), the plan's headline, eval's numbers; outputs: each checkpoint's README.md
     "card": (("model", "plan", "quantize", "export", "eval"), ("plan", "export", "eval"), ()),
-    "report": (("report", "eval"), ("profile", "plan", "quantize", "export", "eval"), ("report.md", "metrics.json")),
+    "report": (("report", "eval", "description"), ("profile", "plan", "quantize", "export", "eval"),
+               ("report.md", "metrics.json")),
 }
+# stages that read the model's tokenizer files (tokenize, or copy them into the checkpoint): the fingerprint covers
+# weights and config only, so a changed tokenizer redoes them
+TOKENIZES = ("calibrate", "export", "eval")
 # stages every rank runs (``run_<stage>(..., world)``); the others run on the writer alone
 DISTRIBUTED = ("profile", "quantize", "export", "eval")
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop a run after the layer in hand (Slurm job scripts do)
@@ -110,6 +114,8 @@ class Run:
         }
         if stage == "calibrate":
             blob["dataset"] = stages.dataset_hash(self.recipe.calibration.dataset)
+        if stage in TOKENIZES:
+            blob["tokenizer"] = self.source.tokenizer_digest()
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
     def outputs(self, stage: str) -> list[str]:
@@ -121,6 +127,11 @@ class Run:
         if stage == "card":
             return [f"{d}/{CARD}" for d in checkpoint_dirs(self.recipe).values()]
         return list(DEPENDS[stage][2])
+
+    def managed(self) -> tuple[str, ...]:
+        """Top-level names the stages write in the run directory (their outputs, the partial quantized store)."""
+        names = {o.split("/")[0] for stage in STAGES for o in self.outputs(stage)}
+        return tuple(sorted(names | {stages.PARTIAL}))
 
     def output_hashes(self, stage: str) -> dict[str, str | None]:
         """What each output holds now (None: missing or damaged). A checkpoint counts by the SHA-256 manifest it
@@ -150,7 +161,7 @@ class Run:
         def claim() -> dict:  # on the writer, which resolves the model first (a hub model downloads once)
             if STAGES.index(until) >= STAGES.index("eval"):
                 stages.check_eval(self.recipe, self.source)  # a recipe the model cannot serve fails before any work
-            return self.dir.claim(self.identity(), force=force is not None)
+            return self.dir.claim(self.identity(), force=force is not None, managed=self.managed())
 
         m = w.on_writer(claim)
         share_fingerprint(w, self.source)

@@ -24,6 +24,7 @@ from quant.plan.summary import summarize
 from quant.recipe import Recipe
 
 log = logging.getLogger(__name__)
+PARTIAL = "quantize.partial"  # the quantized store while quantize runs (kept across crashes)
 
 
 def dataset_hash(dataset: str) -> str:
@@ -62,6 +63,7 @@ def _layerwise(recipe: Recipe, source: ModelSource, batch_size: int, world: Worl
 def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     c = recipe.calibration
     calib = build_calibration(c.dataset, source.tokenizer(), c.n_samples, c.seq_len, c.seed)
+    source.check_token_ids(calib.tokens, f"the calibration set {c.dataset}")
     save_calibration(calib, run_dir)
     return {"n_tokens": int(calib.tokens.numel())}
 
@@ -109,12 +111,19 @@ def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
 
 def check_eval(recipe: Recipe, source: ModelSource) -> None:
     """The eval stage's recipe against the model and the machine, before any work (``evaluate.check_mode``; a
-    task that runs generated code where the sandbox lacks a kernel layer: ``lmeval.check_sandboxed_tasks``)."""
+    task that runs generated code where the sandbox lacks a kernel layer: ``lmeval.check_sandboxed_tasks``), its
+    held-out manifest (read and validated: its sources are tokenized only in the eval stage) and its lm-eval tasks
+    (``lmeval.check_tasks``)."""
     from quant.eval.evaluate import check_mode
     from quant.eval.lmeval import check_sandboxed_tasks
 
     check_mode(recipe.eval.mode, source)
     check_sandboxed_tasks(recipe.eval.tasks, recipe.eval.humaneval_sandbox)
+    load_manifest(resolve_dataset_path(recipe.eval.perplexity.dataset))
+    if recipe.eval.tasks:
+        from quant.eval.lmeval import check_tasks
+
+        check_tasks(recipe.eval.tasks)
 
 
 def check_memory(recipe: Recipe, source: ModelSource, stage: str, ranks: int) -> None:
@@ -135,14 +144,14 @@ def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -
 
     plan = BitPlan.load(run_dir / "plan.json")
     need = estimate(source, plan, recipe.export.formats, scale_bytes=2 if recipe.model.dtype != "float32" else 4)
-    partial = run_dir / "quantize.partial"
+    partial = run_dir / PARTIAL
     written = sum(f.stat().st_size for f in partial.glob("layer_*.safetensors")) if stage == "quantize" else 0
     check_free_disk(run_dir, need, with_store=stage == "quantize", existing_bytes=written)
 
 
 def _partial_dir(recipe: Recipe, run_dir: Path) -> Path:
     """``quantize.partial/`` kept across crashes when its key (plan, quantize section, tokens) still matches."""
-    partial = run_dir / "quantize.partial"
+    partial = run_dir / PARTIAL
     key = hashlib.sha256((run_dir / "plan.json").read_bytes() + recipe.section_hash("quantize").encode()
                          + (run_dir / "calibration.safetensors").read_bytes()).hexdigest()[:16]
     if partial.exists() and (not (partial / "key").is_file() or (partial / "key").read_text() != key):

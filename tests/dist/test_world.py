@@ -70,6 +70,29 @@ def test_a_bad_local_world_size_is_one_clear_error(monkeypatch, value):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
     with pytest.raises(DistError, match=f"^LOCAL_WORLD_SIZE is '{value}': it must be a whole number of processes"):
         init_world("cpu")
+@pytest.mark.parametrize("env,name", [
+    ({"QUANT_DIST_TIMEOUT_S": "abc"}, "QUANT_DIST_TIMEOUT_S"), ({"QUANT_DIST_TIMEOUT_S": "nan"}, "QUANT_DIST_TIMEOUT_S"),
+    ({"QUANT_DIST_TIMEOUT_S": "0"}, "QUANT_DIST_TIMEOUT_S"), ({"QUANT_DIST_TIMEOUT_S": "-5"}, "QUANT_DIST_TIMEOUT_S"),
+    ({"QUANT_DIST_TIMEOUT_S": "inf"}, "QUANT_DIST_TIMEOUT_S"), ({"WORLD_SIZE": "abc"}, "WORLD_SIZE"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE"), ({"WORLD_SIZE": "2", "RANK": "x"}, "RANK"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK"), ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "-1"}, "LOCAL_RANK"),
+])
+def test_launcher_variables_that_are_not_what_they_claim_are_one_dist_error(monkeypatch, env, name):
+    """Checked before joining any group, on each rank: a bad timeout made every collective time out at once (each
+    rank blaming another) or crashed; a bad WORLD_SIZE / RANK was a ValueError."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "QUANT_DIST_TIMEOUT_S"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(DistError, match=f"^{name}='") as e:
+        init_world("cpu")
+    assert "another rank" not in str(e.value)
+
+
+def test_a_valid_timeout_is_the_worlds(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("QUANT_DIST_TIMEOUT_S", " 42.5 ")
+    assert init_world("cpu").timeout_s == 42.5
 
 
 def test_relay_consumes_at_once_in_a_world_of_one():

@@ -154,6 +154,29 @@ def test_resumed_layers_report_what_was_measured(setup, tmp_path):
     assert any(r.rtn_fallbacks for r in again)
 
 
+def test_a_damaged_stored_layer_is_recomputed_not_reused(setup, tmp_path, caplog):
+    """A resumed quantize over a store whose layer 0 has a flipped byte and layer 1 is truncated recomputes both
+    (one warning each) and ends with the codes an uninterrupted run stores; the intact layers are reused."""
+    src, calib, prof = setup
+    plan, out, _ = _quantize(setup, tmp_path, "store")
+    clean = {n: (qw.q.clone(), qw.scale.clone()) for n, qw in _stored(out, src).items()}  # not views of the files
+    first, second = layer_file(out, 0), layer_file(out, 1)
+    data = bytearray(first.read_bytes())
+    data[-3] ^= 0x10
+    first.write_bytes(bytes(data))
+    with open(second, "r+b") as f:
+        f.truncate(second.stat().st_size - 100)
+    with caplog.at_level("WARNING", logger="quant.engine.quantize"):
+        again = quantize_model(src, calib, plan, QuantizeSpec(), Layerwise(src, "bfloat16", "cpu", 4), out)
+    assert [r.resumed for r in again] == [False, False] + [True] * (src.n_layers - 2)
+    warnings = [r.getMessage() for r in caplog.records if "recomputing the layer" in r.getMessage()]
+    assert len(warnings) == 2 and "layer 0" in warnings[0] and "damaged" in warnings[0], warnings
+    stored = _stored(out, src)
+    assert stored.keys() == clean.keys()
+    for n, (q, scale) in clean.items():
+        assert torch.equal(stored[n].q, q) and torch.equal(stored[n].scale, scale), n
+
+
 def _expert_forward_calls(monkeypatch) -> list[int]:
     """Count real forwards of any routed-experts module (fused experts class, or a per-expert MLP), per call."""
     from quant.models import experts as ex

@@ -34,6 +34,24 @@ def test_shards_hold_every_tensor_once_in_order_each_file_filled_up_to_the_limit
                                                            for i in range(1, n + 1)])
 
 
+@pytest.mark.parametrize("limit", [1, 50, 120, 1000])
+def test_a_modules_parts_share_one_file(limit):
+    """Codes, scale and zero point of a quantized module are never split over files, whatever the limit (a loader
+    finds a module's parts in the file of its codes); other tensors still fill files up to the limit."""
+    tensors = []
+    for m in range(6):
+        tensors += [Planned(f"m{m}.{part}", (n,), "U8", f"m{m}.weight", 0, f"layers.0.m{m}", part)
+                    for part, n in (("weight_packed", 40), ("weight_scale", 30), ("weight_zero_point", 10))]
+        tensors.append(Planned(f"norm{m}", (25,), "U8", f"norm{m}", 0))
+    shards = plan_shards(tensors, limit)
+    assert [t for s in shards for t in s.tensors] == tensors
+    home = {t.module: {s.file for s in shards for u in s.tensors if u.module == t.module} for t in tensors if t.module}
+    assert all(len(files) == 1 for files in home.values()), home
+    for s in shards:
+        units = {t.module or t.name for t in s.tensors}
+        assert s.nbytes <= limit or len(units) == 1
+
+
 def test_no_tensors_is_one_empty_file_and_small_models_one_file():
     assert [(s.file, s.tensors) for s in plan_shards([], 10)] == [("model.safetensors", ())]
     assert [s.file for s in plan_shards(_tensors([3, 3, 3]), 10)] == ["model.safetensors"]

@@ -65,6 +65,7 @@ def test_run_completes_with_every_artifact(family_runs, name):
     assert m["versions"]["torch"] and m["versions"]["transformers"]
     calib = json.loads((d / "calibration.json").read_text())
     assert calib["seed"] == 0 and len(calib["sample_ids"]) == 8
+    assert f"Recipe description (as written in the recipe file): {recipe.description}" in (d / "report.md").read_text()
 
 
 @pytest.mark.parametrize("name", list(BUILTINS))
