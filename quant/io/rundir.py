@@ -97,6 +97,17 @@ def versions() -> dict[str, str]:
     return out
 
 
+def _model_changed(path: Path, old: dict, new: dict) -> str:
+    """Why a finished run directory refuses its model: the files differ from those it was made from. A builtin is
+    rebuilt when a quant version defines it differently; a folder or hub model was copied, edited or re-fetched."""
+    model = new.get("model")
+    why = ("a builtin model is rebuilt when a quant version defines it differently" if str(model).startswith("builtin:")
+           else "another copy, or files edited or downloaded again since")
+    return (f"the model {model} changed since {path} was made: its files no longer match the recorded fingerprint "
+            f"({old.get('fingerprint')}, now {new.get('fingerprint')}: {why}); use the model it was made with, or "
+            "--force all to redo the run on this one")
+
+
 class RunDir:
     """``runs/<name>/``: holds the manifest and every stage's artifacts."""
 
@@ -138,9 +149,7 @@ class RunDir:
         old = m.get("identity", {})
         if m and finished and old != identity and not force and {**old, "fingerprint": None} == {**identity,
                                                                                                  "fingerprint": None}:
-            raise RunDirError(f"the model {identity.get('model')} changed since {self.path} was made (its files no "
-                              "longer match the recorded fingerprint: damaged or replaced); restore it, or --force "
-                              "all to redo the run on it")
+            raise RunDirError(_model_changed(self.path, old, identity))
         if m and finished and old != identity and not force:
             raise RunDirError(
                 f"{self.path} holds a different run (recipe '{m.get('identity', {}).get('recipe')}', "
