@@ -93,10 +93,20 @@ def _stage(until: str, recipe: Path, output: Path | None, overrides, model, forc
         typer.echo(f"report: {result.run_dir / 'report.md'}")
 
 
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="print the recipe values changed since the run "
+                                          "directory's last run and the stages that would be redone, then stop")]
+
+
 @app.command("run")
 def run_cmd(recipe: RecipeArg, output: OutputOpt = None, set_: SetOpt = None, model: ModelOpt = None,
-            force: ForceOpt = None) -> None:
+            force: ForceOpt = None, dry_run: DryRunOpt = False) -> None:
     """Run every stage (resuming a run directory: finished stages with unchanged inputs are skipped)."""
+    if dry_run:
+        from quant.run.pipeline import preview
+
+        r = _recipe(recipe, set_, model)
+        typer.echo(preview(r, output or Path("runs") / r.name, force=force).line())
+        return
     _stage("report", recipe, output, set_, model, force)
 
 

@@ -145,20 +145,24 @@ class RunDir:
         for d in (self.path, self.path / "quantize.partial"):
             remove_stale(d)
         m = self.manifest()
-        finished = any(s.get("status") == "done" for s in m.get("stages", {}).values())
-        old = m.get("identity", {})
-        if m and finished and old != identity and not force and {**old, "fingerprint": None} == {**identity,
-                                                                                                 "fingerprint": None}:
-            raise RunDirError(_model_changed(self.path, old, identity))
-        if m and finished and old != identity and not force:
-            raise RunDirError(
-                f"{self.path} holds a different run (recipe '{m.get('identity', {}).get('recipe')}', "
-                f"model {m.get('identity', {}).get('model')}); use another --output, or --force STAGE to redo it"
-            )
+        refusal = self.refusal(m, identity, force)
+        if refusal is not None:
+            raise RunDirError(refusal)
         m = {"identity": identity, "stages": m.get("stages", {}) if m.get("identity") == identity or force else {},
              "versions": versions()}
         self.save_manifest(m)
         return m
+
+    def refusal(self, m: dict, identity: dict, force: bool) -> str | None:
+        """Why this run directory, whose manifest is ``m``, cannot take a run of ``identity`` (None: it can)."""
+        finished = any(s.get("status") == "done" for s in m.get("stages", {}).values())
+        old = m.get("identity", {})
+        if not m or not finished or old == identity or force:
+            return None
+        if {**old, "fingerprint": None} == {**identity, "fingerprint": None}:
+            return _model_changed(self.path, old, identity)
+        return (f"{self.path} holds a different run (recipe '{old.get('recipe')}', model {old.get('model')}); use "
+                "another --output, or --force STAGE to redo it")
 
     def _lock(self) -> None:
         self._lock_file = open(self.path / ".lock", "w")  # noqa: SIM115 - held for the process lifetime

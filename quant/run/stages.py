@@ -128,10 +128,36 @@ def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -
     check_free_disk(run_dir, need, with_store=stage == "quantize", existing_bytes=written)
 
 
+def _quantize_view(algorithm: str, modules: dict) -> str:
+    blob = json.dumps({"algorithm": algorithm, "modules": modules}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def plan_digest_for_quantize(run_dir: Path) -> str | None:
+    """Digest of what the quantize stage reads of ``plan.json``: each module's bits, group size and symmetry, and
+    the algorithm; not the rules' prose, the headline or the serving notes (None without a readable plan)."""
+    try:
+        d = json.loads((run_dir / "plan.json").read_text())
+        modules = {n: [p["bits"], p["group_size"], p["symmetric"]] for n, p in d["modules"].items()}
+        return _quantize_view(d["algorithm"], modules)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def planned_digest_for_quantize(recipe: Recipe, source: ModelSource, run_dir: Path) -> str:
+    """``plan_digest_for_quantize`` of the plan the plan stage would make now from the run's profile (the plan's
+    modules are a pure function of it; nothing is written)."""
+    profile = RoutingProfile.load(run_dir / "profile.json")
+    plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers,
+                     recipe.export.formats)
+    return _quantize_view(plan.algorithm, {n: [p.bits, p.group_size, p.symmetric] for n, p in plan.modules.items()})
+
+
 def _partial_dir(recipe: Recipe, run_dir: Path) -> Path:
-    """``quantize.partial/`` kept across crashes when its key (plan, quantize section, tokens) still matches."""
+    """``quantize.partial/`` kept across crashes when its key (what quantize reads of the plan, the quantize
+    section, tokens) still matches."""
     partial = run_dir / "quantize.partial"
-    key = hashlib.sha256((run_dir / "plan.json").read_bytes() + recipe.section_hash("quantize").encode()
+    key = hashlib.sha256(str(plan_digest_for_quantize(run_dir)).encode() + recipe.section_hash("quantize").encode()
                          + (run_dir / "calibration.safetensors").read_bytes()).hexdigest()[:16]
     if partial.exists() and (not (partial / "key").is_file() or (partial / "key").read_text() != key):
         shutil.rmtree(partial)
