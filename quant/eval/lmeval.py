@@ -34,15 +34,17 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib.util
 import logging
 import math
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quant.errors import CheckpointError, RecipeError
+from quant.errors import CheckpointError, MissingDependency, RecipeError
 from quant.eval.sandbox import isolation_policy, require_isolation
 
 logger = logging.getLogger(__name__)
@@ -155,6 +157,23 @@ def run_lm_eval(
     for name, score in scores.items():
         logger.info("%s: %s=%.4f (n=%d)", name, score.metric, score.value, score.n)
     return scores
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def check_installed(tasks: Sequence[str], backend: str) -> None:
+    """Before any work: lm-eval is installed when ``tasks`` name any, and vLLM for its backend (MissingDependency,
+    one line naming the pip command)."""
+    if tasks and not _installed("lm_eval"):
+        raise MissingDependency(f"eval.tasks ({', '.join(tasks)}) need lm-eval, which is not installed: pip install "
+                                "'moe-quant[eval]' (or set eval.tasks: [])")
+    if tasks and backend == "vllm" and not _installed("vllm"):
+        raise MissingDependency("eval.backend vllm needs vLLM, which is not installed: pip install vllm (or set "
+                                "eval.backend: hf)")
 
 
 def check_sandboxed_tasks(tasks: Sequence[str], humaneval_sandbox: str) -> None:

@@ -102,6 +102,19 @@ def recipe_changes(old: dict | None, new: dict) -> tuple[str, ...]:
                  if a.get(k, unset) != b.get(k, unset))
 
 
+def check_devices(recipe: Recipe) -> None:
+    for device in {recipe.quantize.device, recipe.eval.device}:
+        pick_device(device)
+
+
+def check_machine(recipe: Recipe, until: str = "report") -> None:
+    """What this machine must have for a run of ``recipe`` up to ``until``, checked without the model or any work
+    (``quant validate`` too): the devices named, the optional libraries and the sandbox the eval stage needs."""
+    check_devices(recipe)
+    if STAGES.index(until) >= STAGES.index("eval"):
+        stages.check_eval_machine(recipe)
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -176,18 +189,19 @@ class Run:
         return {o: hash_path(self.dir.path / o) for o in self.outputs(stage)}
 
     def check_arguments(self, until: str, force: str | None) -> None:
-        """What fails before any work, on every rank: stage names and absent devices."""
+        """What fails before any work, on every rank: stage names and devices."""
         if until not in STAGES:
             raise RunDirError(f"unknown stage '{until}'; stages: {', '.join(STAGES)}")
         if force is not None and force not in STAGES and force != "all":
             raise RunDirError(f"--force takes a stage name or 'all', got '{force}'; stages: {', '.join(STAGES)}")
-        for device in {self.recipe.quantize.device, self.recipe.eval.device}:
-            pick_device(device)
+        check_devices(self.recipe)
 
     def check_model(self, until: str) -> None:
-        """What fails before any work, on the writer (it resolves the model): a recipe the model cannot serve."""
+        """What fails before any work, on the writer (it resolves the model): what the eval stage needs of this
+        machine (``check_machine``) and of the model."""
         if STAGES.index(until) >= STAGES.index("eval"):
-            stages.check_eval(self.recipe, self.source)
+            stages.check_eval_machine(self.recipe)
+            stages.check_eval_model(self.recipe, self.source)
 
     def preview(self, until: str = "report", force: str | None = None, m: dict | None = None,
                 previous: dict | None = None) -> Preview:

@@ -106,14 +106,21 @@ def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     return {"headline": summary["headline"]}
 
 
-def check_eval(recipe: Recipe, source: ModelSource) -> None:
-    """The eval stage's recipe against the model and the machine, before any work (``evaluate.check_mode``; a
-    task that runs generated code where the sandbox lacks a kernel layer: ``lmeval.check_sandboxed_tasks``)."""
+def check_eval_machine(recipe: Recipe) -> None:
+    """The eval stage's recipe against this machine, before any work and without the model: the libraries its
+    tasks need (``lmeval.check_installed``), a task that runs generated code where the sandbox lacks a kernel
+    layer (``lmeval.check_sandboxed_tasks``)."""
+    from quant.eval.lmeval import check_installed, check_sandboxed_tasks
+
+    check_installed(recipe.eval.tasks, recipe.eval.backend)
+    check_sandboxed_tasks(recipe.eval.tasks, recipe.eval.humaneval_sandbox)
+
+
+def check_eval_model(recipe: Recipe, source: ModelSource) -> None:
+    """The eval stage's recipe against the model, before any work (``evaluate.check_mode``)."""
     from quant.eval.evaluate import check_mode
-    from quant.eval.lmeval import check_sandboxed_tasks
 
     check_mode(recipe.eval.mode, source)
-    check_sandboxed_tasks(recipe.eval.tasks, recipe.eval.humaneval_sandbox)
 
 
 def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -> None:
