@@ -448,17 +448,20 @@ def _one_layer(source, plan, spec, lw: Layerwise, out_dir: Path, idx: int, hidde
         with _timed(job.report, "forward_seconds", lw.device):
             lw.forward(layer, hidden, out=hidden)
     report = job.finish_report(time.perf_counter() - t0)
-    _log_layer(report, source.n_layers)
+    _log_layer(report, source.n_layers, spec.min_tokens)
     return report
 
 
-def _log_layer(report: LayerReport, n_layers: int) -> None:
+def _log_layer(report: LayerReport, n_layers: int, min_tokens: int) -> None:
     idx = report.layer
     for repair in report.repairs:
         log.warning("layer %d: numerical repair: %s", idx, repair)
-    if report.rtn_fallbacks:
-        log.warning("layer %d: %d expert projections below the token floor fell back to RTN", idx,
-                    len(report.rtn_fallbacks))
+    if report.rtn_fallbacks and min_tokens > 1:
+        log.warning("layer %d: %d expert projections of experts routed fewer than %d calibration tokens "
+                    "(quantize.min_tokens) fell back to RTN", idx, len(report.rtn_fallbacks), min_tokens)
+    elif report.rtn_fallbacks:  # no statistics at all: the floor of one token holds whatever min_tokens says
+        log.info("layer %d: %d expert projections of experts routed no calibration token were rounded to nearest "
+                 "(RTN)", idx, len(report.rtn_fallbacks))
     log.info("layer %d: %d modules (%d experts), mean %.2f bits, worst rel err %.4f (%s), %.2fs%s",
              idx, report.n_modules, report.n_experts, report.mean_bits, report.worst_rel_error,
              report.worst_module, report.seconds, " (resumed)" if report.resumed else "",
