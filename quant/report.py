@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from quant.io.rundir import atomic_write_text
-from quant.measure.profile import RoutingProfile
+from quant.measure.profile import RoutingProfile, ratio_text
 from quant.models import ModelSource
 from quant.plan.bitplan import KEEP_BITS, BitPlan
 from quant.plan.summary import summarize
@@ -115,9 +115,13 @@ def _quantize_lines(layers: list[dict]) -> list[str]:
 
 def _routing_lines(profile: RoutingProfile, min_tokens: int) -> list[str]:
     cold = profile.cold_experts(min_tokens)
+    where = ", ".join(f"layer {layer} expert {e}" for layer, e in cold[:12]) + (", …" if len(cold) > 12 else "")
+    ratios = ", ".join(f"layer {layer}: {ratio_text(r)}" for layer, r in zip(profile.layers,
+                                                                            profile.max_min_ratio().tolist(), strict=True))
     lines = [f"- routing entropy per MoE layer (1 = uniform): {[round(x, 3) for x in profile.entropy().tolist()]}",
-             f"- most / least used expert per layer: {[round(x, 1) for x in profile.max_min_ratio().tolist()]}",
-             f"- experts with fewer than {max(min_tokens, 1)} routed tokens: {len(cold)} {cold[:12]}",
+             f"- most / least used expert (routed tokens) per MoE layer: {ratios}",
+             f"- cold experts (fewer than {max(min_tokens, 1)} routed tokens, profile.min_tokens): {len(cold)}"
+             + (f" ({where})" if cold else ""),
              f"- super-expert candidates (max down-proj output > 50 × median): {profile.super_experts(50.0)[:12]}"]
     stability = profile.rank_stability()
     if stability:

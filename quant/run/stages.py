@@ -76,7 +76,8 @@ def _layer_damage(recipe: Recipe, source: ModelSource, calib: CalibrationSet) ->
 
 def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
     calib = load_calibration(run_dir)
-    profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size, world))
+    profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size, world),
+                              min_tokens=recipe.profile.min_tokens)
     if recipe.profile.layer_sensitivity is not None:  # one pass on the writer, its result on every rank
         profile.layer_damage = world.on_writer(lambda: _layer_damage(recipe, source, calib))
     if world.is_writer:
