@@ -12,7 +12,7 @@ from quant.io.rundir import atomic_write_text
 from quant.measure.profile import RoutingProfile, ratio_text
 from quant.models import ModelSource
 from quant.plan.bitplan import KEEP_BITS, BitPlan
-from quant.plan.summary import summarize
+from quant.plan.summary import BITS_TERMS, summarize
 from quant.recipe import Recipe
 
 
@@ -103,8 +103,15 @@ def _plan_lines(summary: dict) -> list[str]:
     return lines
 
 
+WORST_ERROR = ("worst rel. error: per layer, the largest relative weight error ‖Ŵ − W‖ / ‖W‖ over its quantized "
+               "modules (experts, attention, shared experts, dense MLPs; every algorithm alike), W being the "
+               "full-precision weight the codes store (AWQ's after its smoothing scales). A weight error, not an "
+               "output error: GPTQ accepts a larger one for a smaller output error (see KL above).")
+
+
 def _quantize_lines(layers: list[dict]) -> list[str]:
-    lines = ["| layer | modules | experts | mean bits | worst rel. error | module | seconds | RTN fallbacks |",
+    lines = [f"Layer bits: {BITS_TERMS['layer bits']}. {WORST_ERROR}", "",
+             "| layer | modules | experts | layer bits | worst rel. error | module | seconds | RTN fallbacks |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['layer']} | {r['n_modules']} | {r['n_experts']} | {r['mean_bits']:.2f} | "
               f"{r['worst_rel_error']:.4f} | `{r['worst_module']}` | {r['seconds']:.2f} | {len(r['rtn_fallbacks'])} |"
@@ -148,12 +155,12 @@ def serving_lines(serving: dict) -> list[str]:
                         "vLLM/SGLang serve at this size"]
     alt = serving.get("best_servable")
     lines.append(f"- this plan's predicted KL on the calibration proxy: {_kl(serving['predicted_kl'])} "
-                 f"({serving['expert_storage_bits']:.3f} stored bits per expert weight)")
+                 f"(stored expert bits {serving['expert_storage_bits']:.3f})")
     if alt is None:
         return lines + ["- no plan of measured vLLM/SGLang schemes fits this plan's size"]
     schemes = ", ".join(f"{layer}: {s}" for layer, s in alt["layers"].items())
     lines.append(f"- best plan vLLM/SGLang serve at this size (`plan.policy: layer_sensitivity`): predicted KL "
-                 f"{alt['predicted_kl']:.4g} ({alt['expert_storage_bits']:.3f} stored bits); layers {schemes}")
+                 f"{alt['predicted_kl']:.4g} (stored expert bits {alt['expert_storage_bits']:.3f}); layers {schemes}")
     if blocked and serving["predicted_kl"] is not None:
         d = alt["predicted_kl"] - serving["predicted_kl"]
         verdict = ("this plan is predicted better by that much: the price of serving it with vLLM/SGLang" if d > 0

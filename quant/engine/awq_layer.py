@@ -89,10 +89,12 @@ def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
             sel, local = on_device(sub, v.down.device), _local(sub, stats)
             denom = stats.weight_sum[local].clamp_min(1e-12).float()
             H = stats.sum_down[local] / denom[:, None, None]
-            res = _search(v.down.data[sel], H, stats.abs_down[local] / denom[:, None], spec, job)
+            w = v.down.data[sel]
+            res = _search(w, H, stats.abs_down[local] / denom[:, None], spec, job)
             v.down.data[sel] = res.weight.dequantize().to(v.down.dtype)
             v.gate_up.data[sel, I:] = (v.gate_up.data[sel, I:].float() / res.scales[:, :, None]).to(v.gate_up.dtype)
-            job.record(res.weight, [[(f"layers.{job.idx}.experts.{e}.down", slice(None))] for e in sub])
+            job.record(res.weight, [[(f"layers.{job.idx}.experts.{e}.down", slice(None))] for e in sub],
+                       w.float() * res.scales[:, None, :])  # the weight the codes store: W · s
 
 
 class _GateUpSearch:
@@ -137,7 +139,7 @@ class _GateUpSearch:
             for sub in _sub_batches(self.job, _mine(self.job, experts), v.gate_up):
                 w = v.gate_up.data[on_device(sub, s.device)]
                 _write_gate_up(self.job, sub, quantize_scaled(w, s, spec, v.gate_up.dtype),
-                               v.intermediate)
+                               v.intermediate, w.float() * s[:, None, :])
         return s[0]
 
 
@@ -186,12 +188,13 @@ def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay)
     return search.finish()
 
 
-def _write_gate_up(job, experts: list[int], qw, I: int) -> None:
+def _write_gate_up(job, experts: list[int], qw, I: int, scaled: torch.Tensor) -> None:
+    """``scaled``: the weights ``qw`` encodes (``W · s``), for the layer's error report."""
     v = job.view
     sel = on_device(experts, v.gate_up.device)
     v.gate_up.data[sel] = qw.dequantize().to(v.gate_up.dtype)
     job.record(qw, [[(f"layers.{job.idx}.experts.{e}.gate", slice(0, I)), (f"layers.{job.idx}.experts.{e}.up",
-                                                                         slice(I, 2 * I))] for e in experts])
+                                                                         slice(I, 2 * I))] for e in experts], scaled)
 
 
 def _fold_norm(norm_name: str, norm, s: torch.Tensor, params: dict) -> None:
@@ -221,7 +224,7 @@ def _smooth_linears(job, names: list[str], lin_stats: dict[str, LinearStats], s:
     deq = qw.dequantize()[0]
     for i, m in enumerate(mods):
         m.weight.data.copy_(deq[bounds[i] : bounds[i + 1]])
-    job.record(qw, [[(n, slice(bounds[i], bounds[i + 1])) for i, n in enumerate(names)]])
+    job.record(qw, [[(n, slice(bounds[i], bounds[i + 1])) for i, n in enumerate(names)]], w.float() * s)
     return s
 
 

@@ -85,6 +85,12 @@ NEEDS_HESSIAN = {"rtn": False, "gptq": True, "awq": True}
 
 @dataclass
 class LayerReport:
+    """One layer's quantize record. ``mean_bits``: code bits per weight over the layer's quantized weights (all
+    kinds, weighted by size). ``worst_rel_error``: the largest relative weight error ``‖Ŵ − W‖ / ‖W‖`` over the
+    layer's quantized modules (``worst_module``), every kind and every algorithm alike, ``W`` being the full-precision
+    weight the codes store (AWQ's: after its smoothing scales). A weight error, not an output error: GPTQ trades a
+    larger one for a smaller output error."""
+
     layer: int
     n_modules: int = 0
     n_experts: int = 0
@@ -462,7 +468,7 @@ def _log_layer(report: LayerReport, n_layers: int, min_tokens: int) -> None:
     elif report.rtn_fallbacks:  # no statistics at all: the floor of one token holds whatever min_tokens says
         log.info("layer %d: %d expert projections of experts routed no calibration token were rounded to nearest "
                  "(RTN)", idx, len(report.rtn_fallbacks))
-    log.info("layer %d: %d modules (%d experts), mean %.2f bits, worst rel err %.4f (%s), %.2fs%s",
+    log.info("layer %d: %d modules (%d experts), layer bits %.2f, worst rel err %.4f (%s), %.2fs%s",
              idx, report.n_modules, report.n_experts, report.mean_bits, report.worst_rel_error,
              report.worst_module, report.seconds, " (resumed)" if report.resumed else "",
              extra=step("quantize", idx + 1, n_layers))

@@ -13,6 +13,16 @@ from quant.models import ModelSource
 from quant.plan.bitplan import KEEP_BITS, BitPlan
 
 SCALE_BYTES = 2
+# The bits figures quant prints, defined once; every output names them so.
+BITS_TERMS = {
+    "expert bits": "code bits per routed-expert weight (scales not counted)",
+    "stored expert bits": "expert bits with each group's scale (and zero point) counted",
+    "traffic-weighted expert bits": "expert bits weighted by each expert's share of its layer's routed tokens: what "
+                                    "a routed token reads",
+    "bits over all weights": "code bits per weight over every weight of the model, kept ones (router, embeddings, "
+                             "lm_head) at 16",
+    "layer bits": "code bits per weight over one decoder layer's quantized weights (attention and experts)",
+}
 
 
 def module_bytes(bits: int | None, out_f: int, in_f: int, group: int, symmetric: bool) -> float:

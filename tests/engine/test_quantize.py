@@ -344,3 +344,15 @@ def test_a_token_floor_the_recipe_set_is_named_when_experts_fall_below_it(caplog
     _log_layer(LayerReport(3, rtn_fallbacks=["layers.3.experts.5.down"]), 4, 16)
     (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
     assert "routed fewer than 16 calibration tokens (quantize.min_tokens) fell back to RTN" in record.getMessage()
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq", "awq"])
+def test_worst_error_is_over_every_quantized_module_for_every_algorithm(setup, tmp_path, algorithm):
+    """2-bit experts beside 8-bit attention: the worst relative weight error of each layer is an expert's, whatever
+    the algorithm (AWQ's experts were left out, so its worst module was an 8-bit attention projection)."""
+    src = setup[0]
+    spec = PlanSpec(policy="uniform", low_bits=2, high_bits=2, group_size=32)
+    _, _, reports = _quantize(setup, tmp_path, algorithm, spec, algorithm=algorithm)
+    for r in reports:
+        if r.layer in src.moe_layers():
+            assert ".experts." in r.worst_module and r.worst_rel_error > 0.2, (r.layer, r.worst_module)
