@@ -60,7 +60,7 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     from quant.io.rundir import atomic_write_text
     from quant.measure.profile import RoutingProfile
     from quant.plan.runtimes import gptqmodel_kernel_problem, problems_for
-    from quant.plan.summary import summarize
+    from quant.plan.summary import scheme_counts, summarize
 
     plan = BitPlan.load(run_dir / "plan.json")
     summary = summarize(plan, source, RoutingProfile.load(run_dir / "profile.json"))
@@ -70,7 +70,7 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
         backend = "TORCH" if fmt == "gptq" and gptqmodel_kernel_problem(plan) else None
         card = render_card(recipe, source, summary, ev, problems, version(), fmt=fmt,
                            runtime_notes=runtime_notes(plan, source, fmt), gptqmodel_backend=backend,
-                           serving=plan.serving)
+                           serving=plan.serving, schemes=scheme_counts(plan, source))
         atomic_write_text(run_dir / folder / CARD, card)
         add_to_manifest(run_dir / folder, CARD)
 
