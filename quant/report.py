@@ -16,14 +16,56 @@ from quant.plan.summary import BITS_TERMS, summarize
 from quant.recipe import Recipe
 
 
-def _bit_grid(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> torch.Tensor:
-    """``[L, E]`` mean bits of each expert's three projections."""
-    grid = torch.zeros(len(profile.layers), profile.n_experts)
+def _scheme(p) -> tuple:
+    return (KEEP_BITS, 0, True) if p.keep else (p.bits, p.group_size, p.symmetric)
+
+
+def _scheme_label(schemes: tuple) -> str:
+    """One expert's schemes (gate, up, down) as the legend names them: ``W4 g32``, ``bf16 (kept)``, or
+    ``W8 g32 gate/up, W4 g32 down`` when its projections differ."""
+    def one(s: tuple) -> str:
+        if s[0] == KEEP_BITS:
+            return "bf16 (kept)"
+        group = "per channel" if s[1] == -1 else f"g{s[1]}"
+        return f"W{s[0]} {group}{'' if s[2] else ' asym'}"
+
+    gate, up, down = schemes
+    if gate == up == down:
+        return one(gate)
+    return f"{one(gate)} gate/up, {one(down)} down" if gate == up else f"{one(gate)} gate, {one(up)} up, {one(down)} down"
+
+
+def scheme_grid(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> tuple[torch.Tensor, list[str]]:
+    """``[L, E]`` index of each expert's scheme into the returned labels (bits and group size of its
+    projections), labels in ascending bits then group size."""
+    per: dict[tuple[int, int], dict[str, tuple]] = {}
     for name, m in source.modules.items():
         if m.kind == "expert":
-            p = plan.modules[name]
-            grid[profile.row(m.layer), m.expert] += (KEEP_BITS if p.keep else p.bits) / 3
-    return grid
+            per.setdefault((m.layer, m.expert), {})[name.rsplit(".", 1)[1]] = _scheme(plan.modules[name])
+    keys = {k: tuple(v.get(p, (0, 0, True)) for p in ("gate", "up", "down")) for k, v in per.items()}
+    order = sorted(set(keys.values()), key=lambda s: (max(x[0] for x in s), [(-x[0], x[1]) for x in s]))
+    grid = torch.full((len(profile.layers), profile.n_experts), -1, dtype=torch.long)
+    for (layer, e), s in keys.items():
+        grid[profile.row(layer), e] = order.index(s)
+    return grid, [_scheme_label(s) for s in order]
+
+
+def _bit_map(plan: BitPlan, source: ModelSource, profile: RoutingProfile, path: Path) -> str:
+    """Each expert's scheme (bits and group size), one colour per scheme named in the legend."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    grid, labels = scheme_grid(plan, source, profile)
+    palette = [plt.get_cmap("tab10")(i % 10) for i in range(len(labels))]
+    fig, ax = plt.subplots(figsize=(8, 3 + 0.15 * len(profile.layers)))
+    ax.imshow(grid.numpy(), aspect="auto", cmap=ListedColormap(palette), vmin=-0.5, vmax=len(labels) - 0.5,
+              interpolation="nearest")
+    ax.set(title="Scheme of each expert (expert id order)", xlabel="expert", ylabel="MoE layer #",
+           yticks=range(len(profile.layers)), yticklabels=profile.layers)
+    ax.legend(handles=[Patch(color=c, label=lab) for c, lab in zip(palette, labels, strict=True)],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="scheme", title_fontsize=8)
+    return _save(fig, path)
 
 
 def plot_all(plan: BitPlan, source: ModelSource, profile: RoutingProfile, out: Path) -> list[str]:
@@ -41,12 +83,7 @@ def plot_all(plan: BitPlan, source: ModelSource, profile: RoutingProfile, out: P
            yticks=range(len(profile.layers)), yticklabels=profile.layers)
     fig.colorbar(im, ax=ax, label="share of routed tokens")
     files.append(_save(fig, out / "routing_heatmap.png"))
-    fig, ax = plt.subplots(figsize=(8, 3 + 0.15 * len(profile.layers)))
-    im = ax.imshow(_bit_grid(plan, source, profile).numpy(), aspect="auto", cmap="coolwarm", vmin=2, vmax=16)
-    ax.set(title="Bits per expert (expert id order)", xlabel="expert", ylabel="MoE layer #",
-           yticks=range(len(profile.layers)), yticklabels=profile.layers)
-    fig.colorbar(im, ax=ax, label="bits")
-    files.append(_save(fig, out / "bit_map.png"))
+    files.append(_bit_map(plan, source, profile, out / "bit_map.png"))
     fig, ax = plt.subplots(figsize=(6, 4))
     sorted_share = torch.sort(share, dim=1, descending=True).values
     frac = torch.arange(1, profile.n_experts + 1) / profile.n_experts

@@ -24,3 +24,23 @@ def test_servable_plan_and_missing_measurements():
     text = "\n".join(serving_lines(dict(PER_EXPERT, damage_measured=False, best_servable=None, predicted_kl=None)))
     assert "set `profile.layer_sensitivity`" in text and "predicted KL" not in text
     assert serving_lines({}) == ["Not recorded (plan written by an older quant)."]
+
+
+def test_bit_map_names_each_scheme_of_the_plan(tmp_path):
+    """The bit map is one colour per scheme (bits and group size) named in a legend, not a 2-16 colour scale."""
+    from quant.forecast.estimate import synthetic_profile
+    from quant.models import resolve_model
+    from quant.plan.bitplan import plan_bits
+    from quant.recipe import PlanSpec
+    from quant.report import plot_all, scheme_grid
+
+    src = resolve_model("builtin:qwen3-moe-tiny")
+    prof = synthetic_profile(src)
+    plan = plan_bits(prof, src.modules, PlanSpec(group_size=32, layer_schemes={"2": "w4g16"}), "rtn", src.n_layers)
+    grid, labels = scheme_grid(plan, src, prof)
+    assert labels == ["W4 g16", "W4 g32", "W8 g32"]
+    for name, m in src.modules.items():
+        if m.kind == "expert":
+            p = plan.modules[name]
+            assert labels[grid[prof.row(m.layer), m.expert]] == f"W{p.bits} g{p.group_size}", name
+    assert "bit_map.png" in plot_all(plan, src, prof, tmp_path) and (tmp_path / "bit_map.png").stat().st_size > 0
