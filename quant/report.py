@@ -116,6 +116,9 @@ def _eval_lines(ev: dict) -> list[str]:
         err = f" ± {r['stderr']:.4f}" if r["stderr"] is not None else ""
         lines.append(f"| {t} ({r['metric']}, n={r['n']}) | {r['base']:.4f} | {r['quantized']:.4f}{err} "
                      f"| {100 * r['delta']:+.2f} pts |")
+    if ev["tasks"]:
+        lines += ["", "lm-eval's own results (task configs and versions, n-shot, sample counts): base "
+                  "[lm_eval_base.json](lm_eval_base.json), quantized [lm_eval_quantized.json](lm_eval_quantized.json)."]
     lines += ["", f"Loaded through: `{ev['loader']}` (from the exported checkpoint on disk)."]
     if "proxy_mode" in ev:
         how = "streamed layer by layer" if ev["proxy_mode"] == "streamed" else "whole models"

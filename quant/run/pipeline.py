@@ -171,11 +171,16 @@ class Run:
         return m["stages"].get(upstream, {}).get("outputs")
 
     def outputs(self, stage: str) -> list[str]:
-        """Run-dir-relative outputs: export's are the checkpoint folders, report's include their model cards."""
+        """Run-dir-relative outputs: export's are the checkpoint folders, eval's include lm-eval's own results when
+        it ran tasks, report's include the checkpoints' model cards."""
         from quant.export import CARD, checkpoint_dirs
 
         if stage == "export":
             return list(checkpoint_dirs(self.recipe).values())
+        if stage == "eval" and self.recipe.eval.tasks:
+            from quant.eval.evaluate import LM_EVAL_RESULTS
+
+            return list(DEPENDS[stage][2]) + list(LM_EVAL_RESULTS.values())
         cards = [f"{d}/{CARD}" for d in checkpoint_dirs(self.recipe).values()] if stage == "report" else []
         return list(DEPENDS[stage][2]) + cards
 
