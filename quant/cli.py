@@ -25,6 +25,7 @@ import typer
 from quant.errors import QuantError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Mixed-precision quantization of Mixture-of-Experts LLMs.")
 log = logging.getLogger("quant")
 EXIT_INTERNAL = 70  # sysexits.h EX_SOFTWARE: distinct from 1 (bad input) so scripts can tell a bug from a mistake
@@ -93,10 +94,20 @@ def _stage(until: str, recipe: Path, output: Path | None, overrides, model, forc
         typer.echo(f"report: {result.run_dir / 'report.md'}")
 
 
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="print the recipe values changed since the run "
+                                          "directory's last run and the stages that would be redone, then stop")]
+
+
 @app.command("run")
 def run_cmd(recipe: RecipeArg, output: OutputOpt = None, set_: SetOpt = None, model: ModelOpt = None,
-            force: ForceOpt = None) -> None:
+            force: ForceOpt = None, dry_run: DryRunOpt = False) -> None:
     """Run every stage (resuming a run directory: finished stages with unchanged inputs are skipped)."""
+    if dry_run:
+        from quant.run.pipeline import preview
+
+        r = _recipe(recipe, set_, model)
+        typer.echo(preview(r, output or Path("runs") / r.name, force=force).line())
+        return
     _stage("report", recipe, output, set_, model, force)
 
 
@@ -115,8 +126,13 @@ for _name in ("calibrate", "profile", "plan", "quantize", "export", "eval", "car
 
 @app.command()
 def validate(recipe: RecipeArg, set_: SetOpt = None, model: ModelOpt = None) -> None:
-    """Validate a recipe and print it fully resolved (defaults filled in)."""
-    typer.echo(_recipe(recipe, set_, model).to_yaml(), nl=False)
+    """Validate a recipe and print it fully resolved (defaults filled in); exit 1 if this machine cannot run it
+    (a device it lacks, a library the eval stage needs)."""
+    from quant.run.pipeline import check_machine
+
+    r = _recipe(recipe, set_, model)
+    check_machine(r)
+    typer.echo(r.to_yaml(), nl=False)
 
 
 @app.command()
@@ -162,9 +178,19 @@ def publish(run_dir: Annotated[Path, typer.Argument(help="a finished run directo
     typer.echo(f"published {folder} -> {url}")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from quant import version
+
+        typer.echo(f"quant {version()}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show debug lines and third-party "
-                                                "output (library logs, progress bars, warnings)")] = False) -> None:
+                                                "output (library logs, progress bars, warnings)")] = False,
+          _version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                 help="print quant's version and exit")] = False) -> None:
     from quant.console import configure
 
     configure(verbose)

@@ -41,6 +41,10 @@ class NumericalError(QuantError):
     """Numerical failure that could not be repaired (NaN/Inf weights, an unusable Hessian)."""
 
 
+class MissingDependency(QuantError):
+    """An optional dependency the recipe or command needs is not installed (the message names the pip command)."""
+
+
 class PublishError(QuantError):
     """Uploading to the hub failed (network, authentication, offline mode, missing client)."""
 

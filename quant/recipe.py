@@ -385,13 +385,21 @@ class Recipe(_Strict):
         return v
 
     def section_hash(self, *sections: str) -> str:
-        """Stable hash of the named top-level sections (what a stage's result depends on)."""
+        """Stable hash of the named sections or dotted keys (``quantize``, ``export.formats``): what a stage's
+        result depends on."""
         data = self.model_dump(mode="json")
-        blob = json.dumps({s: data[s] for s in sections}, sort_keys=True)
+        blob = json.dumps({s: _at(data, s) for s in sections}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _at(data: dict, key: str) -> Any:
+    """The value at a dotted key of a dumped recipe."""
+    for part in key.split("."):
+        data = data[part]
+    return data
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:

@@ -13,6 +13,17 @@ def test_recipes_exist_including_nested():
     assert any(p.name == "mixed_int8_int4.yaml" for p in RECIPES)
 
 
+def test_headline_recipe_quantizes_with_gptq_and_its_rtn_baseline_differs_only_there():
+    headline = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml")
+    baseline = load_recipe(REPO / "recipes" / "mixed_int8_int4_rtn.yaml")
+    assert headline.quantize.algorithm == "gptq" and "GPTQ" in headline.description
+    assert baseline.quantize.algorithm == "rtn" and "RTN" in baseline.description
+    a, b = headline.model_dump(), baseline.model_dump()
+    for d in (a, b):
+        d.pop("name"), d.pop("description"), d["quantize"].pop("algorithm")
+    assert a == b
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_recipe_validates(path):
     r = load_recipe(path)

@@ -86,10 +86,12 @@ def _experts_down(job: LayerJob, stats: ExpertStats, groups: dict) -> None:
             sel, local = on_device(sub, v.down.device), _local(sub, stats)
             denom = stats.weight_sum[local].clamp_min(1e-12).float()
             H = stats.sum_down[local] / denom[:, None, None]
-            res = _search(v.down.data[sel], H, stats.abs_down[local] / denom[:, None], spec, job)
+            w = v.down.data[sel]
+            res = _search(w, H, stats.abs_down[local] / denom[:, None], spec, job)
             v.down.data[sel] = res.weight.dequantize().to(v.down.dtype)
             v.gate_up.data[sel, I:] = (v.gate_up.data[sel, I:].float() / res.scales[:, :, None]).to(v.gate_up.dtype)
-            job.results.record(res.weight, [[(expert_name(job.idx, e, "down"), slice(None))] for e in sub])
+            job.results.record(res.weight, [[(expert_name(job.idx, e, "down"), slice(None))] for e in sub],
+                               w.float() * res.scales[:, None, :])  # the weight the codes store: W · s
 
 
 class _GateUpSearch:
@@ -134,7 +136,7 @@ class _GateUpSearch:
             for sub in _sub_batches(self.job, _mine(self.job, experts), v.gate_up):
                 w = v.gate_up.data[on_device(sub, s.device)]
                 _write_gate_up(self.job, sub, quantize_scaled(w, s, spec, v.gate_up.dtype),
-                               v.intermediate)
+                               v.intermediate, w.float() * s[:, None, :])
         return s[0]
 
     def _gathered(self) -> list[torch.Tensor]:
@@ -183,12 +185,14 @@ def _expert_passes(job: LayerJob, lw: Layerwise, hidden: torch.Tensor, lin_stats
     return search.finish()
 
 
-def _write_gate_up(job: LayerJob, experts: list[int], qw: QuantizedWeight, I: int) -> None:
+def _write_gate_up(job: LayerJob, experts: list[int], qw: QuantizedWeight, I: int, scaled: torch.Tensor) -> None:
+    """``scaled``: the weights ``qw`` encodes (``W · s``), for the layer's error report."""
     v = job.view
     sel = on_device(experts, v.gate_up.device)
     v.gate_up.data[sel] = qw.dequantize().to(v.gate_up.dtype)
     job.results.record(qw, [[(expert_name(job.idx, e, "gate"), slice(0, I)), (expert_name(job.idx, e, "up"),
-                                                                              slice(I, 2 * I))] for e in experts])
+                                                                              slice(I, 2 * I))] for e in experts],
+                       scaled)
 
 
 def _fold_norm(norm_name: str, norm, s: torch.Tensor, params: dict) -> None:
@@ -217,7 +221,7 @@ def _smooth_linears(job: LayerJob, names: list[str], lin_stats: dict[str, Linear
     deq = qw.dequantize()[0]
     for i, m in enumerate(mods):
         m.weight.data.copy_(deq[bounds[i] : bounds[i + 1]])
-    job.results.record(qw, [[(n, slice(bounds[i], bounds[i + 1])) for i, n in enumerate(names)]])
+    job.results.record(qw, [[(n, slice(bounds[i], bounds[i + 1])) for i, n in enumerate(names)]], w.float() * s)
     return s
 
 

@@ -76,7 +76,7 @@ def quantize_model(source: ModelSource, calib: CalibrationSet, modules: Mapping[
     try:
         for idx in range(source.n_layers):
             reports.append(_one_layer(job_for, algo, lw, idx, hidden, out_dir, writer))
-            _log_layer(reports[-1], source.n_layers)
+            _log_layer(reports[-1], source.n_layers, spec.min_tokens)
             if idx + 1 < source.n_layers:
                 world.raise_if_stopped(f"layer {idx} of {source.n_layers}")
     finally:
@@ -144,14 +144,17 @@ def _reusable(path: Path, idx: int) -> bool:
     return False
 
 
-def _log_layer(report: LayerReport, n_layers: int) -> None:
+def _log_layer(report: LayerReport, n_layers: int, min_tokens: int) -> None:
     idx = report.layer
     for repair in report.repairs:
         log.warning("layer %d: numerical repair: %s", idx, repair)
-    if report.rtn_fallbacks:
-        log.warning("layer %d: %d expert projections below the token floor fell back to RTN", idx,
-                    len(report.rtn_fallbacks))
-    log.info("layer %d: %d modules (%d experts), mean %.2f bits, worst rel err %.4f (%s), %.2fs%s",
+    if report.rtn_fallbacks and min_tokens > 1:
+        log.warning("layer %d: %d expert projections of experts routed fewer than %d calibration tokens "
+                    "(quantize.min_tokens) fell back to RTN", idx, len(report.rtn_fallbacks), min_tokens)
+    elif report.rtn_fallbacks:  # no statistics at all: the floor of one token holds whatever min_tokens says
+        log.info("layer %d: %d expert projections of experts routed no calibration token were rounded to nearest "
+                 "(RTN)", idx, len(report.rtn_fallbacks))
+    log.info("layer %d: %d modules (%d experts), layer bits %.2f, worst rel err %.4f (%s), %.2fs%s",
              idx, report.n_modules, report.n_experts, report.mean_bits, report.worst_rel_error,
              report.worst_module, report.seconds, " (resumed)" if report.resumed else "",
              extra=step("quantize", idx + 1, n_layers))

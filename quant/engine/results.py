@@ -27,6 +27,12 @@ Rows = list[list[tuple[str, slice]]]
 
 @dataclass
 class LayerReport:
+    """One layer's quantize record. ``mean_bits``: code bits per weight over the layer's quantized weights (all
+    kinds, weighted by size). ``worst_rel_error``: the largest relative weight error ``‖Ŵ − W‖ / ‖W‖`` over the
+    layer's quantized modules (``worst_module``), every kind and every algorithm alike, ``W`` being the full-precision
+    weight the codes store (AWQ's: after its smoothing scales). A weight error, not an output error: GPTQ trades a
+    larger one for a smaller output error."""
+
     layer: int
     n_modules: int = 0
     n_experts: int = 0

@@ -222,7 +222,13 @@ def write_cached_scores(path: Path, scores: dict) -> None:
     atomic_write_text(path, json.dumps(scores))
 
 
-def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpus: int = 1) -> dict:
+LM_EVAL_RESULTS = {"base": "lm_eval_base.json", "quantized": "lm_eval_quantized.json"}  # in the run directory
+
+
+def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpus: int = 1,
+               run_dir: Path | None = None) -> dict:
+    """lm-eval on the base model (scores cached per model and settings) and on ``quant_dir``; lm-eval's own results
+    of both go to ``run_dir`` (``LM_EVAL_RESULTS``)."""
     from quant.eval.lmeval import run_lm_eval
 
     e = recipe.eval
@@ -235,11 +241,15 @@ def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpu
         max_mem = None if e.max_memory_per_gpu_gb is None else int(e.max_memory_per_gpu_gb * 1e9)
         kw.update(gpus=gpus, max_memory_per_gpu=max_mem)
     cache = base_scores_path(source, recipe)
-    base = read_cached_scores(cache, e.tasks)
+    raw = cache.with_suffix(".lm_eval.json")  # lm-eval's own results of the cached base run
+    base = read_cached_scores(cache, e.tasks) if raw.is_file() else None
     if base is None:
-        base = {k: asdict(v) for k, v in run_lm_eval(source.path, list(e.tasks), **kw).items()}
+        base = {k: asdict(v) for k, v in run_lm_eval(source.path, list(e.tasks), results_path=raw, **kw).items()}
         write_cached_scores(cache, base)
-    quant = {k: asdict(v) for k, v in run_lm_eval(quant_dir, list(e.tasks), **kw).items()}
+    out = run_dir / LM_EVAL_RESULTS["quantized"] if run_dir is not None else None
+    quant = {k: asdict(v) for k, v in run_lm_eval(quant_dir, list(e.tasks), results_path=out, **kw).items()}
+    if run_dir is not None:
+        shutil.copyfile(raw, run_dir / LM_EVAL_RESULTS["base"])
     return {t: {"metric": quant[t]["metric"], "base": base[t]["value"], "quantized": quant[t]["value"],
                 "delta": quant[t]["value"] - base[t]["value"], "stderr": quant[t]["stderr"], "n": quant[t]["n"]}
             for t in quant}
@@ -283,15 +293,15 @@ def _sandbox_record(e) -> dict | None:
 
 
 def _quantized_tasks(recipe: Recipe, source: ModelSource, plan: BitPlan, checkpoint: Path, device, gpus: int,
-                     dense: Path | None) -> dict:
+                     dense: Path | None, run_dir: Path | None = None) -> dict:
     """lm-eval on base and quantized model: vllm reads the checkpoint itself; hf loads ``dense`` (the folder the
     whole-model proxies loaded) or, when none was made, the folder ``servable_checkpoint`` makes now."""
     if recipe.eval.backend == "vllm":
-        return _run_tasks(recipe, source, checkpoint, device)
+        return _run_tasks(recipe, source, checkpoint, device, run_dir=run_dir)
     if dense is not None:
-        return _run_tasks(recipe, source, dense, device, gpus)
+        return _run_tasks(recipe, source, dense, device, gpus, run_dir)
     with servable_checkpoint(checkpoint, plan, source, DTYPES[recipe.model.dtype]) as (path, _):
-        return _run_tasks(recipe, source, path, device, gpus)
+        return _run_tasks(recipe, source, path, device, gpus, run_dir)
 
 
 def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
@@ -311,7 +321,8 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
     def tasks_on_writer(dense: Path | None = None) -> dict:
         if not e.tasks:
             return {}
-        return world.on_writer(lambda: _quantized_tasks(recipe, source, plan, checkpoint, device, gpus, dense))
+        return world.on_writer(lambda: _quantized_tasks(recipe, source, plan, checkpoint, device, gpus, dense,
+                                                        run_dir))
 
     mode, reason = proxy_mode(e.mode, source, plan, dtype, device, needs_dense_copy(checkpoint, plan, source))
     log.info("eval proxies: %s (%s)", mode, reason)

@@ -38,15 +38,17 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import importlib.util
 import logging
 import math
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quant.errors import CheckpointError, RecipeError
+from quant.errors import CheckpointError, MissingDependency, RecipeError
 from quant.eval.sandbox import isolation_policy, require_isolation
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ def run_lm_eval(
     gpus: int = 1,
     max_memory_per_gpu: int | None = None,
     humaneval_sandbox: str = "require",
+    results_path: str | Path | None = None,
 ) -> dict[str, TaskScore]:
     """Evaluate the model saved in `model_dir` on `tasks`; returns {task name: TaskScore} in input order.
 
@@ -109,7 +112,8 @@ def run_lm_eval(
     `check_sandboxed_tasks`). Raises SandboxUnavailable as `check_sandboxed_tasks` does; CheckpointError for a directory without config.json; RecipeError for an unknown backend or task
     name (naming the closest ones), misplaced `model_args`, or an lm-eval task that would execute code
     outside the sandbox; FileNotFoundError for a missing tasks directory; ModuleNotFoundError when lm-eval
-    (or vllm for that backend) is not installed.
+    (or vllm for that backend) is not installed. `results_path`: where lm-eval's own results go as JSON (what it
+    writes with `--output_path`: scores, task configs, versions, n-shot, sample counts; no per-sample logs).
     """
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
@@ -160,9 +164,41 @@ def run_lm_eval(
             "allow_unsandboxed_code=True (and export HF_ALLOW_CODE_EVAL=1) on a disposable machine"
         ) from exc
     scores = scores_from_results(results, tasks)
+    if results_path is not None:
+        save_results(results, Path(results_path))
     for name, score in scores.items():
         logger.info("%s: %s=%.4f (n=%d)", name, score.metric, score.value, score.n)
     return scores
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def check_installed(tasks: Sequence[str], backend: str) -> None:
+    """Before any work: lm-eval is installed when ``tasks`` name any, and vLLM for its backend (MissingDependency,
+    one line naming the pip command)."""
+    if tasks and not _installed("lm_eval"):
+        raise MissingDependency(f"eval.tasks ({', '.join(tasks)}) need lm-eval, which is not installed: pip install "
+                                "'moe-quant[eval]' (or set eval.tasks: [])")
+    if tasks and backend == "vllm" and not _installed("vllm"):
+        raise MissingDependency("eval.backend vllm needs vLLM, which is not installed: pip install vllm (or set "
+                                "eval.backend: hf)")
+
+
+def save_results(results: Mapping[str, Any], path: Path) -> None:
+    """lm-eval's results dict as its own JSON output has it (non-JSON values as lm-eval writes them), atomically."""
+    import json
+
+    from lm_eval.utils import handle_non_serializable
+
+    from quant.io.rundir import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = {k: v for k, v in results.items() if k != "samples"}
+    atomic_write_text(path, json.dumps(kept, indent=1, default=handle_non_serializable))
 
 
 def check_sandboxed_tasks(tasks: Sequence[str], humaneval_sandbox: str) -> None:

@@ -64,6 +64,7 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     from quant.export.card import RUNTIMES, render_card
     from quant.io.rundir import atomic_write_text
     from quant.plan.runtimes import gptqmodel_kernel_problem, problems_for
+    from quant.plan.summary import scheme_counts
 
     plan = BitPlan.load(run_dir / "plan.json")
     ev = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").is_file() else None
@@ -72,7 +73,7 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
         backend = "TORCH" if fmt == "gptq" and gptqmodel_kernel_problem(plan) else None
         card = render_card(recipe, source, plan.headline, ev, problems, version(), fmt=fmt,
                            runtime_notes=runtime_notes(plan, source, fmt), gptqmodel_backend=backend,
-                           serving=plan.serving)
+                           serving=plan.serving, schemes=scheme_counts(plan, source))
         atomic_write_text(run_dir / folder / CARD, card)
         add_to_manifest(run_dir / folder, CARD)
 

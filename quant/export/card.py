@@ -76,7 +76,20 @@ def _front_matter(recipe: Recipe, source: ModelSource, fmt: str, runtime_problem
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
 
 
-def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
+def _schemes_line(recipe: Recipe, schemes: dict[str, dict[str, int]] | None) -> str:
+    """The schemes the checkpoint holds, per module kind (its config.json's groups), and the recipe's request."""
+    p = recipe.plan
+    asked = ("per channel" if p.group_size == -1 else f"group size {p.group_size}") + (
+        ", symmetric" if p.symmetric else ", asymmetric (zero points)")
+    if not schemes:
+        return f"- grid (recipe): {asked}"
+    held = "; ".join(f"{kind} {', '.join(f'{s} ×{n}' for s, n in by.items())}" for kind, by in schemes.items())
+    return (f"- schemes (what config.json holds): {held} (recipe: {asked}, the largest group; each set of modules "
+            "that must share a scheme, such as the experts of one MoE layer, gets the largest power of two up to it "
+            "that divides all their input widths)")
+
+
+def _what(recipe: Recipe, source: ModelSource, fmt: str, schemes: dict[str, dict[str, int]] | None = None) -> list[str]:
     p, q = recipe.plan, recipe.quantize
     policy = f"`{p.policy}`"
     if p.policy in ("top_fraction", "random", "inverse"):
@@ -87,7 +100,6 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
                    f"expert bits; group sizes {groups})")
     elif p.policy == "budget":
         policy += f" ({f'{p.budget_avg_bits} average expert bits' if p.budget_avg_bits else f'{p.budget_gb} GB'})"
-    group = "per channel" if p.group_size == -1 else f"group size {p.group_size}"
     # the recipe's free-text description is not repeated: --set overrides (e.g. the algorithm) may contradict it
     lines = [f"`{source.display_name}` ({source.family.name}) quantized by moe-quant with recipe `{recipe.name}`."]
     left_out = sorted({layer_of_key(k) for k in source.left_out})
@@ -96,7 +108,7 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
         f"- algorithm: `{q.algorithm}`",
         f"- policy: {policy}; experts at {p.high_bits} (high) or {p.low_bits} (low) bits",
         f"- granularity: `{p.granularity}` ({'one scheme per MoE layer' if p.granularity == 'per_layer' else 'bits chosen per expert'})",
-        f"- grid: {group}, {'symmetric' if p.symmetric else 'asymmetric (zero points)'}",
+        _schemes_line(recipe, schemes),
         f"- format: `{fmt}`; target runtime: `{p.target_runtime}`",
     ] + ([f"- not included: the source's multi-token-prediction layer(s) {', '.join(map(str, left_out))} "
           "(`num_nextn_predict_layers`; not part of the forward): MTP speculative decoding needs a separate draft "
@@ -208,19 +220,21 @@ def _serving(runtime_problems: dict[str, list[str]], fmt: str, repo: str, trust:
 def render_card(recipe: Recipe, source: ModelSource, headline: Headline, eval_result: dict | None,
                 runtime_problems: dict[str, list[str]], tool_version: str, *, fmt: str | None = None,
                 repo_id: str | None = None, runtime_notes: dict[str, str] | None = None,
-                gptqmodel_backend: str | None = None, serving: dict | None = None) -> str:
+                gptqmodel_backend: str | None = None, serving: dict | None = None,
+                schemes: dict[str, dict[str, int]] | None = None) -> str:
     """README.md for the checkpoint of format ``fmt`` (default: the recipe's first export format, i.e. the run's
     ``checkpoint/``). ``headline``: the plan's figures (``BitPlan.headline``). ``runtime_problems``:
     runtime -> reasons it cannot serve the checkpoint (empty list: servable); ``library_name`` is the first of
     transformers / vLLM that can. ``runtime_notes``: runtime -> a line shown in its section (warnings).
     ``gptqmodel_backend``: the ``BACKEND`` member the GPTQModel snippet must name (its default kernel cannot run
     the plan). ``repo_id`` goes into the snippets (default ``ORG/NAME``). ``serving``: the plan's
-    ``quant.plan.servable.serving_summary`` (names the best plan vLLM/SGLang serve when they cannot serve this one)."""
+    ``quant.plan.servable.serving_summary`` (names the best plan vLLM/SGLang serve when they cannot serve this one).
+    ``schemes``: ``quant.plan.summary.scheme_counts`` of the plan, listed as what the checkpoint holds."""
     fmt = fmt or recipe.export.formats[0]
     repo = repo_id or "ORG/NAME"
     title = repo_id.split("/")[-1] if repo_id else f"{source.display_name.split('/')[-1]} ({recipe.name})"
     lines = [_front_matter(recipe, source, fmt, runtime_problems), f"# {title}", "", "## What this is", ""]
-    lines += _what(recipe, source, fmt)
+    lines += _what(recipe, source, fmt, schemes)
     lines += ["", "## Plan", ""] + _plan(headline)
     lines += ["", "## Evaluation", ""] + _eval(eval_result)
     lines += ["", "## Serving", ""] + _serving(runtime_problems, fmt, repo, recipe.model.trust_remote_code,

@@ -210,10 +210,12 @@ def _eval_stage(recipe: Recipe, source: ModelSource, plan: BitPlan, model_bytes:
 
 def _export_stage(recipe: Recipe, layers: list[LayerShape], ckpt: dict[str, float], gpus: int) -> StageForecast:
     """Every rank packs, writes and hashes its share of the shard files (balanced by bytes) at one H200 host's
-    measured rate, together at most ``STORAGE_BYTES_PER_S``; a rank holds one shard and a layer's codes."""
+    measured rate, together at most ``STORAGE_BYTES_PER_S``; a rank holds one shard (no larger than the largest
+    checkpoint) and a layer's codes."""
     rate = min(gpus * THROUGHPUTS["export_bytes_per_s"], STORAGE_BYTES_PER_S)
     note = f"{gpus} ranks write shards, <= {STORAGE_BYTES_PER_S / GB:g} GB/s storage assumed" if gpus > 1 else ""
-    return StageForecast("export", 0.0, HOST_BASE + max(L.weight_bytes for L in layers) + recipe.export.max_shard_gb * GB,
+    shard = min(recipe.export.max_shard_gb * GB, max(ckpt.values(), default=0.0))
+    return StageForecast("export", 0.0, HOST_BASE + max(L.weight_bytes for L in layers) + shard,
                          sum(ckpt.values()), sum(ckpt.values()) / rate, note=note)
 
 
@@ -286,10 +288,18 @@ def _duration(s: float) -> str:
     return f"{m // 60}h {m % 60:02d}m" if m >= 60 else f"{m} min"
 
 
+def params_text(n: float) -> str:
+    """A parameter count as people write it: 671.0 B, 31.2 M, 12.3 K."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f}"
+
+
 def render(f: Forecast, recipe: Recipe) -> str:
     q = recipe.quantize
     host = f", host {_gb(f.host_memory_gb * GB)}" if f.host_memory_gb is not None else ""
-    lines = [f"{f.model}: {f.params / 1e9:.1f} B parameters; {f.gpus} GPU(s) x {f.gpu_memory_gb:g} GB{host}; "
+    lines = [f"{f.model}: {params_text(f.params)} parameters; {f.gpus} GPU(s) x {f.gpu_memory_gb:g} GB{host}; "
              f"{recipe.calibration.n_samples} x {recipe.calibration.seq_len} calibration tokens, {q.algorithm}",
              f"{'stage':<10} {'peak GPU':>10} {'host':>10} {'disk':>10} {'time (H200)':>12}"]
     for s in f.stages:

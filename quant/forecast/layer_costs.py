@@ -268,6 +268,13 @@ def workload_of(recipe: Recipe, gpus: int, hessian_budget_gb: float | None = Non
                solve_kernel, q.statistics)
 
 
+def probe_chunk_bytes(n_experts: int, proj_numel: int) -> int:
+    """fp32 bytes of the probe's largest chunk: as many of the ``n_experts`` projections of ``proj_numel`` weights
+    as fit ``PROBE_CHUNK_BYTES`` (at least one; all of them when they fit, so a small model's is small)."""
+    per = 4 * proj_numel
+    return per * min(n_experts, max(1, PROBE_CHUNK_BYTES // max(per, 1)))
+
+
 def profile_memory(layer: LayerShape, run: Workload, d: Dims) -> dict[str, float]:
     """Peak GPU bytes of profiling ``layer`` by term. The W4 sensitivity probe (profile._rtn_probe) rounds the rank's
     experts a few at a time (fp32, ~12 bytes per weight of a ``PROBE_CHUNK_BYTES`` chunk at the peak of grid fitting
@@ -275,6 +282,6 @@ def profile_memory(layer: LayerShape, run: Workload, d: Dims) -> dict[str, float
     D, I = layer.expert_in
     n = math.ceil(layer.n_experts / run.gpus)
     copies = n * 3 * I * D * run.dtype_bytes
-    probe = copies + max(3 * PROBE_CHUNK_BYTES if n else 0, forward_transient(layer, run, d, 4))
+    probe = copies + max(3 * probe_chunk_bytes(n, I * D), forward_transient(layer, run, d, 4))
     parts = {"activations": activation_bytes(run, d), "layer": layer.weight_bytes, "W4 sensitivity probe": probe}
     return {**parts, "total": sum(parts.values())}

@@ -146,6 +146,15 @@ def read_run_manifest(path: Path) -> dict:
         raise RunDirError(f"{path} is damaged or was edited ({problem}); remove the run directory or use another "
                           "--output")
     return data
+def _model_changed(path: Path, old: dict, new: dict) -> str:
+    """Why a finished run directory refuses its model: the files differ from those it was made from. A builtin is
+    rebuilt when a quant version defines it differently; a folder or hub model was copied, edited or re-fetched."""
+    model = new.get("model")
+    why = ("a builtin model is rebuilt when a quant version defines it differently" if str(model).startswith("builtin:")
+           else "another copy, or files edited or downloaded again since")
+    return (f"the model {model} changed since {path} was made: its files no longer match the recorded fingerprint "
+            f"({old.get('fingerprint')}, now {new.get('fingerprint')}: {why}); use the model it was made with, or "
+            "--force all to redo the run on this one")
 
 
 class RunDir:
@@ -185,18 +194,9 @@ class RunDir:
         for d in (self.path, self.path / "quantize.partial"):
             remove_stale(d)
         m = self.manifest()
-        finished = any(s.get("status") == "done" for s in m.get("stages", {}).values())
-        old = m.get("identity", {})
-        if m and finished and old != identity and not force and {**old, "fingerprint": None} == {**identity,
-                                                                                                 "fingerprint": None}:
-            raise RunDirError(f"the model {identity.get('model')} changed since {self.path} was made (its files no "
-                              "longer match the recorded fingerprint: damaged or replaced); restore it, or --force "
-                              "all to redo the run on it")
-        if m and finished and old != identity and not force:
-            raise RunDirError(
-                f"{self.path} holds a different run (recipe '{m.get('identity', {}).get('recipe')}', "
-                f"model {m.get('identity', {}).get('model')}); use another --output, or --force STAGE to redo it"
-            )
+        refusal = self.refusal(m, identity, force)
+        if refusal is not None:
+            raise RunDirError(refusal)
         m = {"identity": identity, "stages": m.get("stages", {}) if m.get("identity") == identity or force else {},
              "versions": versions()}
         self.save_manifest(m)
@@ -207,6 +207,17 @@ class RunDir:
         of processes that are gone (a claim stopped by a full disk leaves just those)."""
         return [p.name for p in self.path.iterdir()
                 if p.name != LOCK and not ((pid := temp_pid(p.name)) is not None and not pid_alive(pid))]
+
+    def refusal(self, m: dict, identity: dict, force: bool) -> str | None:
+        """Why this run directory, whose manifest is ``m``, cannot take a run of ``identity`` (None: it can)."""
+        finished = any(s.get("status") == "done" for s in m.get("stages", {}).values())
+        old = m.get("identity", {})
+        if not m or not finished or old == identity or force:
+            return None
+        if {**old, "fingerprint": None} == {**identity, "fingerprint": None}:
+            return _model_changed(self.path, old, identity)
+        return (f"{self.path} holds a different run (recipe '{old.get('recipe')}', model {old.get('model')}); use "
+                "another --output, or --force STAGE to redo it")
 
     def _lock(self) -> None:
         self._lock_file = open(self.path / LOCK, "w")  # noqa: SIM115 - held for the process lifetime

@@ -91,24 +91,37 @@ def build_model(shape: str | dict, n_layers: int, path: Path, seed: int, logit_s
         torch.cuda.empty_cache()
 
 
-def write_shapes_only(shape: str, n_layers: int, path: Path) -> Path:
-    """config.json and a header-only model.safetensors (names, dtypes, shapes; no data) of a ``shape`` model with
-    ``n_layers`` layers, in the per-expert on-disk layout save_pretrained writes: what ``quant estimate`` reads.
-    The model is built on the meta device, so a 671 B architecture costs no memory."""
-    import struct
-
+def disk_shapes(model_type: str, config: dict) -> dict[str, list[int]]:
+    """On-disk tensor name -> shape of a ``model_type`` model with these config.json keys, in the per-expert
+    layout checkpoints use (``mlp.experts.<e>.gate_proj.weight``; Mixtral's ``block_sparse_moe.experts.<e>.w1``):
+    what the model folder check (``models.expected``) expects. The model is built on the meta device, so a 671 B
+    architecture costs no memory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from quant.models.expected import implied_tensors
     from quant.models.families import family_for
 
-    kw = dict(SHAPES[shape])
-    cfg = AutoConfig.for_model(kw.pop("model_type"), num_hidden_layers=n_layers, **kw)
+    cfg = AutoConfig.for_model(model_type, **config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     implied, _ = implied_tensors(model, family_for(cfg.model_type))
+    return {key: list(shape) for key, (shape, _) in implied.items()}
+
+
+def write_shapes_only(shape: str, n_layers: int, path: Path) -> Path:
+    """config.json and a header-only model.safetensors (names, dtypes, shapes; no data) of a ``shape`` model with
+    ``n_layers`` layers, in the per-expert on-disk layout save_pretrained writes (``disk_shapes``): what ``quant
+    estimate`` reads."""
+    import struct
+
+    from transformers import AutoConfig
+
+    kw = dict(SHAPES[shape])
+    model_type = kw.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=n_layers, **kw)
+    shapes = disk_shapes(model_type, dict(kw, num_hidden_layers=n_layers))
     header, offset = {}, 0
-    for key, (shp, _) in sorted(implied.items()):
+    for key, shp in sorted(shapes.items()):
         n = 2 * int(torch.Size(shp).numel())
         header[key] = {"dtype": "BF16", "shape": list(shp), "data_offsets": [offset, offset + n]}
         offset += n

@@ -14,6 +14,16 @@ from quant.models import ModelSource
 from quant.plan.bitplan import KEEP_BITS, BitPlan, Headline
 
 SCALE_BYTES = 2
+# The bits figures quant prints, defined once; every output names them so.
+BITS_TERMS = {
+    "expert bits": "code bits per routed-expert weight (scales not counted)",
+    "stored expert bits": "expert bits with each group's scale (and zero point) counted",
+    "traffic-weighted expert bits": "expert bits weighted by each expert's share of its layer's routed tokens: what "
+                                    "a routed token reads",
+    "bits over all weights": "code bits per weight over every weight of the model, kept ones (router, embeddings, "
+                             "lm_head) at 16",
+    "layer bits": "code bits per weight over one decoder layer's quantized weights (attention and experts)",
+}
 
 
 def module_bytes(bits: int | None, out_f: int, in_f: int, group: int, symmetric: bool) -> float:
@@ -92,3 +102,19 @@ def _other_bytes(source: ModelSource) -> float:
                 n *= d
             total += n * 2
     return float(total)
+
+
+KIND_LABELS = {"expert": "experts", "attn": "attention", "shared": "shared experts", "dense_mlp": "dense MLPs"}
+
+
+def scheme_counts(plan: BitPlan, source: ModelSource) -> dict[str, dict[str, int]]:
+    """Module kind (``KIND_LABELS``) -> quantization scheme (``W4 g32 sym``) -> number of modules at it: the
+    schemes a checkpoint of this plan holds (its config.json's groups), in ascending bits and group size."""
+    out: dict[str, dict[tuple, int]] = defaultdict(lambda: defaultdict(int))
+    for name, p in plan.quantized().items():
+        out[KIND_LABELS.get(source.modules[name].kind, source.modules[name].kind)][(p.bits, p.group_size, p.symmetric)] += 1
+    return {kind: {f"W{b} g{g} {'sym' if s else 'asym'}" if g != -1 else f"W{b} per channel {'sym' if s else 'asym'}": n
+                   for (b, g, s), n in sorted(schemes.items())}
+            for kind, schemes in sorted(out.items(), key=lambda kv: list(KIND_LABELS.values()).index(kv[0])
+                                        if kv[0] in KIND_LABELS.values() else 99)}
+

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from quant.dist.world import World
 from quant.engine.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
-from quant.errors import GateFailed, RunDirError, StopRequested
+from quant.errors import GateFailed, QuantError, RunDirError, StopRequested
 from quant.io.rundir import RunDir, environment_error, hash_path
 from quant.measure.profile import SCHEMA_VERSION as PROFILE_SCHEMA
 from quant.models import ModelSource, resolve_model
@@ -40,7 +40,8 @@ STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "card", 
 DEPENDS = {
     "calibrate": (("model", "calibration"), (), ("calibration.safetensors", "calibration.json")),
     "profile": (("model", "profile"), ("calibrate",), ("profile.json",)),
-    "plan": (("plan", "quantize", "export"), ("profile",), ("plan.json",)),  # formats decide group units
+    # the plan reads the algorithm and the export formats (they decide group units and whom the plan serves)
+    "plan": (("plan", "quantize.algorithm", "export.formats"), ("profile",), ("plan.json",)),
     "quantize": (("model", "quantize"), ("calibrate", "plan"), ("quantized",)),
     "export": (("export",), ("plan", "quantize"), ()),  # outputs: one folder per format
     "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
@@ -52,6 +53,13 @@ DEPENDS = {
 # stages that read the model's tokenizer files (tokenize, or copy them into the checkpoint): the fingerprint covers
 # weights and config only, so a changed tokenizer redoes them
 TOKENIZES = ("calibrate", "export", "eval")
+# (stage, upstream stage) -> the digest of what the stage reads of that upstream's outputs, where that is less than
+# all of them: quantize reads the plan's modules and algorithm, not its headline or serving notes (which change
+# with export formats)
+READS = {("quantize", "plan"): stages.plan_digest_for_quantize}
+# the same, as the upstream will read once it is redone, where that is known before any work (the plan's modules
+# are a pure function of the profile and the recipe): a preview then says whether quantize will be redone
+PREDICTS = {("quantize", "plan"): stages.planned_digest_for_quantize}
 # stages every rank runs (``run_<stage>(..., world)``); the others run on the writer alone
 DISTRIBUTED = ("profile", "quantize", "export", "eval")
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop a run after the layer in hand (Slurm job scripts do)
@@ -66,6 +74,64 @@ def schema_current(path: Path, version: int) -> bool:
         return json.loads(path.read_text()).get("schema_version") == version
     except (OSError, ValueError, AttributeError):
         return False
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What a run will do, known before any work: the recipe values that changed since the run directory's last
+    run (``key: old -> new``), the stages it will redo and those that are up to date."""
+
+    run_dir: Path
+    changed: tuple[str, ...]
+    redo: tuple[str, ...]
+    fresh: tuple[str, ...]
+    new: bool
+
+    def line(self) -> str:
+        if self.new:
+            return f"{self.run_dir}: a new run: {', '.join(self.redo)}"
+        what = f"recipe changed since the last run ({'; '.join(self.changed)})" if self.changed else "recipe unchanged"
+        if not self.redo:
+            return f"{self.run_dir}: {what}; up to date, nothing to redo"
+        fresh = f" (up to date: {', '.join(self.fresh)})" if self.fresh else ""
+        return f"{self.run_dir}: {what}; will redo {', '.join(self.redo)}{fresh}"
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}
+    return out
+
+
+def _shown(v) -> str:
+    if isinstance(v, list | tuple):
+        return f"[{', '.join(_shown(x) for x in v)}]"
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def recipe_changes(old: dict | None, new: dict) -> tuple[str, ...]:
+    """Dotted recipe keys whose values differ between two resolved recipes, as ``key: old -> new``."""
+    if not old:
+        return ()
+    a, b = _flat(old), _flat(new)
+    keys = list(b) + [k for k in a if k not in b]
+    unset = object()
+    return tuple(f"{k}: {_shown(a.get(k, '(unset)'))} -> {_shown(b.get(k, '(unset)'))}" for k in keys
+                 if a.get(k, unset) != b.get(k, unset))
+
+
+def check_devices(recipe: Recipe) -> None:
+    for device in {recipe.quantize.device, recipe.eval.device}:
+        pick_device(device)
+
+
+def check_machine(recipe: Recipe, until: str = "report") -> None:
+    """What this machine must have for a run of ``recipe`` up to ``until``, checked without the model or any work
+    (``quant validate`` too): the devices named, the optional libraries and the sandbox the eval stage needs."""
+    check_devices(recipe)
+    if STAGES.index(until) >= STAGES.index("eval"):
+        stages.check_eval_machine(recipe)
 
 
 @dataclass
@@ -105,12 +171,14 @@ class Run:
         return {"recipe": self.recipe.name, "model": self.recipe.model.path,
                 "fingerprint": self.source.fingerprint}
 
-    def input_hash(self, stage: str, m: dict) -> str:
+    def input_hash(self, stage: str, m: dict, reads: dict | None = None) -> str:
+        """``reads``: upstream -> what ``stage`` will read of it (``PREDICTS``), in place of what it holds now."""
         sections, upstream, _ = DEPENDS[stage]
+        reads = reads or {}
         blob = {
             "recipe": self.recipe.section_hash(*sections),
             "model": self.source.fingerprint,
-            "upstream": {u: m["stages"].get(u, {}).get("outputs") for u in upstream},
+            "upstream": {u: reads[u] if u in reads else self._upstream(stage, u, m) for u in upstream},
         }
         if stage == "calibrate":
             blob["dataset"] = stages.dataset_hash(self.recipe.calibration.dataset)
@@ -118,14 +186,25 @@ class Run:
             blob["tokenizer"] = self.source.tokenizer_digest()
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
+    def _upstream(self, stage: str, upstream: str, m: dict):
+        """What ``stage`` reads of ``upstream``'s outputs, as recorded (``READS``: a digest of the part it reads)."""
+        if (stage, upstream) in READS:
+            return READS[stage, upstream](self.dir.path)
+        return m["stages"].get(upstream, {}).get("outputs")
+
     def outputs(self, stage: str) -> list[str]:
-        """Run-dir-relative outputs: export's are the checkpoint folders, card's the model card in each of them."""
+        """Run-dir-relative outputs: export's are the checkpoint folders, eval's include lm-eval's own results when
+        it ran tasks, card's are the model card in each checkpoint folder."""
         from quant.export import CARD, checkpoint_dirs
 
         if stage == "export":
             return list(checkpoint_dirs(self.recipe).values())
         if stage == "card":
             return [f"{d}/{CARD}" for d in checkpoint_dirs(self.recipe).values()]
+        if stage == "eval" and self.recipe.eval.tasks:
+            from quant.eval.evaluate import LM_EVAL_RESULTS
+
+            return list(DEPENDS[stage][2]) + list(LM_EVAL_RESULTS.values())
         return list(DEPENDS[stage][2])
 
     def managed(self) -> tuple[str, ...]:
@@ -149,19 +228,72 @@ class Run:
             return None
         return hash_path(path)
 
-    def execute(self, until: str = "report", force: str | None = None) -> RunResult:
+    def check_arguments(self, until: str, force: str | None) -> None:
+        """What fails before any work, on every rank: stage names and devices."""
         if until not in STAGES:
             raise RunDirError(f"unknown stage '{until}'; stages: {', '.join(STAGES)}")
         if force is not None and force not in STAGES and force != "all":
             raise RunDirError(f"--force takes a stage name or 'all', got '{force}'; stages: {', '.join(STAGES)}")
-        for device in {self.recipe.quantize.device, self.recipe.eval.device}:  # absent devices fail before any work
-            pick_device(device)
+        check_devices(self.recipe)
+
+    def check_model(self, until: str) -> None:
+        """What fails before any work, on the writer (it resolves the model): what the eval stage needs of this
+        machine (``check_machine``) and of the model."""
+        if STAGES.index(until) >= STAGES.index("eval"):
+            stages.check_eval_machine(self.recipe)
+            stages.check_eval_model(self.recipe, self.source)
+
+    def preview(self, until: str = "report", force: str | None = None, m: dict | None = None,
+                previous: dict | None = None) -> Preview:
+        """The stages a run will redo and the recipe values changed since the last run, from the manifest ``m``
+        (default: the run directory's, read only; a run directory that would refuse the run raises)."""
+        if m is None:
+            self.check_arguments(until, force)
+            self.check_model(until)
+            previous = self.dir.manifest()
+            refusal = self.dir.refusal(previous, self.identity(), force is not None)
+            if refusal is not None:
+                raise RunDirError(refusal)
+            same = previous.get("identity") == self.identity()
+            m = {"stages": previous.get("stages", {}) if same else {}}
+        first_forced = 0 if force == "all" else (STAGES.index(force) if force else len(STAGES))
+        todo = STAGES[: STAGES.index(until) + 1]
+        redo: list[str] = []
+        for i, stage in enumerate(todo):
+            if i >= first_forced or self._stale(stage, m, redo):
+                redo.append(stage)
+        new = not any(s.get("status") == "done" for s in m["stages"].values())
+        return Preview(self.dir.path, recipe_changes((previous or {}).get("recipe"), self.recipe.model_dump(mode="json")),
+                       tuple(redo), tuple(s for s in todo if s not in redo), new)
+
+    def _stale(self, stage: str, m: dict, redo: list[str]) -> bool:
+        """Whether ``stage`` will be redone once the stages in ``redo`` are: its inputs changed, or an upstream it
+        reads is redone and what it will read of it is not known to stay the same (``PREDICTS``)."""
+        redone = [u for u in DEPENDS[stage][1] if u in redo]
+        reads = {}
+        for u in redone:
+            if (stage, u) not in PREDICTS or any(v in redo for v in DEPENDS[u][1]):
+                return True
+            try:
+                reads[u] = PREDICTS[stage, u](self.recipe, self.source, self.dir.path)
+            except (QuantError, OSError, ValueError):  # the upstream stage itself will say what is wrong
+                return True
+        h = self.input_hash(stage, m, reads)
+        return not self.dir.is_fresh(m, stage, h, lambda: self.output_hashes(stage))
+
+    def execute(self, until: str = "report", force: str | None = None) -> RunResult:
         w = self.world
+        self.check_arguments(until, force)
 
         def claim() -> dict:  # on the writer, which resolves the model first (a hub model downloads once)
-            if STAGES.index(until) >= STAGES.index("eval"):
-                stages.check_eval(self.recipe, self.source)  # a recipe the model cannot serve fails before any work
-            return self.dir.claim(self.identity(), force=force is not None, managed=self.managed())
+            self.check_model(until)  # a recipe the model cannot serve fails before any work
+            previous = self.dir.manifest()
+            m = self.dir.claim(self.identity(), force=force is not None, managed=self.managed())
+            p = self.preview(until, force, m, previous)
+            log.log(logging.WARNING if p.changed else logging.INFO, "%s", p.line())
+            m["recipe"] = self.recipe.model_dump(mode="json")
+            self.dir.save_manifest(m)
+            return m
 
         m = w.on_writer(claim)
         share_fingerprint(w, self.source)
@@ -243,6 +375,11 @@ class Run:
                                   lambda: stages.output_bytes(stage, self.recipe, self.source, self.dir.path))
         if plain is not None:
             raise plain from None
+
+
+def preview(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None) -> Preview:
+    """What ``run`` would do (``Run.preview``), reading the run directory only."""
+    return Run(recipe, run_dir).preview(until, force)
 
 
 def run(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None,

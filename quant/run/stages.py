@@ -80,7 +80,8 @@ def _layer_damage(recipe: Recipe, source: ModelSource, calib: CalibrationSet, wo
 
 def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
     calib = load_calibration(run_dir)
-    profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size, world))
+    profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size, world),
+                              min_tokens=recipe.profile.min_tokens)
     if recipe.profile.layer_sensitivity is not None:  # one pass on the writer, its result on every rank
         profile = replace(profile, layer_damage=world.on_writer(lambda: _layer_damage(recipe, source, calib, world.alone())))
     if world.is_writer:
@@ -109,16 +110,23 @@ def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     return {"headline": asdict(plan.headline)}
 
 
-def check_eval(recipe: Recipe, source: ModelSource) -> None:
-    """The eval stage's recipe against the model and the machine, before any work (``evaluate.check_mode``; a
-    task that runs generated code where the sandbox lacks a kernel layer: ``lmeval.check_sandboxed_tasks``), its
-    held-out manifest (read and validated: its sources are tokenized only in the eval stage) and its lm-eval tasks
+def check_eval_machine(recipe: Recipe) -> None:
+    """The eval stage's recipe against this machine, before any work and without the model: the libraries its
+    tasks need (``lmeval.check_installed``), a task that runs generated code where the sandbox lacks a kernel
+    layer (``lmeval.check_sandboxed_tasks``)."""
+    from quant.eval.lmeval import check_installed, check_sandboxed_tasks
+
+    check_installed(recipe.eval.tasks, recipe.eval.backend)
+    check_sandboxed_tasks(recipe.eval.tasks, recipe.eval.humaneval_sandbox)
+
+
+def check_eval_model(recipe: Recipe, source: ModelSource) -> None:
+    """The eval stage's recipe against the model, before any work (``evaluate.check_mode``), its held-out manifest
+    (read and validated: its sources are tokenized only in the eval stage) and its lm-eval tasks
     (``lmeval.check_tasks``)."""
     from quant.eval.evaluate import check_mode
-    from quant.eval.lmeval import check_sandboxed_tasks
 
     check_mode(recipe.eval.mode, source)
-    check_sandboxed_tasks(recipe.eval.tasks, recipe.eval.humaneval_sandbox)
     load_manifest(resolve_dataset_path(recipe.eval.perplexity.dataset))
     if recipe.eval.tasks:
         from quant.eval.lmeval import check_tasks
@@ -149,10 +157,36 @@ def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -
     check_free_disk(run_dir, need, with_store=stage == "quantize", existing_bytes=written)
 
 
+def _quantize_view(algorithm: str, modules: dict) -> str:
+    blob = json.dumps({"algorithm": algorithm, "modules": modules}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def plan_digest_for_quantize(run_dir: Path) -> str | None:
+    """Digest of what the quantize stage reads of ``plan.json``: each module's bits, group size and symmetry, and
+    the algorithm; not the rules' prose, the headline or the serving notes (None without a readable plan)."""
+    try:
+        d = json.loads((run_dir / "plan.json").read_text())
+        modules = {n: [p["bits"], p["group_size"], p["symmetric"]] for n, p in d["modules"].items()}
+        return _quantize_view(d["algorithm"], modules)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def planned_digest_for_quantize(recipe: Recipe, source: ModelSource, run_dir: Path) -> str:
+    """``plan_digest_for_quantize`` of the plan the plan stage would make now from the run's profile (the plan's
+    modules are a pure function of it; nothing is written)."""
+    profile = RoutingProfile.load(run_dir / "profile.json")
+    plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers,
+                     recipe.export.formats)
+    return _quantize_view(plan.algorithm, {n: [p.bits, p.group_size, p.symmetric] for n, p in plan.modules.items()})
+
+
 def _partial_dir(recipe: Recipe, run_dir: Path) -> Path:
-    """``quantize.partial/`` kept across crashes when its key (plan, quantize section, tokens) still matches."""
+    """``quantize.partial/`` kept across crashes when its key (what quantize reads of the plan, the quantize
+    section, tokens) still matches."""
     partial = run_dir / PARTIAL
-    key = hashlib.sha256((run_dir / "plan.json").read_bytes() + recipe.section_hash("quantize").encode()
+    key = hashlib.sha256(str(plan_digest_for_quantize(run_dir)).encode() + recipe.section_hash("quantize").encode()
                          + (run_dir / "calibration.safetensors").read_bytes()).hexdigest()[:16]
     if partial.exists() and (not (partial / "key").is_file() or (partial / "key").read_text() != key):
         shutil.rmtree(partial)

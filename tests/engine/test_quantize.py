@@ -351,3 +351,34 @@ def test_codes_wait_for_the_writer_two_a_byte(setup, tmp_path, monkeypatch):
             codes = unpack_codes(qw.q, qw.spec) if qw.q.dtype == torch.uint8 else qw.q
             assert torch.equal(codes, stored[module].q), module
     assert bits == {4, 8}
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1])
+def test_experts_without_tokens_are_not_said_to_fall_below_a_token_floor_the_recipe_did_not_set(caplog, min_tokens):
+    from quant.engine.quantize import LayerReport, _log_layer
+
+    caplog.set_level("INFO", logger="quant")
+    _log_layer(LayerReport(3, rtn_fallbacks=["layers.3.experts.5.gate", "layers.3.experts.5.up"]), 4, min_tokens)
+    text = caplog.text
+    assert "token floor" not in text and "min_tokens" not in text and "WARNING" not in text
+    assert "2 expert projections of experts routed no calibration token were rounded to nearest" in text
+
+
+def test_a_token_floor_the_recipe_set_is_named_when_experts_fall_below_it(caplog):
+    from quant.engine.quantize import LayerReport, _log_layer
+
+    _log_layer(LayerReport(3, rtn_fallbacks=["layers.3.experts.5.down"]), 4, 16)
+    (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "routed fewer than 16 calibration tokens (quantize.min_tokens) fell back to RTN" in record.getMessage()
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq", "awq"])
+def test_worst_error_is_over_every_quantized_module_for_every_algorithm(setup, tmp_path, algorithm):
+    """2-bit experts beside 8-bit attention: the worst relative weight error of each layer is an expert's, whatever
+    the algorithm (AWQ's experts were left out, so its worst module was an 8-bit attention projection)."""
+    src = setup[0]
+    spec = PlanSpec(policy="uniform", low_bits=2, high_bits=2, group_size=32)
+    _, _, reports = _quantize(setup, tmp_path, algorithm, spec, algorithm=algorithm)
+    for r in reports:
+        if r.layer in src.moe_layers():
+            assert ".experts." in r.worst_module and r.worst_rel_error > 0.2, (r.layer, r.worst_module)

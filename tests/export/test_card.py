@@ -261,3 +261,22 @@ def test_the_plugins_snippet_is_what_the_serving_tests_ran(builtin_source):
     _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0", repo_id="me/x"))
     plugin = _section(_section(body, "Serving"), "vLLM with quant's plugin", "###")
     assert "vllm serve me/x\n" in plugin and "--quantization" not in plugin
+
+
+def test_the_card_lists_the_schemes_config_json_holds(tmp_path):
+    """The recipe asks for group 128; the tiny model's widths resolve it to 32 and 64: the card says what the
+    checkpoint holds, not what the recipe asked for."""
+    from quant.export import write_cards
+    from quant.run.pipeline import run
+
+    recipe = parse_recipe({"name": "headline"}, overrides=("calibration.n_samples=4", "calibration.seq_len=32"))
+    run(recipe, tmp_path, until="export")
+    write_cards(recipe, resolve_model(recipe.model.path), tmp_path)
+    groups = json.loads((tmp_path / "checkpoint" / "config.json").read_text())["quantization_config"]["config_groups"]
+    held = {f"W{g['weights']['num_bits']} g{g['weights']['group_size']} "
+            f"{'sym' if g['weights']['symmetric'] else 'asym'}" for g in groups.values()}
+    _, body = _split((tmp_path / "checkpoint" / "README.md").read_text())
+    (line,) = [x for x in _section(body, "What this is").splitlines() if x.startswith("- schemes")]
+    listed = set(re.findall(r"W\d+ g\d+ a?sym", line.split("(recipe:")[0]))
+    assert listed == held and len(held) > 1 and "g128" not in line.split("(recipe:")[0], line
+    assert "experts W4 g32 sym ×" in line and "attention W8 g64 sym ×" in line

@@ -471,3 +471,17 @@ def test_a_run_that_cannot_fit_the_hosts_memory_is_refused_before_it_allocates(q
     check_run_memory(mid, source, "profile", False, 1, 2 << 30)
     with pytest.raises(RecipeError, match="cached hidden states 2.1 GB"):  # a rank holds its share of the rows
         check_run_memory(mid, source, "profile", True, 2, 2 << 30)
+def test_small_models_are_forecast_at_their_own_scale(quant_cache):
+    """The reference MoE (31 M parameters, about 60 MB in bf16): its parameter count is printed as such (every
+    builtin showed 0.0 B), and the profile's W4 probe is sized by its experts, not by the 1 GiB chunk a large
+    model's probe fills (a 3.2 GB GPU peak for a model that profiles in well under 1 GB)."""
+    from quant.forecast.estimate import render
+
+    recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model="builtin:reference-moe")
+    f = forecast(recipe, load_headers("builtin:reference-moe"))
+    head = render(f, recipe).splitlines()[0]
+    assert re.search(r": 3\d\.\d M parameters;", head), head
+    profile = next(s for s in f.stages if s.stage == "profile")
+    export = next(s for s in f.stages if s.stage == "export")
+    assert profile.gpu_bytes < 0.5e9, profile
+    assert export.host_bytes < 3.5e9, export  # python and torch, not a 5 GB shard for a 26 MB checkpoint

@@ -77,3 +77,13 @@ def test_tasks_that_cannot_run_are_refused_before_any_stage(tmp_path, tasks, pat
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert p.returncode == 1 and len(lines) == 1 and pattern in lines[0], p.stderr[-3000:]
     assert "Traceback" not in p.stderr and not (tmp_path / "r").exists()
+def test_lm_eval_s_own_results_are_kept_in_the_run_directory_and_linked_from_the_report(tmp_path):
+    overrides = tuple(o for o in FAST if not o.startswith("eval.tasks")) + ("eval.tasks=[quant_mmlu]", "eval.limit=2")
+    result = run(load_recipe(REPO / "recipes" / "mixed_int8_int4_rtn.yaml", overrides=overrides), tmp_path / "r")
+    for which in ("base", "quantized"):
+        raw = json.loads((result.run_dir / f"lm_eval_{which}.json").read_text())
+        assert {"results", "configs", "versions", "n-shot", "n-samples"} <= raw.keys(), raw.keys()
+        assert "quant_mmlu" in raw["results"] and "samples" not in raw
+        assert f"[lm_eval_{which}.json](lm_eval_{which}.json)" in (result.run_dir / "report.md").read_text()
+    assert run(load_recipe(REPO / "recipes" / "mixed_int8_int4_rtn.yaml", overrides=overrides),
+               tmp_path / "r").ran == []  # the new outputs count toward the eval stage's freshness

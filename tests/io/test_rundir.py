@@ -1,4 +1,5 @@
-"""The run directory's claim: what a directory without a manifest may hold and still be taken as one's own."""
+"""The run directory's claim: what a directory without a manifest may hold and still be taken as one's own; a
+finished run refuses another model, and says why without guessing at damage."""
 
 from __future__ import annotations
 

@@ -381,3 +381,27 @@ def test_a_layer_s_expert_weights_are_gone_before_the_next_layer_loads(monkeypat
     alive = expert_weights_alive_at_each_load(
         monkeypatch, profile_mod, lambda: profile_routing(src, calib, Layerwise(src, "float32", "cpu", 2, World())))
     assert alive == [0] * src.n_layers
+
+
+def test_the_log_lines_and_the_report_count_cold_experts_and_usage_ratios_alike(caplog):
+    """One definition each: a cold expert is one routed fewer than profile.min_tokens tokens; the usage ratio is
+    the most used expert's tokens over the least used one's (inf when one is unused)."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from quant.report import _routing_lines
+
+    src = resolve_model("builtin:qwen3-moe-tiny")
+    calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 2, 32, 0)
+    caplog.set_level("INFO", logger="quant")
+    prof = profile_routing(src, calib, Layerwise(src, "float32", "cpu", 2), min_tokens=8)
+    logged = [re.search(r"profile layer (\d+): \d+ experts, most/least used (.+?), (\d+) cold \(fewer than 8 ",
+                        r.getMessage()) for r in caplog.records if "profile layer" in r.getMessage()]
+    assert len(logged) == len(prof.layers) and all(logged)
+    report = "\n".join(_routing_lines(prof, 8))
+    n_cold = sum(int(m[3]) for m in logged)
+    assert n_cold > 0 and f"cold experts (fewer than 8 routed tokens, profile.min_tokens): {n_cold}" in report
+    for m in logged:
+        assert f"layer {m[1]}: {m[2]}" in report
+    assert "{" not in report.split("rank stability")[0] and "[(" not in report
