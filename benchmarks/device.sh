@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU measurements BENCHMARKS.md records, as one script for a lent GPU machine (no network there).
+# The GPU measurements BENCHMARKS.md records, as one script for a GPU host (no network needed there).
 #
 #   bash benchmarks/device.sh TASK [TASK ...]      # from the repository root, on the GPU machine
 #
 # Each task logs to $OUT/TASK.log (OUT defaults to ./device-out) and prints its JSON lines / tables; tasks run in
 # the order given, so a time limit cuts the last ones, not the first. Carry the wheels the image lacks in .whl/
-# (README, "Tests on a GPU"); they are installed into /tmp/site first. Tasks:
+# (docs/gpu-testing.md); they are installed into /tmp/site first. Tasks:
 #   suite      the whole test suite, 16 workers, failures appended to $OUT/faillog.txt as they happen (~400 s)
 #   gpu        the GPU tier alone (-m gpu)
 #   qwen3      Qwen3-30B-A3B shape, 2 layers, 256 x 2048: GPTQ and AWQ with llm-compressor GPTQ in the same run
@@ -13,7 +13,7 @@
 #   profile    the profile stage: Qwen3 2 layers x 512 samples, DeepSeek-V3 2 layers tiled to 8 x 256 samples
 #              (profile-qwen3, profile-dsv3: one of them; the DeepSeek-V3 one builds 45 GB of model files, ~150 s,
 #              unless WORK holds them: `profile_stage.py --build-only` builds them beside other work; the 45 GB
-#              fingerprint, a once-per-model cost measured in the sixth session, is left out)
+#              fingerprint, a once-per-model cost measured on 2026-11-30, is left out)
 #   read-dsv3  one DeepSeek-V3 layer's host read (safe_open + pinned copy vs parallel preads into a staging buffer)
 #              and upload (benchmarks/layer_read.py); keeps the model files for a profile-dsv3 after it
 #   dsv3       DeepSeek-V3 layer, 32 x 2048: GPTQ and AWQ, each with the allocator's history at its peak
@@ -25,13 +25,23 @@
 #              dequantized on the GPU): load and layer times side by side, GPU vs CPU dequantization bit for bit
 #   node1      the whole pipeline (`quant run`, benchmarks/node.py) on one GPU: a DeepSeek-V3 layer tiled to 3 for
 #              profile + quantize, the real layer through every stage with streamed eval, 32 x 2048 (~6 min)
-#   x8-build, x8-depth, x8-breadth   (8 GPUs; one a call, the 10-minute limit) the 8-GPU issue's run: 2 DeepSeek-V3
-#              layers (47 GB, kept in $WORK-node between calls), tiled to $X8_LAYERS (default 24) at 512 x 2048 on
+#   x8-build, x8-depth, x8-breadth   (8 GPUs; one part a command, under 10 minutes each) 2 DeepSeek-V3
+#              layers (47 GB, kept in $WORK-node between parts), tiled to $X8_LAYERS (default 24) at 512 x 2048 on
 #              8 ranks, then every stage on the 2 saved layers; projected to 61 layers
+#   vllm-part  copy each carried .vllm-part-N/part (benchmarks/vllm_wheels.sh makes them) to /tmp/parts/N, checked
+#              against its SHA256SUMS, and list what /tmp/parts holds: one call per part, carry [".vllm-part-N"]
+#   vllm-install  join /tmp/parts in order, check the archive's SHA256SUMS, unpack it into /tmp/vsite and import
+#              vllm from there (skipped when /tmp/vsite already imports the parts' version). Kept apart from
+#              /tmp/site: vLLM pins compressed-tensors 0.17, quant needs 0.19. Use it as PYTHONPATH=/tmp/vsite
+#              VLLM_USE_FLASHINFER_SAMPLER=0 python3 ...
+#   serve-tests  the serving tests (tests/serve: every checkpoint form served by vLLM from /tmp/vsite against its
+#              dequantized reference, the plugin, the refusals); the agreement table lands in $OUT/serve-report.json
+#   serve-bench  benchmarks/serve.py: vLLM throughput of bf16, W8, W4, the per-layer mix and the per-expert mix on a
+#              5-layer Qwen3-30B-A3B-shaped model (results after each model in $OUT/serve.json)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -51,8 +61,73 @@ run() {  # run TASK COMMAND...: log, time, and free the scratch disk after
   echo "== $task: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$task.log"
 }
 
+vllm_part() {  # the carried .vllm-part-N/part -> /tmp/parts/N, with its SHA256SUMS
+  local d n want have found=0
+  mkdir -p /tmp/parts
+  for d in .vllm-part-*/; do
+    n=${d#.vllm-part-}; n=${n%/}
+    [[ $n =~ ^[0-9]+$ && -f $d/part && -f $d/SHA256SUMS ]] || continue
+    found=1
+    want=$(awk -v n="$n" '$2 == n {print $1}' "$d/SHA256SUMS")
+    have=$(sha256sum < "$d/part" | cut -d' ' -f1)
+    [ -n "$want" ] && [ "$want" = "$have" ] || { echo "part $n: sha256 $have, SHA256SUMS says '$want'"; return 1; }
+    if [ -f "/tmp/parts/$n" ] && [ "$(sha256sum < "/tmp/parts/$n" | cut -d' ' -f1)" = "$want" ]; then
+      echo "part $n: already in /tmp/parts"
+    else
+      cp "$d/part" "/tmp/parts/$n.tmp" && mv "/tmp/parts/$n.tmp" "/tmp/parts/$n" || return 1
+      echo "part $n: copied"
+    fi
+    cp "$d/SHA256SUMS" /tmp/parts/SHA256SUMS.tmp && mv /tmp/parts/SHA256SUMS.tmp /tmp/parts/SHA256SUMS || return 1
+  done
+  [ "$found" = 1 ] || echo "no .vllm-part-N/part carried"
+  echo "/tmp/parts now (name, bytes):"
+  (cd /tmp/parts && find . -maxdepth 1 -type f -printf '%f %s\n' | sort -n)
+  if [ -f /tmp/parts/SHA256SUMS ]; then
+    local missing
+    missing=$(awk 'NR > 1 {print $2}' /tmp/parts/SHA256SUMS | while read -r n; do [ -f "/tmp/parts/$n" ] || echo "$n"; done | xargs)
+    echo "parts: $(($(wc -l < /tmp/parts/SHA256SUMS) - 1)) in all, missing: ${missing:-none}"
+  fi
+  [ "$found" = 1 ]
+}
+
+vllm_version() {  # the version /tmp/vsite imports, or nothing
+  env PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 python3 -c 'import vllm; print(vllm.__version__)' \
+    2>"$OUT/vllm-import.err" | tail -1
+}
+
+vllm_install() {  # /tmp/parts -> /tmp/vsite
+  local sums=/tmp/parts/SHA256SUMS archive want v n missing
+  archive=$(head -1 "$sums" 2>/dev/null | awk '{print $2}')  # vllm-VERSION-site.tar.xz
+  want=${archive#vllm-}; want=${want%-site.tar.xz}; want=${want:-${VLLM_VERSION:-0.26.0}}
+  if [ -f /tmp/vsite/vllm/__init__.py ] && v=$(vllm_version) && [ "$v" = "$want" ]; then
+    echo "vllm $v: already in /tmp/vsite"; return 0
+  fi
+  [ -f "$sums" ] || { echo "no /tmp/parts/SHA256SUMS: run vllm-part first"; return 1; }
+  missing=$(tail -n +2 "$sums" | awk '{print $2}' | while read -r n; do [ -f "/tmp/parts/$n" ] || echo "$n"; done | xargs)
+  [ -z "$missing" ] || { echo "parts missing from /tmp/parts: $missing (vllm-part with each)"; return 1; }
+  (cd /tmp/parts && tail -n +2 SHA256SUMS | sha256sum --quiet -c -) || { echo "parts missing or damaged"; return 1; }
+  for n in $(tail -n +2 "$sums" | awk '{print $2}' | sort -n); do cat "/tmp/parts/$n"; done > "/tmp/$archive" || return 1
+  (cd /tmp && head -1 "$sums" | sha256sum -c -) || { rm -f "/tmp/$archive"; return 1; }
+  rm -rf /tmp/vsite.tmp && mkdir -p /tmp/vsite.tmp && tar -C /tmp/vsite.tmp -xJf "/tmp/$archive" || return 1
+  rm -rf /tmp/vsite "/tmp/$archive" && mv /tmp/vsite.tmp /tmp/vsite || return 1
+  echo "unpacked into /tmp/vsite: $(du -sh /tmp/vsite | cut -f1)"
+  v=$(vllm_version)
+  [ "$v" = "$want" ] || { echo "import vllm from /tmp/vsite gave '$v', want $want:"; tail -20 "$OUT/vllm-import.err"; return 1; }
+  echo "vllm $v (PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0)"
+}
+
 for task in "$@"; do
   case $task in
+    vllm-part|vllm-install)
+      t0=$(date +%s)
+      echo "== $task" | tee -a "$OUT/$task.log"
+      "vllm_${task#vllm-}" 2>&1 | tee -a "$OUT/$task.log"
+      echo "== $task: $([ "${PIPESTATUS[0]}" = 0 ] && echo ok || echo FAILED), $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$task.log"
+      continue ;;  # nothing in $W
+    serve-tests) run serve-tests env QUANT_VLLM_PYTHONPATH=/tmp/vsite QUANT_SERVE_REPORT="$OUT/serve-report.json" \
+                   python3 -m pytest -p no:cacheprovider tests/serve -v -rfEs --tb=short ;;
+    serve-bench) run serve-bench python3 benchmarks/serve.py --vllm-path /tmp/vsite --layers "${SERVE_LAYERS:-5}" \
+                   --workdir "$W" --results "$OUT/serve.json" ;;
     suite) run suite env QUANT_TEST_FAILLOG="$OUT/faillog.txt" QUANT_TEST_PROGRESS="$OUT/progress.txt" python3 -m pytest -p no:cacheprovider -n 16 -q -rfE \
              --tb=short --durations=30 --junitxml="$OUT/junit.xml" ;;
     gpu) run gpu python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --tb=short ;;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Download, here (where PyPI is reachable), the pure-Python wheels the lent GPU machines' image lacks, into .whl/
-# (ignored by git; `run`'s carry takes it), for Python 3.12 there. benchmarks/device.sh installs them into
+# Download, here (where PyPI is reachable), the pure-Python wheels a GPU host without network lacks, into .whl/
+# (ignored by git; copy it to the host with the checkout), for Python 3.12 there. benchmarks/device.sh installs them into
 # /tmp/site on the machine. The list: quant's own dependencies missing from the image, the reference oracles
 # (llm-compressor, auto-round) and lm-eval with its pure-Python dependencies, gguf for the SmolLM2 tests.
 set -euo pipefail

@@ -34,12 +34,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant.calibration import random_calibration as calibration
+from quant.eval.layer_error import checkpoint_layer_errors
+from quant.models import ModelSource
+from quant.models.synthetic import SHAPES, build_model
 
-from engine import SHAPES, build_model, calibration, dequantized, layer_errors, say  # noqa: E402
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-from quant.models import ModelSource  # noqa: E402
+
+def say(**kw) -> None:
+    print(json.dumps(kw), flush=True)
 
 
 def _plan(src, prof, algo: str = "gptq"):
@@ -131,8 +135,8 @@ def worker(a: argparse.Namespace) -> None:
     world.barrier()
     t0 = time.perf_counter()
     with CudaTrace() if a.memory_trace else contextlib.nullcontext() as trace, _torch_profile(a.torch_profile) as prof:
-        reports = quantize_model(src, calib, plan, QuantizeSpec(algorithm=a.algo, device=dev, batch_size=a.batch,
-                                                                statistics=a.statistics),
+        qspec = QuantizeSpec(algorithm=a.algo, device=dev, batch_size=a.batch, statistics=a.statistics)
+        reports = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, qspec,
                                  Layerwise(src, "bfloat16", dev, a.batch, world=world), qdir)
     sync()
     world.barrier()
@@ -197,8 +201,8 @@ def launch_llmcompressor(a: argparse.Namespace, n: int, model_dir: Path, work: P
     out = json.loads(result.read_text())
     if a.error_samples:  # engine.py's layer-output error of the checkpoint it saved
         calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
-        errs = layer_errors(ModelSource(model_dir), dequantized(work / f"llmc-ckpt-{n}", work),
-                            calib.tokens[: a.error_samples], a.batch)
+        errs = checkpoint_layer_errors(ModelSource(model_dir), work / f"llmc-ckpt-{n}", work,
+                                       calib.tokens[: a.error_samples], a.batch, DEVICE)
         out["mean_rel_layer_error"] = sum(errs) / len(errs)
     return out
 
@@ -253,6 +257,7 @@ def main() -> None:
     for r in rows:
         r["identical_layer_files"] = same_codes(base, Path(r["qdir"]))
     if a.error_samples:
+        from quant.dist.world import World
         from quant.export.compressed_tensors import write_compressed_tensors
 
         src = ModelSource(model_dir)
@@ -261,8 +266,9 @@ def main() -> None:
             from quant.plan.bitplan import BitPlan
 
             plan = BitPlan.load(Path(r["qdir"] + ".plan.json"))
-            ckpt = write_compressed_tensors(src, plan, Path(r["qdir"]), work / f"ckpt-{Path(r['qdir']).name}", 20 << 30)
-            errs = layer_errors(src, dequantized(ckpt, work), calib.tokens[: a.error_samples], a.batch)
+            ckpt = write_compressed_tensors(src, plan, Path(r["qdir"]), work / f"ckpt-{Path(r['qdir']).name}", 20 << 30,
+                                            World())
+            errs = checkpoint_layer_errors(src, ckpt, work, calib.tokens[: a.error_samples], a.batch, DEVICE)
             r["mean_rel_layer_error"] = sum(errs) / len(errs)
             say(ranks=r["ranks"], statistics=r["statistics"], rel_layer_error=errs)
     print(f"\n{'GPUs':>4} {'stats mode':>10} {'s/layer':>8} {'stats':>7} {'solve':>7} {'fwd':>7} {'profile s':>9} {'peak GB/rank':>16} "

@@ -25,52 +25,27 @@ import contextlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from quant.calibration import CalibrationSet
+from quant.calibration import random_calibration as calibration
+from quant.diag.calltime import CallTimes
+from quant.diag.memtrace import CudaTrace
+from quant.dist.world import World
+from quant.engine.layerwise import Layerwise
+from quant.engine.quantize import quantize_model
+from quant.eval.layer_error import checkpoint_layer_errors
+from quant.measure.profile import profile_routing
+from quant.models import ModelSource
+from quant.models.synthetic import SHAPES, TiledSource, build_model
+from quant.plan.bitplan import plan_bits
+from quant.recipe import PlanSpec, QuantizeSpec
 
-from quant.calibration import CalibrationSet  # noqa: E402
-from quant.calibration import random_calibration as calibration  # noqa: E402,F401
-from quant.diag.memtrace import CudaTrace  # noqa: E402
-from quant.engine.layerwise import Layerwise  # noqa: E402
-from quant.engine.quantize import quantize_model  # noqa: E402
-from quant.measure.profile import profile_routing  # noqa: E402
-from quant.models import ModelSource  # noqa: E402
-from quant.models.synthetic import (  # noqa: E402,F401 (re-exported to the other benchmarks)
-    SHAPES,
-    TiledSource,
-    build_model,
-    random_words,
-    write_shapes_only,
-)
-from quant.plan.bitplan import plan_bits  # noqa: E402
-from quant.recipe import PlanSpec, QuantizeSpec  # noqa: E402
-
-TIMERS: dict[str, float] = {}  # seconds spent in the wrapped functions (layer loads, layer writes)
-
-
-def time_calls(module, name: str, key: str, device_sync: bool = True) -> None:
-    """Replace ``module.name`` by a wrapper that adds its wall time (after a device sync, unless ``device_sync`` is
-    False: a call on a background thread must not wait for the compute stream) to ``TIMERS[key]``."""
-    fn = getattr(module, name)
-
-    def wrapped(*args, **kwargs):
-        if device_sync:
-            sync()
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if device_sync:
-                sync()
-            TIMERS[key] = TIMERS.get(key, 0.0) + time.perf_counter() - t0
-
-    setattr(module, name, wrapped)
+TIMERS = CallTimes()  # seconds spent in the wrapped functions (layer loads, layer writes)
 
 
 def say(**kw) -> None:
@@ -104,10 +79,10 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     TIMERS.clear()
     sync()
     t0 = time.perf_counter()
-    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", dev, batch))
+    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", dev, batch, world=World()))
     sync()
     prof_s = time.perf_counter() - t0
-    prof_load_s, prof_peak = TIMERS.get("load_s", 0.0), peak_gb()
+    prof_load_s, prof_peak = TIMERS.get("load_s"), peak_gb()
     sym = algo != "awq"
     spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=128, symmetric=sym,
                     protect={"attention": 4 if quant_all else "keep", "shared_experts": 4, "dense_mlp": 4})
@@ -121,7 +96,8 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     sync()
     t0 = time.perf_counter()
     with CudaTrace() if memory_trace else contextlib.nullcontext() as trace:
-        reports = quantize_model(src, calib, plan, qspec, Layerwise(src, "bfloat16", dev, batch), qdir)
+        reports = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, qspec,
+                                 Layerwise(src, "bfloat16", dev, batch, world=World()), qdir)
     sync()
     total = time.perf_counter() - t0
     if trace is not None and trace.peak is not None:
@@ -130,8 +106,8 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     n_tok = calib.tokens.numel() * len(reports)  # profile throughput per layer: tokens x layers / s
     out = {"algo": algo + tag, "store": str(qdir), "profile_s": prof_s, "profile_tokens_per_s": n_tok / prof_s, "profile_load_s": prof_load_s,
            "profile_tokens_per_s_excl_load": n_tok / max(prof_s - prof_load_s, 1e-9), "profile_peak_gpu_gb": prof_peak,
-           "load_s_per_layer": TIMERS.get("load_s", 0.0) / len(reports),
-           "write_s_per_layer": TIMERS.get("write_s", 0.0) / len(reports), "quantize_s": total, "layers": len(reports),
+           "load_s_per_layer": TIMERS.get("load_s") / len(reports),
+           "write_s_per_layer": TIMERS.get("write_s") / len(reports), "quantize_s": total, "layers": len(reports),
            "s_per_layer": total / len(reports),
            "stats_s_per_layer": sum(r.stats_seconds for r in reports) / len(reports),
            "solve_s_per_layer": sum(r.solve_seconds for r in reports) / len(reports),
@@ -146,7 +122,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     if not export:
         return out
     t0 = time.perf_counter()
-    ckpt = write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}{tag}", 20 << 30)
+    ckpt = write_compressed_tensors(src, plan, qdir, work / f"ckpt-{algo}{tag}", 20 << 30, World())
     out["export_s"] = time.perf_counter() - t0
     out["end_to_end_s"] = prof_s + total + out["export_s"]
     if not isinstance(src, TiledSource):  # the layer-error check reads the base model's real layers
@@ -168,8 +144,8 @@ def fp8_release(model_dir: Path) -> ModelSource:
         say(step="fp8 release", s=round(time.perf_counter() - t0, 1))
     src = resolve_model(str(out))
     assert isinstance(src, Fp8BlockSource) and src.parts
-    keys = sorted(k for k in src.weight_map if k.startswith("model.layers.0."))
-    times, staging = {}, Staging(pin_budget()) if torch.cuda.is_available() else None
+    keys = sorted(src.layer_keys(0))
+    times, staging = {}, Staging(pin_budget(1)) if torch.cuda.is_available() else None
     for name, source in (("bf16", ModelSource(model_dir)), ("fp8", src), ("fp8 again", src)):
         t0 = time.perf_counter()  # as the read-ahead reads, into one staging buffer (FP8: dequantized on the GPU)
         here = source.read_tensors(keys, "cpu", into=staging.into(0) if staging else None)
@@ -177,7 +153,7 @@ def fp8_release(model_dir: Path) -> ModelSource:
         times[name] = round(time.perf_counter() - t0, 2)
     few = [k for k in keys if ".experts.0." in k or ".self_attn." in k]  # a CPU dequantization of the whole layer
     on_cpu = Fp8BlockSource(out, device="cpu").read_tensors(few)  # would hold 23 GB more of host memory
-    say(layer0_read_s=times, fp8_dequantized_on=str(src._work_device()),
+    say(layer0_read_s=times, fp8_dequantized_on=str(src.work_device()),
         fp8_equal_to_cpu_dequantization=all(torch.equal(here[k], on_cpu[k]) for k in few))
     del here, staging
     return src
@@ -210,35 +186,6 @@ def run_llmcompressor(model_dir: Path, calib: CalibrationSet, algo: str, work: P
             "peak_gpu_gb": peak_gb(), "checkpoint": str(out_dir)}
 
 
-def dequantized(ckpt: Path, work: Path) -> Path:
-    """compressed-tensors' own dequantizer -> a dense folder."""
-    from compressed_tensors.entrypoints.convert import convert_checkpoint
-    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
-
-    out = work / (ckpt.name + "-dense")
-    shutil.rmtree(out, ignore_errors=True)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    convert_checkpoint(ckpt, out, CompressedTensorsDequantizer(ckpt), device=dev)
-    return out
-
-
-def layer_errors(base: ModelSource, quant_dir: Path, tokens: torch.Tensor, batch: int) -> list[float]:
-    """Per layer ||Y_q - Y|| / ||Y - X|| with the base model's inputs X fed to both layers."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    qsrc = ModelSource(quant_dir)
-    lw_b, lw_q = Layerwise(base, "bfloat16", dev, batch), Layerwise(qsrc, "bfloat16", dev, batch)
-    hidden = lw_b.embed(tokens)
-    errs = []
-    for i in range(base.n_layers):
-        with lw_b.layer(i) as lb:
-            y = lw_b.forward(lb, hidden)
-        with lw_q.layer(i) as lq:
-            yq = lw_q.forward(lq, hidden)
-        errs.append(((yq.float() - y.float()).norm() / (y.float() - hidden.float()).norm()).item())
-        hidden = y
-    return errs
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
@@ -262,10 +209,10 @@ def main() -> None:
     import quant.engine.layerwise
     import quant.engine.qstore
 
-    time_calls(quant.engine.layerwise, "load_layer", "load_s")
+    TIMERS.wrap(quant.engine.layerwise, "load_layer", "load_s")
     # layer files are written by qstore.LayerWriter on a background thread (codes already on the host): write_s is
     # that thread's time, overlapped with the next layer's compute
-    time_calls(quant.engine.qstore, "write_layer", "write_s", device_sync=False)
+    TIMERS.wrap(quant.engine.qstore, "write_layer", "write_s", device_sync=False)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="quant-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     say(torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -297,7 +244,8 @@ def main() -> None:
     err_tokens = calib.tokens[: a.error_samples]
     for r in rows if a.error_samples else []:
         if "checkpoint" in r:
-            r["rel_layer_error"] = layer_errors(src, dequantized(Path(r["checkpoint"]), work), err_tokens, a.batch)
+            r["rel_layer_error"] = checkpoint_layer_errors(src, Path(r["checkpoint"]), work, err_tokens, a.batch,
+                                                           "cuda" if torch.cuda.is_available() else "cpu")
             r["mean_rel_layer_error"] = sum(r["rel_layer_error"]) / len(r["rel_layer_error"])
             say(algo=r["algo"], rel_layer_error=r["rel_layer_error"])
     if a.out:

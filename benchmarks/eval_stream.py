@@ -1,6 +1,6 @@
 """Eval benchmark (GPU): streamed vs whole-model proxies on one checkpoint, and lm-eval's hf backend over GPUs.
 
-Builds a random-weight model with Qwen3-30B-A3B layer shapes (``benchmarks/engine.py``), plans the headline mix
+Builds a random-weight model with Qwen3-30B-A3B layer shapes (``quant.models.synthetic``), plans the headline mix
 (top 20% experts per layer 8-bit, the rest 4-bit, per expert: transformers cannot load it directly), quantizes it
 with RTN and exports compressed-tensors. Then, each in a fresh subprocess on its own GPU, on the same random tokens:
   - whole: compressed-tensors' dequantizer writes a dense copy, each model is loaded whole in turn
@@ -28,21 +28,24 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from engine import SHAPES, build_model, calibration, say  # noqa: E402
-
-from quant.engine.layerwise import Layerwise  # noqa: E402
-from quant.models import ModelSource  # noqa: E402
+from quant.calibration import random_calibration as calibration
+from quant.dist.world import World
+from quant.engine.layerwise import Layerwise
+from quant.models import ModelSource, synthetic
+from quant.models.synthetic import build_model
 
 DTYPE = "bfloat16"
 MODES = ("whole", "streamed")
-# a 12-layer-class MoE small enough for a CPU run (1.4 GB at 12 layers): peak RSS against the number of layers
-SHAPES.setdefault("moe-mid", dict(model_type="qwen3_moe", vocab_size=32000, hidden_size=1024, intermediate_size=2048,
-                                  moe_intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
-                                  num_experts=32, num_experts_per_tok=4, norm_topk_prob=True,
-                                  max_position_embeddings=4096, tie_word_embeddings=False))
+# the package's shapes and a 12-layer-class MoE small enough for a CPU run (1.4 GB at 12 layers): peak RSS against
+# the number of layers
+SHAPES = {**synthetic.SHAPES, "moe-mid": dict(
+    model_type="qwen3_moe", vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=128, num_experts=32, num_experts_per_tok=4,
+    norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False)}
+
+
+def say(**kw) -> None:
+    print(json.dumps(kw), flush=True)
 
 
 def prepare(work: Path, shape: str, n_layers: int, samples: int, seqlen: int, batch: int) -> dict:
@@ -57,17 +60,18 @@ def prepare(work: Path, shape: str, n_layers: int, samples: int, seqlen: int, ba
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
-    build_model(shape, n_layers, work / "model", seed=0)
+    build_model(SHAPES[shape], n_layers, work / "model", seed=0)
     src = ModelSource(work / "model")
     calib = calibration(16, 256, SHAPES[shape]["vocab_size"], seed=0)
     t1 = time.perf_counter()
-    plan = plan_bits(profile_routing(src, calib, Layerwise(src, DTYPE, dev, batch)), src.modules, PlanSpec(),
+    plan = plan_bits(profile_routing(src, calib, Layerwise(src, DTYPE, dev, batch, World())), src.modules, PlanSpec(),
                      "rtn", src.n_layers)
     plan.save(work / "plan.json")
-    quantize_model(src, calib, plan, QuantizeSpec(device=dev, batch_size=batch), Layerwise(src, DTYPE, dev, batch),
+    quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(device=dev, batch_size=batch),
+                   Layerwise(src, DTYPE, dev, batch, World()),
                    work / "quantized")
     t2 = time.perf_counter()
-    write_compressed_tensors(src, plan, work / "quantized", work / "checkpoint", 5 << 30)
+    write_compressed_tensors(src, plan, work / "quantized", work / "checkpoint", 5 << 30, World())
     tokens = calibration(samples, seqlen, SHAPES[shape]["vocab_size"], seed=1).tokens
     save_file({"tokens": tokens}, str(work / "tokens.safetensors"))
     return {"build_s": t1 - t0, "quantize_s": t2 - t1, "export_s": time.perf_counter() - t2,
@@ -112,10 +116,11 @@ def measure(work: Path, mode: str, batch: int) -> dict:
     t0 = time.perf_counter()
     if mode == "streamed":
         shipped = ShippedCheckpoint(work / "checkpoint", src, DTYPES[DTYPE])
-        proxies, loader = streamed_proxies(src, shipped, tokens, DTYPE, dev, batch), "compressed-tensors-per-layer"
+        proxies, loader = streamed_proxies(src, shipped, tokens, DTYPE, dev, batch, World()), \
+            "compressed-tensors-per-layer"
     else:
         with servable_checkpoint(work / "checkpoint", plan, src) as (path, loader):
-            proxies = whole_proxies(src.path, path, tokens, DTYPES[DTYPE], dev, batch, False)
+            proxies = whole_proxies(src.path, path, tokens, DTYPES[DTYPE], dev, batch, False, World())
     if dev == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0

@@ -12,19 +12,16 @@ Usage (GPU): python benchmarks/layer_read.py --workdir /tmp/quant-device --shape
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from quant.dist.world import SINGLE  # noqa: E402
-from quant.engine.layerwise import _LayerReader
-from quant.io.direct_read import read_into  # noqa: E402
-from quant.io.staging import copy_into  # noqa: E402
-from quant.models import ModelSource  # noqa: E402
+from quant.dist.world import World
+from quant.engine.layerwise import LayerReader
+from quant.io.direct_read import read_into
+from quant.io.staging import copy_into
+from quant.models import ModelSource
 
 
 def meminfo() -> str:
@@ -40,7 +37,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,4,8,16")
     a = ap.parse_args()
     src = ModelSource(Path(a.workdir) / f"model-{a.shape}-{a.layers}")
-    reader = _LayerReader(src, SINGLE, torch.device("cuda"))
+    reader = LayerReader(src, World(), torch.device("cuda"))
     print(f"host memory: {meminfo()}; read-ahead budget {reader.pin_budget / 1e9:.1f} GB", flush=True)
     rows: list[tuple[str, int, float, float]] = []
 
@@ -59,7 +56,7 @@ def main() -> None:
     def upload(tensors: dict) -> dict:
         return {k: v.to("cuda", non_blocking=True) for k, v in tensors.items()}
 
-    def torch_pinned(n_bytes: int) -> torch.Tensor:  # the read-ahead before this session: torch's pinned allocator
+    def torch_pinned(n_bytes: int) -> torch.Tensor:  # the read-ahead before eed93b5: torch's pinned allocator
         return torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
 
     def pageable(n_bytes: int) -> torch.Tensor:

@@ -19,16 +19,14 @@ import argparse
 import json
 import os
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.engine import SHAPES, calibration  # noqa: E402
+from quant.calibration import random_calibration as calibration
+from quant.models.synthetic import SHAPES
 
 _WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
            "num_attention_heads", "num_key_value_heads")
@@ -83,7 +81,7 @@ def build(shape: str, k: int, layers: int, path: Path) -> None:
 def _phases(tracer) -> None:
     """Wrap the engine's steps so each runs inside a tracer phase."""
     import quant.engine.awq_layer as sm
-    import quant.engine.quantize as qz
+    from quant.engine.layer_job import LayerJob
     from quant.engine.layerwise import Layerwise
 
     def wrap(owner, name, label):
@@ -97,9 +95,9 @@ def _phases(tracer) -> None:
 
     wrap(Layerwise, "run", "statistics pass")
     wrap(Layerwise, "forward", "propagate")
-    wrap(qz._LayerJob, "run_experts", "solve experts")
-    wrap(qz._LayerJob, "run_linears", "solve linears")
-    wrap(qz, "share_results", "exchange codes")
+    wrap(LayerJob, "run_experts", "solve experts")
+    wrap(LayerJob, "run_linears", "solve linears")
+    wrap(LayerJob, "share", "exchange codes")
     wrap(sm, "_experts_down", "AWQ down search")
     wrap(sm._GateUpSearch, "add", "AWQ gate/up trials")
     wrap(sm._GateUpSearch, "finish", "AWQ gate/up quantize")
@@ -146,7 +144,7 @@ def worker(rank: int, a: argparse.Namespace, port: int, model_dir: str, out: str
     lw = Layerwise(src, "bfloat16", "cpu", batch, world=world)
     lw.reader.shared = a.shared_read and world.distributed  # NCCL's read path: a share per rank, then broadcasts
     with tracer:
-        quantize_model(src, calib, plan, qspec, lw, Path(out) / f"q{a.ranks}")
+        quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, qspec, lw, Path(out) / f"q{a.ranks}")
     mine = {"rank": rank, "peak": tracer.peak.table(top=a.top, scale=k2),
             "phases": {p: round(b * k2 / 1e9, 2) for p, b in tracer.phase_peaks.items()}}
     got = world.all_gather_object(mine)

@@ -9,8 +9,9 @@ tensors; streamed eval proxies; no gates, no layer-sensitivity pass) and runs it
 - **depth**: calibrate, profile, plan and quantize with the K saved layers tiled to ``--virtual-layers V``
   (engine.py's ``TiledSource``: layer i reads saved layer i mod K through the normal safetensors path), through
   ``quant.run.pipeline.Run`` itself. The writer rank deletes a virtual layer's file from the quantized store as soon as
-  it is written (every byte is still written): 61 DeepSeek-V3 layers' codes are ~420 GB, more than a lent 8-GPU
-  machine's disk. For the same reason quant's free-disk check, which counts all V layers, is skipped in this run.
+  it is written (every byte is still written): 61 DeepSeek-V3 layers' codes are ~420 GB, more than the local
+  disk of many 8-GPU machines. For the same reason quant's free-disk check, which counts all V layers, is skipped
+  in this run.
 - **breadth**: the CLI itself (``torchrun ... -m quant.cli run RECIPE``) on the K saved layers: every stage,
   export and streamed eval included, the checkpoint real and complete.
 
@@ -21,7 +22,7 @@ the runs, which find it cached. ``--project-layers P`` (default V) projects a P-
 JSON lines, then a table.
 
   python benchmarks/node.py --shape deepseek-v3 --layers 2 --virtual-layers 61 --samples 512 --seqlen 2048 \\
-      --ranks 8 --workdir /data/quant-node          # issue 14: one 8-GPU node, the whole depth
+      --ranks 8 --workdir /data/quant-node          # one 8-GPU node, the whole depth
   python benchmarks/node.py ... --part build; ... --part depth; ... --part breadth   # one part a call
   python benchmarks/node.py --shape tiny --layers 1 --virtual-layers 3 --samples 8 --seqlen 64 --ranks 2  # CPU
 """
@@ -42,14 +43,15 @@ from pathlib import Path
 import torch
 import yaml
 
+from quant.models.synthetic import SHAPES, TiledSource, build_model, random_words
+from quant.run.pipeline import STAGES
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+DEPTH_STAGES = STAGES[: STAGES.index("quantize") + 1]
 
-from engine import SHAPES, TiledSource, build_model, random_words, say  # noqa: E402
 
-STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "report")
-DEPTH_STAGES = STAGES[:4]
+def say(**kw) -> None:
+    print(json.dumps(kw), flush=True)
 
 
 def write_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
@@ -90,13 +92,13 @@ def write_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
 def _prune(store: list[Path], keep: int, n_layers: int, done: threading.Event) -> None:
     """Delete the store's files of layers ``keep .. n_layers - 1`` as they land (written atomically: only whole
     files carry the final name), until ``done``; one last sweep after it."""
-    from quant.engine.qstore import layer_file
+    from quant.engine.qstore import layer_file, remove_layer
 
     while True:
         last = done.wait(0.5)
         for folder in store:
             for idx in range(keep, n_layers):
-                layer_file(folder, idx).unlink(missing_ok=True)
+                remove_layer(layer_file(folder, idx))
         if last:
             return
 
@@ -156,14 +158,14 @@ def stage_table(run_dir: Path) -> dict[str, dict]:
 def project(depth: dict, breadth: dict, fingerprint_s: float, k: int, v: int, p: int) -> dict:
     """Seconds for a P-layer model: the depth run's profile and quantize x P / V; the breadth run's export and eval
     and the fingerprint x P / K (each goes layer by layer or byte by byte; their fixed parts, embeddings and the LM
-    head, are scaled with them, so the projection errs long); calibrate, plan, report and the depth run's time
+    head, are scaled with them, so the projection errs long); calibrate, plan, card, report and the depth run's time
     outside its stages (process start, the run directory, the cached fingerprint) as measured."""
     outside = depth["wall_s"] - sum(depth["stages"][s]["wall_s"] for s in DEPTH_STAGES)
     d, b = depth["stages"], breadth["stages"]
     parts = {"fingerprint": fingerprint_s * p / k, "setup": outside, "calibrate": d["calibrate"]["wall_s"],
              "profile": d["profile"]["wall_s"] * p / v, "plan": d["plan"]["wall_s"],
              "quantize": d["quantize"]["wall_s"] * p / v, "export": b["export"]["wall_s"] * p / k,
-             "eval": b["eval"]["wall_s"] * p / k, "report": b["report"]["wall_s"]}
+             "eval": b["eval"]["wall_s"] * p / k, "card": b["card"]["wall_s"], "report": b["report"]["wall_s"]}
     return {"layers": p, "parts_s": parts, "total_s": sum(parts.values())}
 
 

@@ -1,6 +1,7 @@
 """Profiling-stage throughput (GPU): ``profile_routing`` on the engine benchmark's random-weight model.
 
-Builds (or reuses) the 2-layer Qwen3-30B-A3B-shaped model of ``benchmarks/engine.py`` under ``--workdir``, runs the
+Builds (or reuses) the 2-layer Qwen3-30B-A3B-shaped model ``benchmarks/engine.py`` builds (``quant.models.synthetic``)
+under ``--workdir``, runs the
 profile stage (routing counts, routing mass, top-1, per-domain counts, down-projection maxima, the per-expert W4
 sensitivity probe) twice on ``--samples × --seqlen`` random tokens, bf16 on the GPU, and prints seconds per layer and
 tokens/s for each run (the first includes warm-up), then a CUDA kernel profile of a short run.
@@ -12,20 +13,20 @@ First prints the same layers' load and forward without the profile's hooks, the 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from quant.calibration import random_calibration as calibration
+from quant.diag.calltime import CallTimes
+from quant.dist.world import World
+from quant.engine.layerwise import Layerwise
+from quant.measure.profile import profile_routing
+from quant.models import ModelSource
+from quant.models.synthetic import SHAPES, TiledSource, build_model
 
-from engine import SHAPES, TIMERS, TiledSource, build_model, calibration, time_calls  # noqa: E402
-
-from quant.engine.layerwise import Layerwise  # noqa: E402
-from quant.measure.profile import profile_routing  # noqa: E402
-from quant.models import ModelSource  # noqa: E402
+TIMERS = CallTimes()
 
 
 def sync() -> None:
@@ -72,11 +73,11 @@ def main() -> None:
     import quant.engine.layerwise
     import quant.io.staging
 
-    time_calls(quant.engine.layerwise, "load_layer", "load_s")
-    time_calls(quant.engine.layerwise._LayerReader, "take", "take_s", device_sync=False)  # read-ahead waits, layer 0's read
-    time_calls(quant.io.staging, "page_locked", "pin_s", device_sync=False)  # on the read-ahead thread too
+    TIMERS.wrap(quant.engine.layerwise, "load_layer", "load_s")
+    TIMERS.wrap(quant.engine.layerwise.LayerReader, "take", "take_s", device_sync=False)  # read-ahead waits, layer 0's
+    TIMERS.wrap(quant.io.staging, "page_locked", "pin_s", device_sync=False)  # on the read-ahead thread too
     calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
-    lw = Layerwise(src, "bfloat16", a.device, a.batch)
+    lw = Layerwise(src, "bfloat16", a.device, a.batch, world=World())
     sync()
     t0 = time.perf_counter()
     hidden = lw.embed(calib.tokens)
@@ -107,25 +108,25 @@ def main() -> None:
 
             cold = cProfile.Profile()
             cold.enable()
-            profile_routing(src, calib, Layerwise(src, "bfloat16", a.device, a.batch))
+            profile_routing(src, calib, Layerwise(src, "bfloat16", a.device, a.batch, world=World()))
             sync()
             cold.disable()
             pstats.Stats(cold).sort_stats("cumulative").print_stats(35)
             pstats.Stats(cold).sort_stats("tottime").print_stats(15)
         else:
-            profile_routing(src, calib, Layerwise(src, "bfloat16", a.device, a.batch))
+            profile_routing(src, calib, Layerwise(src, "bfloat16", a.device, a.batch, world=World()))
         sync()
         s = time.perf_counter() - t0
-        n_tok, load_s = calib.tokens.numel() * src.n_layers, TIMERS.get("load_s", 0.0)
+        n_tok, load_s = calib.tokens.numel() * src.n_layers, TIMERS.get("load_s")
         print(f"profile run {rep}: {src.n_layers} layers x {a.samples}x{a.seqlen} tokens: {s:.2f} s = "
               f"{s / src.n_layers:.2f} s/layer, {n_tok / s:.0f} tokens/s per layer ({n_tok / max(s - load_s, 1e-9):.0f} "
-              f"without the {load_s:.2f} s of layer loads); waits for reads {TIMERS.get('take_s', 0.0):.2f} s, "
-              f"page-locking staging buffers {TIMERS.get('pin_s', 0.0):.2f} s", flush=True)
+              f"without the {load_s:.2f} s of layer loads); waits for reads {TIMERS.get('take_s'):.2f} s, "
+              f"page-locking staging buffers {TIMERS.get('pin_s'):.2f} s", flush=True)
     if not a.kernel_table:
         return
     short = calibration(min(64, a.samples), a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        profile_routing(src, short, Layerwise(src, "bfloat16", a.device, a.batch))
+        profile_routing(src, short, Layerwise(src, "bfloat16", a.device, a.batch, world=World()))
         sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))

@@ -16,18 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from quant.algos import gptq_triton  # noqa: E402
-from quant.algos.cholesky import upper_inverse_factor  # noqa: E402
-from quant.algos.gptq import _dampen, _reversed_hessian, gptq  # noqa: E402
-from quant.algos.grid import QuantSpec, fit_grid  # noqa: E402
+from quant.algos import gptq_triton
+from quant.algos.cholesky import upper_inverse_factor
+from quant.algos.gptq import dampen, gptq, reversed_hessian
+from quant.algos.grid import QuantSpec, fit_grid
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128), "deepseek-v3": (7168, 2048, 256)}  # D, I, experts
 
@@ -105,8 +101,8 @@ def tune_columns(w: torch.Tensor, H: torch.Tensor, spec: QuantSpec) -> dict:
     perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
     grids = fit_grid(W, spec, torch.bfloat16)
     W = W.gather(-1, perm[:, None, :].expand(B, n_out, n_in))
-    Hr = _reversed_hessian(H, perm, torch.zeros(B, n_in, dtype=torch.bool, device=H.device))
-    _dampen(Hr, 0.01)
+    Hr = reversed_hessian(H, perm, torch.zeros(B, n_in, dtype=torch.bool, device=H.device))
+    dampen(Hr, 0.01)
     U, _ = upper_inverse_factor(Hr)
     out = {}
     default = (gptq_triton.ROWS_PER_PROGRAM, gptq_triton.NUM_WARPS)

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from quant.engine.hessians import ExpertStats, linear_stats  # noqa: E402
-from quant.models.experts import fused_view  # noqa: E402
+from quant.dist.relay import Relay
+from quant.dist.world import World
+from quant.engine.hessians import ExpertStats, linear_stats
+from quant.models.experts import fused_view
 
 
 def timed(fn, reps: int = 1) -> float:
@@ -79,12 +77,12 @@ def main() -> None:
     forward_all()
     rows["forward"] = timed(forward_all)
     attn = {n: m for n, m in layer.self_attn.named_modules() if isinstance(m, torch.nn.Linear)}
-    st = linear_stats(attn)
+    st = linear_stats(attn, Relay(World()))
     rows["forward + attention stats (q/k/v share one sum)"] = timed(forward_all)
     for s_ in st.values():
         s_.remove()
     view = fused_view(layer.mlp.experts)
-    es = ExpertStats(view, gate_weighted=False, all_experts=False)
+    es = ExpertStats(view, gate_weighted=False, all_experts=False, relay=Relay(World()))
     rows["forward + expert stats"] = timed(forward_all)
     es.remove()
     del es, st
@@ -149,8 +147,8 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    es = ExpertStats(view, gate_weighted=False, all_experts=False)
-    st = linear_stats(attn)
+    es = ExpertStats(view, gate_weighted=False, all_experts=False, relay=Relay(World()))
+    st = linear_stats(attn, Relay(World()))
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         with torch.no_grad():
             for i in range(4):

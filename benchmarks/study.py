@@ -6,7 +6,8 @@ held-out text (calibration/heldout.yaml, fixed tokens): perplexity, KL(bf16 ‖ 
 agreement, and next-line exact match on held-out Python (CPython glob.py + string.py, never trained on).
 Mixed policies all give 6 of 32 experts per layer 8 bits (18.75 %), so their average expert bits are equal;
 attention is 8-bit in every quantized configuration; router, embeddings, lm_head bf16. Writes study.json,
-STUDY.md's tables and a plot. Usage (CPU, ~15 minutes on 2 cores):
+STUDY.md's tables and a plot. The held-out metrics are ``quant.study.heldout``'s; the servable study (one scheme
+per MoE layer) is ``benchmarks/study_servable.py``. Usage (CPU, ~15 minutes on 2 cores, repository root):
 
     python benchmarks/study.py --seeds 0 1 2 --out study
 """
@@ -17,29 +18,29 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks" / "reference_moe"))
-
-from evaluate_reference import nextline_samples  # noqa: E402
-
-from quant.calibration import build_calibration  # noqa: E402
-from quant.engine.layerwise import Layerwise  # noqa: E402
-from quant.engine.qstore import layer_file, load_into_layer  # noqa: E402
-from quant.engine.quantize import quantize_model  # noqa: E402
-from quant.eval.evaluate import _final_hidden  # noqa: E402
-from quant.eval.stream import ProxySums  # noqa: E402
-from quant.measure.profile import profile_routing  # noqa: E402
-from quant.models import resolve_model  # noqa: E402
-from quant.plan.bitplan import plan_bits  # noqa: E402
-from quant.plan.summary import summarize  # noqa: E402
-from quant.recipe import PlanSpec, QuantizeSpec  # noqa: E402
+from quant.calibration import build_calibration
+from quant.dist.world import World
+from quant.engine.layerwise import Layerwise
+from quant.engine.quantize import quantize_model
+from quant.measure.profile import profile_routing
+from quant.models import resolve_model
+from quant.plan.bitplan import plan_bits
+from quant.plan.summary import summarize
+from quant.recipe import PlanSpec, QuantizeSpec
+from quant.study.heldout import (
+    apply_quantized,
+    heldout_code_docs,
+    load_model,
+    metrics,
+    nextline_batch,
+    nextline_samples,
+    reference,
+)
 
 MIXED = dict(top_fraction=0.2, high_bits=8, low_bits=4)
 # name -> (plan spec kwargs, quantize spec kwargs); None = the bf16 model itself
@@ -62,72 +63,6 @@ CONFIGS: dict[str, tuple[dict, dict] | None] = {
 }
 
 
-def load_model(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def apply_quantized(model, src, qdir: Path) -> None:
-    """Put the stored dequantized weights (and AWQ-changed kept tensors) into a float model."""
-    for layer in range(src.n_layers):
-        load_into_layer(src, model.model.layers[layer], layer, layer_file(qdir, layer))
-
-
-@torch.no_grad()
-def nextline_greedy_match(model, batch: tuple[torch.Tensor, ...]) -> float:
-    """Share of held-out lines that greedy decoding reproduces exactly, from one teacher-forced forward: every
-    token of ``"\n" + line`` after the context is the model's argmax given the true prefix, and the argmax after
-    the line's last token starts a new line (a token beginning with a newline, or EOS)."""
-    ids, mask, span, ends_line = batch
-    pred = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
-    ok = ((pred[:, :-1] == ids[:, 1:]) | ~span[:, 1:]).all(dim=1)
-    return (ok & ends_line[pred[:, -1]]).float().mean().item()
-
-
-def nextline_batch(tok, samples: list[dict]) -> tuple[torch.Tensor, ...]:
-    """Left-padded ``context + "\n" + line`` ids, attention mask, mask of the line's tokens, and [V] whether a
-    token ends the line (its text starts with a newline, or it is EOS)."""
-    rows = [(smp["context_ids"], tok("\n" + smp["target"], add_special_tokens=False)["input_ids"]) for smp in samples]
-    width = max(len(c) + len(t) for c, t in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    span = torch.zeros_like(ids, dtype=torch.bool)
-    for r, (c, t) in enumerate(rows):
-        seq = c + t
-        ids[r, width - len(seq):] = torch.tensor(seq)
-        mask[r, width - len(seq):] = 1
-        span[r, width - len(t):] = True
-    ends_line = torch.tensor([tok.decode([i]).startswith("\n") for i in range(len(tok))])
-    ends_line[tok.eos_token_id] = True
-    return ids, mask, span, ends_line
-
-
-def heldout_code_docs() -> list[dict]:
-    """The held-out Python file of calibration/heldout.yaml, split back into its modules."""
-    text = (REPO / "calibration/data/heldout-python-code.txt").read_text()
-    parts = [p for p in text.split("# ---- ") if p.strip()]
-    return [{"path": p.split(" ", 1)[0], "domain": "code", "text": "# ---- " + p} for p in parts]
-
-
-def reference(model, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.nn.Module]:
-    """The bf16 model's final-norm hidden states on the held-out tokens and its lm_head (what the proxies compare)."""
-    return _final_hidden(model, tokens, 16, "cpu"), model.get_output_embeddings()
-
-
-def proxies(model, tokens: torch.Tensor, base: tuple[torch.Tensor, torch.nn.Module]) -> dict:
-    """The pipeline's own eval proxies (quant.eval.stream.ProxySums) of ``model`` against the bf16 reference."""
-    sums = ProxySums("cpu")
-    sums.score(*base, *reference(model, tokens), tokens, "cpu")
-    p = sums.metrics()
-    return {"ppl": p["perplexity"]["quantized"], "kl": p["kl"]["quantized"], "top1": p["top1_agreement"]["quantized"]}
-
-
-def metrics(model, tokens, base, lines) -> dict:
-    """The pipeline's own proxies against bf16, plus next-line exact match."""
-    return proxies(model, tokens, base) | {"nextline_em": nextline_greedy_match(model, lines)}
-
-
 def run(seeds: list[int], out: Path, n_lines: int) -> dict:
     from transformers import AutoTokenizer
 
@@ -146,7 +81,7 @@ def run(seeds: list[int], out: Path, n_lines: int) -> dict:
     for seed in seeds:
         t0 = time.perf_counter()
         calib = build_calibration("calibration/bundled.yaml", tok, 32, 256, seed)
-        prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8))
+        prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8, world=World()))
         for name, cfg in CONFIGS.items():
             if cfg is None:
                 results[name].append(dict(bf16))
@@ -157,10 +92,11 @@ def run(seeds: list[int], out: Path, n_lines: int) -> dict:
                 continue
             spec = PlanSpec(group_size=128, seed=seed, **plan_kw)
             plan = plan_bits(prof, src.modules, spec, q_kw["algorithm"], src.n_layers)
-            bits[name] = summarize(plan, src, prof)["headline"]["avg_bits_experts"]
+            bits[name] = summarize(plan, src, prof).headline.avg_bits_experts
             qdir = out / "work" / f"{seed}-{len(results[name])}-{abs(hash(name)) % 10**8}"
             shutil.rmtree(qdir, ignore_errors=True)
-            quantize_model(src, calib, plan, QuantizeSpec(**q_kw), Layerwise(src, "bfloat16", "cpu", 8), qdir)
+            quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(**q_kw),
+                           Layerwise(src, "bfloat16", "cpu", 8, World()), qdir)
             model = load_model(src.path)
             apply_quantized(model, src, qdir)
             results[name].append(metrics(model, eval_tokens, base_ref, lines))
@@ -216,22 +152,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--lines", type=int, default=200)
     ap.add_argument("--out", default="study")
-    ap.add_argument("--study", choices=("selection", "servable"), default="selection",
-                    help="selection: expert-selection policies (study.json); servable: one scheme per MoE layer "
-                         "(servable.json, benchmarks/study_servable.py)")
-    ap.add_argument("--jobs", type=int, default=2, help="servable: worker processes")
-    ap.add_argument("--threads", type=int, default=1, help="servable: torch threads per worker")
-    ap.add_argument("--sizes", nargs="+", default=["1x", "4x", "16x"], help="servable: calibration sizes")
-    ap.add_argument("--report-only", action="store_true",
-                    help="servable: tables of the tasks finished so far (a stopped run), without running any")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.study == "servable":
-        import study_servable
-
-        study_servable.main(a.seeds, out, a.jobs, a.threads, a.lines, a.sizes, a.report_only)
-        return
     data = run(a.seeds, out, a.lines)
     (out / "table.md").write_text(table(data) + "\n")
     plot(data, out / "study_kl.png")

@@ -10,21 +10,25 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from quant import strict_yaml
 from quant.errors import CalibrationError
 
 log = logging.getLogger(__name__)
+MIN_READ_BYTES = 1 << 20  # every bundled source is read whole
+BYTES_PER_TOKEN = 16  # text read per token needed: 3-5 bytes make a token in prose and code
+TOKENIZE_CHARS = 1 << 20
 
 
 class Source(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     name: str
     kind: Literal["text", "jsonl", "parquet", "hub"] = "text"
     path: str | None = None
@@ -37,10 +41,17 @@ class Source(BaseModel):
 
 
 class Manifest(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     name: str
     description: str = ""
     sources: tuple[Source, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _weights(self) -> Manifest:
+        if not math.isfinite(sum(s.weight for s in self.sources)):
+            raise ValueError("the sources' weights add up to more than a float holds; give them smaller values (only "
+                             "their ratios matter, e.g. 0.4, 0.2, 0.4)")
+        return self
 
 
 @dataclass(frozen=True)
@@ -73,20 +84,44 @@ def load_manifest(path: Path) -> Manifest:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(map(str, first["loc"])) or "manifest"
-        raise CalibrationError(f"invalid calibration manifest {path}: {where}: {first['msg']}") from None
+        msg = first["msg"].removeprefix("Value error, ")
+        raise CalibrationError(f"invalid calibration manifest {path}: {where}: {msg}") from None
 
 
-def _text(path: Path, name: str) -> str:
+def read_budget_bytes(n_tokens: int) -> int:
+    """Bytes of text read from one source that is to give ``n_tokens`` tokens: ``BYTES_PER_TOKEN`` per token, at
+    least ``MIN_READ_BYTES``. A source is a window pool, not a corpus: a 300 MB text tokenized whole took the
+    tokenizer past the host's memory (it aborted the process)."""
+    return max(MIN_READ_BYTES, n_tokens * BYTES_PER_TOKEN)
+
+
+def _text(path: Path, name: str, max_bytes: int) -> str:
+    """The file's first ``max_bytes`` as text, cut after its last newline (or whitespace) when it is longer."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        data = f.read(max_bytes + 1 if size > max_bytes else size)
+    if len(data) > max_bytes:
+        data = data[:max_bytes]
+        cut = max(data.rfind(b"\n"), data.rfind(b" "))
+        data = data[: cut + 1] if cut > 0 else data
+        log.warning("calibration source %s: %s is %.0f MB; read its first %.0f MB (enough for the windows it gives)",
+                    name, path, size / 1e6, len(data) / 1e6)
     try:
-        return path.read_bytes().decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
+        if size > max_bytes and e.start >= len(data) - 3 and e.reason == "unexpected end of data":
+            return data[: e.start].decode("utf-8")  # the cut split a character
         raise CalibrationError(f"calibration source '{name}': {path} is not UTF-8 text (invalid byte at offset "
                                f"{e.start})") from None
 
 
-def _jsonl(path: Path, field: str, name: str) -> list[str]:
+def _jsonl(path: Path, field: str, name: str, max_bytes: int) -> list[str]:
     docs = []
-    for i, line in enumerate(_text(path, name).splitlines(), 1):
+    text = _text(path, name, max_bytes)
+    lines = text.splitlines()
+    if len(text.encode()) < path.stat().st_size and lines:  # read in part: the last line may be cut
+        lines = lines[:-1]
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -99,12 +134,13 @@ def _jsonl(path: Path, field: str, name: str) -> list[str]:
     return docs
 
 
-def _hub(src: Source) -> list[str]:
+def _hub(src: Source, max_bytes: int) -> list[str]:
     from datasets import load_dataset
 
     try:
         ds = load_dataset(src.dataset, src.config, split=src.split, streaming=True)
-        return [row[src.field] for _, row in zip(range(src.max_documents or 10_000), ds, strict=False)]
+        return _until(max_bytes, (row[src.field] for _, row in zip(range(src.max_documents or 10_000), ds,
+                                                                        strict=False)))
     except Exception as e:  # noqa: BLE001 - offline, unknown dataset, missing field: one user-facing problem
         reason = (str(e).strip().splitlines() or [""])[0]
         raise CalibrationError(f"calibration source '{src.name}': hub dataset '{src.dataset}' could not be read "
@@ -112,33 +148,69 @@ def _hub(src: Source) -> list[str]:
                                "unset) — offline, use a local text/jsonl/parquet source") from None
 
 
-def _documents(src: Source, base: Path) -> list[str]:
+def _until(max_bytes: int, docs) -> list[str]:
+    """Documents from ``docs`` while fewer than ``max_bytes`` (counted as characters) are held."""
+    out, held = [], 0
+    for doc in docs:
+        if held >= max_bytes:
+            break
+        out.append(doc)
+        held += len(doc)
+    return out
+
+
+def _parquet(path: Path, src: Source, max_bytes: int) -> list[str]:
+    import pyarrow.parquet as pq
+
+    def rows():
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[src.field]):
+            yield from (str(x) for x in batch.column(0).to_pylist())
+
+    try:
+        return _until(max_bytes, rows())
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged file or a missing column
+        raise CalibrationError(f"calibration source '{src.name}': cannot read column '{src.field}' of {path} "
+                               f"({(str(e).strip().splitlines() or [''])[0]})") from None
+
+
+def _documents(src: Source, base: Path, max_bytes: int) -> list[str]:
+    """The source's documents, at most about ``max_bytes`` of them (``read_budget_bytes``)."""
     if src.kind == "hub":
-        return _hub(src)
+        return _hub(src, max_bytes)
     if src.path is None:
         raise CalibrationError(f"calibration source '{src.name}' ({src.kind}) needs a path")
     path = (base / src.path) if not Path(src.path).is_absolute() else Path(src.path)
     if not path.is_file():
         raise CalibrationError(f"calibration source '{src.name}': file not found: {path}")
     if src.kind == "text":
-        docs = [_text(path, src.name)]
+        docs = [_text(path, src.name, max_bytes)]
     elif src.kind == "jsonl":
-        docs = _jsonl(path, src.field, src.name)
+        docs = _jsonl(path, src.field, src.name, max_bytes)
     else:
-        import pyarrow.parquet as pq
-
-        try:
-            docs = [str(x) for x in pq.read_table(path, columns=[src.field]).column(src.field).to_pylist()]
-        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged file or a missing column
-            raise CalibrationError(f"calibration source '{src.name}': cannot read column '{src.field}' of {path} "
-                                   f"({(str(e).strip().splitlines() or [''])[0]})") from None
+        docs = _parquet(path, src, max_bytes)
     return docs[: src.max_documents] if src.max_documents else docs
+
+
+def tokenize(tokenizer, text: str, max_chars: int = TOKENIZE_CHARS) -> torch.Tensor:
+    """Token ids of ``text`` (int64), a piece of at most ``max_chars`` characters at a time, cut after a newline
+    where one is near: the tokenizer's memory grows with its input (3.6 GB for 20 MB at once)."""
+    if len(text) <= max_chars:
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    pieces, start = [], 0
+    while start < len(text):
+        end = min(start + max_chars, len(text))
+        if end < len(text):
+            newline = text.rfind("\n", start + max_chars // 2, end)
+            end = newline + 1 if newline >= 0 else end
+        pieces.append(torch.tensor(tokenizer(text[start:end], add_special_tokens=False)["input_ids"], dtype=torch.long))
+        start = end
+    return torch.cat(pieces)
 
 
 def _allocate(n: int, weights: list[float]) -> list[int]:
     """Split n samples by weight with the largest-remainder rule (sums to n exactly)."""
     total = sum(weights)
-    raw = [n * w / total for w in weights]
+    raw = [n * (w / total) for w in weights]  # w / total first: n * w may overflow
     counts = [int(r) for r in raw]
     for i in sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)[: n - sum(counts)]:
         counts[i] += 1
@@ -170,8 +242,8 @@ def build_calibration(dataset: str, tokenizer, n_samples: int, seq_len: int, see
     for src, need in zip(manifest.sources, counts, strict=True):
         if need == 0:
             continue
-        text = eos.join(_documents(src, path.parent))
-        stream = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        text = eos.join(_documents(src, path.parent, read_budget_bytes(need * seq_len)))
+        stream = tokenize(tokenizer, text)
         for start, window in _windows(stream, seq_len, need, gen, src.name):
             rows.append(window)
             ids.append(f"{src.name}:{start}")

@@ -8,7 +8,6 @@ process group here; ranks other than 0 log warnings only and print nothing to st
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import re
@@ -26,6 +25,7 @@ import typer
 from quant.errors import QuantError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Mixed-precision quantization of Mixture-of-Experts LLMs.")
 log = logging.getLogger("quant")
 EXIT_INTERNAL = 70  # sysexits.h EX_SOFTWARE: distinct from 1 (bad input) so scripts can tell a bug from a mistake
@@ -87,16 +87,27 @@ def _stage(until: str, recipe: Path, output: Path | None, overrides, model, forc
     typer.echo(f"{until}: ran {', '.join(result.ran) or 'nothing'}"
                f"{'; up to date: ' + ', '.join(result.skipped) if result.skipped else ''} -> {result.run_dir}")
     if until == "plan":
-        plan_json = json.loads((result.run_dir / "plan.json").read_text())
-        typer.echo(f"plan: {plan_json['notes'][-1] if plan_json.get('notes') else ''}")
+        from quant.plan.bitplan import BitPlan
+
+        typer.echo(f"plan: {BitPlan.load(result.run_dir / 'plan.json').headline.line()}")
     if until == "report":
         typer.echo(f"report: {result.run_dir / 'report.md'}")
 
 
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="print the recipe values changed since the run "
+                                          "directory's last run and the stages that would be redone, then stop")]
+
+
 @app.command("run")
 def run_cmd(recipe: RecipeArg, output: OutputOpt = None, set_: SetOpt = None, model: ModelOpt = None,
-            force: ForceOpt = None) -> None:
+            force: ForceOpt = None, dry_run: DryRunOpt = False) -> None:
     """Run every stage (resuming a run directory: finished stages with unchanged inputs are skipped)."""
+    if dry_run:
+        from quant.run.pipeline import preview
+
+        r = _recipe(recipe, set_, model)
+        typer.echo(preview(r, output or Path("runs") / r.name, force=force).line())
+        return
     _stage("report", recipe, output, set_, model, force)
 
 
@@ -109,28 +120,38 @@ def _make_stage_command(name: str) -> None:
     app.command(name)(command)
 
 
-for _name in ("calibrate", "profile", "plan", "quantize", "export", "eval", "report"):
+for _name in ("calibrate", "profile", "plan", "quantize", "export", "eval", "card", "report"):
     _make_stage_command(_name)
 
 
 @app.command()
 def validate(recipe: RecipeArg, set_: SetOpt = None, model: ModelOpt = None) -> None:
-    """Validate a recipe and print it fully resolved (defaults filled in)."""
-    typer.echo(_recipe(recipe, set_, model).to_yaml(), nl=False)
+    """Validate a recipe and print it fully resolved (defaults filled in); exit 1 if this machine cannot run it
+    (a device it lacks, a library the eval stage needs)."""
+    from quant.run.pipeline import check_machine
+
+    r = _recipe(recipe, set_, model)
+    check_machine(r)
+    typer.echo(r.to_yaml(), nl=False)
 
 
 @app.command()
 def estimate(recipe: RecipeArg, set_: SetOpt = None, model: ModelOpt = None,
              gpus: Annotated[int, typer.Option("--gpus", help="GPUs of the job (experts divided over ranks)")] = 1,
-             gpu_memory_gb: Annotated[float, typer.Option("--gpu-memory-gb", help="memory of one GPU")] = 80.0) -> None:
+             gpu_memory_gb: Annotated[float, typer.Option("--gpu-memory-gb", help="memory of one GPU")] = 80.0,
+             host_memory_gb: Annotated[float | None, typer.Option(
+                 "--host-memory-gb", help="memory of the job's host (default: this machine's)")] = None) -> None:
     """Forecast peak GPU/host memory, disk and time per stage from config.json and tensor shapes (no weights);
-    exit 1 if the plan cannot fit."""
-    from quant.forecast.estimate import check_fits, forecast, render
+    exit 1 if the plan cannot fit (a GPU, or the host)."""
+    from quant.forecast.estimate import check_fits, check_machine, forecast, render
+    from quant.io.staging import host_total_bytes
     from quant.models.headers import load_headers
 
     r = _recipe(recipe, set_, model)
+    host = host_memory_gb if host_memory_gb is not None else host_total_bytes() / 1e9
+    check_machine(gpus, gpu_memory_gb, host)  # before the headers are read (from the hub, maybe)
     source = load_headers(r.model.path, r.model.trust_remote_code, r.model.family)
-    f = forecast(r, source, gpus, gpu_memory_gb)
+    f = forecast(r, source, gpus, gpu_memory_gb, host_memory_gb=host)
     typer.echo(render(f, r))
     check_fits(f, r)
 
@@ -146,17 +167,30 @@ def inspect(checkpoint: Annotated[Path, typer.Argument(help="a checkpoint folder
 @app.command()
 def publish(run_dir: Annotated[Path, typer.Argument(help="a finished run directory")],
             repo_id: Annotated[str, typer.Option("--repo-id", help="ORG/NAME on the Hugging Face hub")],
-            private: bool = False) -> None:
-    """Upload the run's checkpoint (refused unless the run passed its gates)."""
-    from quant.publish import publish_run
+            private: bool = False,
+            fmt: Annotated[str | None, typer.Option("--format", help="the export format to upload (default: the "
+                                                    "first one a runtime on its card serves)")] = None) -> None:
+    """Upload the run's checkpoint (refused unless the run passed its gates and some runtime serves it)."""
+    from quant.publish import check_publishable, publish_run
 
-    url = publish_run(run_dir, repo_id, private=private)
-    typer.echo(f"published {run_dir / 'checkpoint'} -> {url}")
+    folder = check_publishable(run_dir, fmt)
+    url = publish_run(run_dir, repo_id, private=private, fmt=fmt)
+    typer.echo(f"published {folder} -> {url}")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from quant import version
+
+        typer.echo(f"quant {version()}")
+        raise typer.Exit()
 
 
 @app.callback()
 def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="show debug lines and third-party "
-                                                "output (library logs, progress bars, warnings)")] = False) -> None:
+                                                "output (library logs, progress bars, warnings)")] = False,
+          _version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                 help="print quant's version and exit")] = False) -> None:
     from quant.console import configure
 
     configure(verbose)

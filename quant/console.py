@@ -5,19 +5,20 @@ Off a TTY (batch jobs, Slurm logs) every log line is plain text, and a line that
 scroll above a live display with one bar per stage (done/total, elapsed, remaining).
 
 By default third-party output stays out of the user's terminal: library loggers below ERROR (transformers,
-torch, torchao, compressed-tensors, ...), compressed-tensors' loguru messages, tqdm bars (``TQDM_DISABLE``, which
-subprocesses inherit), and FutureWarning / DeprecationWarning. ``-v`` shows all of it, plus quant's DEBUG lines.
+torch, torchao, compressed-tensors, ...), compressed-tensors' loguru messages, tqdm bars (forced off in tqdm's class,
+also where a library asks for them explicitly; ``TQDM_DISABLE`` for subprocesses), and FutureWarning /
+DeprecationWarning. ``-v`` shows all of it, plus quant's DEBUG lines.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from functools import partialmethod
 
 from quant.progress import Step
 
@@ -29,6 +30,7 @@ QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": 
              "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
              "COMPRESSED_TENSORS_LOG_DISABLED": "1",  # its loguru setup re-enables itself on import otherwise
              "TORCH_LOGS": "-torch"}  # torch's own handler (e.g. torch.utils._pytree warnings at import)
+DISABLE_POSITION = 10  # tqdm(iterable, desc, total, leave, file, ncols, mininterval, maxinterval, miniters, ascii, disable)
 
 
 def hms(seconds: float) -> str:
@@ -119,16 +121,27 @@ class LiveHandler(logging.Handler):
         super().close()
 
 
-def _tqdm_off_if_imported() -> None:
-    """tqdm reads ``TQDM_*`` variables once, when it is imported: if something imported it before the CLI set
-    ``TQDM_DISABLE`` (seen on the GPU image), its bars (compressed-tensors' "Validating" / "Converting") would still
-    reach the log. Then default ``disable=True`` on the class itself; an explicit ``disable=False`` still wins."""
-    std = sys.modules.get("tqdm.std")
-    if std is None or os.environ.get("TQDM_DISABLE") != "1":
+def _tqdm_off() -> None:
+    """tqdm bars stay out of the terminal, also those a library makes with an explicit ``disable=False`` that
+    ``TQDM_DISABLE`` (a default only, read when tqdm is imported) cannot turn off: lm-eval's "Running loglikelihood
+    requests" / "Running generate_until requests", compressed-tensors' "Dispatching model". ``disable`` is forced on
+    in tqdm's own class, which every bar (``tqdm.auto``, ``tqdm.asyncio``, subclasses) is made through."""
+    import tqdm.std
+
+    init = tqdm.std.tqdm.__init__
+    if getattr(init, "quant_quiet", False):
         return
-    init = std.tqdm.__dict__["__init__"]
-    if not (isinstance(init, partialmethod) and init.keywords.get("disable") is True):
-        std.tqdm.__init__ = partialmethod(init, disable=True)
+
+    @functools.wraps(init)
+    def quiet(self, *args, **kwargs):
+        if len(args) > DISABLE_POSITION:  # disable given by position
+            args = (*args[:DISABLE_POSITION], True, *args[DISABLE_POSITION + 1:])
+        else:
+            kwargs["disable"] = True
+        init(self, *args, **kwargs)
+
+    quiet.quant_quiet = True
+    tqdm.std.tqdm.__init__ = quiet
 
 
 def _quiet_third_parties() -> None:
@@ -138,7 +151,7 @@ def _quiet_third_parties() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
-    _tqdm_off_if_imported()
+    _tqdm_off()
     try:
         # compressed-tensors logs through loguru, straight to stderr (if it was imported before this ran)
         from loguru import logger

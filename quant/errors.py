@@ -41,12 +41,21 @@ class NumericalError(QuantError):
     """Numerical failure that could not be repaired (NaN/Inf weights, an unusable Hessian)."""
 
 
+class MissingDependency(QuantError):
+    """An optional dependency the recipe or command needs is not installed (the message names the pip command)."""
+
+
 class PublishError(QuantError):
     """Uploading to the hub failed (network, authentication, offline mode, missing client)."""
 
 
 class DistError(QuantError):
     """A collective failed: another rank died, raised or did not answer within the timeout."""
+
+
+class SandboxUnavailable(QuantError):
+    """The machine lacks a kernel layer the sandbox for generated code (HumanEval) requires, and the recipe did
+    not opt out of it."""
 
 
 class StopRequested(QuantError):

@@ -144,7 +144,6 @@ class LayerSensitivitySpec(_Strict):
 class ProfileSpec(_Strict):
     batch_size: int = Field(8, ge=1)
     min_tokens: int = Field(4, ge=0)
-    extra_datasets: tuple[str, ...] = ()
     layer_sensitivity: LayerSensitivitySpec | None = None
 
 
@@ -181,9 +180,23 @@ class PlanSpec(_Strict):
     layer_group_sizes: tuple[int, ...] = ()
     symmetric: bool = True
     granularity: Literal["per_expert", "per_layer"] = "per_expert"
-    target_runtime: Literal["any", "vllm", "sglang", "transformers", "gptqmodel"] = "any"
+    target_runtime: Literal["any", "vllm", "vllm-quant", "sglang", "transformers", "gptqmodel"] = "any"
     seed: int = Field(0, ge=0, le=MAX_SEED)
     protect: ProtectSpec = ProtectSpec()
+    # MoE layer index (a quoted string: YAML keys are strings) -> the scheme all its experts get (w<bits>g<group>),
+    # whatever the policy decides: {"0": w8g128, "5": w4g32}
+    layer_schemes: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("layer_schemes")
+    @classmethod
+    def _layer_schemes(cls, v: dict[str, str]) -> dict[str, str]:
+        for layer, scheme in v.items():
+            if not layer.isdigit() or len(layer) > 6:
+                raise ValueError(f"plan.layer_schemes: key {layer!r} is not a layer index (0, 1, ...)")
+            bits, group = parse_scheme(scheme)
+            _check_bits(bits, f"plan.layer_schemes[{layer}]")
+            _check_group(group, f"plan.layer_schemes[{layer}]")
+        return v
 
     @field_validator("high_bits", "low_bits")
     @classmethod
@@ -225,6 +238,10 @@ class PlanSpec(_Strict):
             raise ValueError("plan.layer_group_sizes is read by plan.policy 'layer_sensitivity' only")
         return self
 
+    def pinned_layers(self) -> dict[int, tuple[int, int]]:
+        """``layer_schemes`` as MoE layer index -> (bits, group size)."""
+        return {int(k): parse_scheme(v) for k, v in self.layer_schemes.items()}
+
     def _check_layer_policy(self) -> None:
         fix = {"plan.budget_avg_bits": self.budget_avg_bits is not None and self.budget_gb is None,
                "plan.granularity: per_layer": self.granularity == "per_layer",
@@ -265,6 +282,8 @@ class ExportSpec(_Strict):
     def _nonempty(cls, v: tuple) -> tuple:
         if not v:
             raise ValueError("export.formats must name at least one format")
+        if len(set(v)) != len(v):
+            raise ValueError(f"export.formats names a format twice ({', '.join(v)}); list each once")
         return v
 
 
@@ -299,6 +318,9 @@ class EvalSpec(_Strict):
     # lm-eval vllm backend: passed to vllm.LLM
     tensor_parallel_size: int = Field(1, ge=1)
     data_parallel_size: int = Field(1, ge=1)
+    # generated code (quant_humaneval) runs only where every kernel layer of the sandbox works (require), or
+    # with the layers the machine has (allow_weak: an explicit opt-out for machines that refuse namespaces)
+    humaneval_sandbox: Literal["require", "allow_weak"] = "require"
 
     @model_validator(mode="after")
     def _parallel(self) -> EvalSpec:
@@ -368,13 +390,6 @@ class Recipe(_Strict):
                                  f"no scheme with group {g}: add e.g. w{p.low_bits}g{g}")
         return self
 
-    @field_validator("schema_version")
-    @classmethod
-    def _version(cls, v: int) -> int:
-        if v != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {v} is not supported (this quant reads {SCHEMA_VERSION})")
-        return v
-
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -383,13 +398,21 @@ class Recipe(_Strict):
         return v
 
     def section_hash(self, *sections: str) -> str:
-        """Stable hash of the named top-level sections (what a stage's result depends on)."""
+        """Stable hash of the named sections or dotted keys (``quantize``, ``export.formats``): what a stage's
+        result depends on."""
         data = self.model_dump(mode="json")
-        blob = json.dumps({s: data[s] for s in sections}, sort_keys=True)
+        blob = json.dumps({s: _at(data, s) for s in sections}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _at(data: dict, key: str) -> Any:
+    """The value at a dotted key of a dumped recipe."""
+    for part in key.split("."):
+        data = data[part]
+    return data
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:
@@ -431,11 +454,27 @@ def _format_validation(err: ValidationError) -> str:
     msg = first["msg"].removeprefix("Value error, ")
     got = first.get("input")
     shown = "" if isinstance(got, dict | list) or first["type"] == "value_error" else f" (got {got!r})"
+    if first["type"] == "float_type" and isinstance(got, str) and _YAML_TEXT_FLOAT.fullmatch(got.strip()):
+        mantissa, exponent = got.strip().lower().split("e")
+        shown += f"; YAML reads {got.strip()} as text: write {float(mantissa)!r}e{exponent}"
     return f"invalid recipe value at '{where}': {msg}{shown}"
+
+
+_YAML_TEXT_FLOAT = re.compile(r"[-+]?\d+[eE][-+]?\d+")  # 1e-6: a float in JSON, a string in YAML 1.1
 
 
 _TYPE_TAGS = {"int", "float", "str", "bool", "none"}
 _KEY = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
+
+
+def _schema_depth(model: type[BaseModel]) -> int:
+    """Levels of the deepest key of ``model`` (a dict section's entry names count as one)."""
+    depths = [1]
+    for f in model.model_fields.values():
+        sub = _submodel(f.annotation)
+        if sub is not None:
+            depths.append(1 + (get_origin(f.annotation) is dict) + _schema_depth(sub))
+    return max(depths)
 
 
 def apply_override(data: dict, assignment: str) -> None:
@@ -444,9 +483,13 @@ def apply_override(data: dict, assignment: str) -> None:
         raise RecipeError(f"--set expects KEY=VALUE (e.g. plan.top_fraction=0.3), got {assignment!r}")
     key, raw = assignment.split("=", 1)
     key = key.strip()
+    shown = key if len(key) <= 80 else key[:77] + "..."
     if not _KEY.fullmatch(key):
-        raise RecipeError(f"--set key {key!r} must be dotted recipe keys (e.g. plan.top_fraction)")
+        raise RecipeError(f"--set key {shown!r} must be dotted recipe keys (e.g. plan.top_fraction)")
     parts = key.split(".")
+    if len(parts) > strict_yaml.MAX_DEPTH:  # nested mappings that deep are refused in a file too
+        raise RecipeError(f"unknown recipe key '{shown}': {len(parts)} levels deep, recipe keys have at most "
+                          f"{_schema_depth(Recipe)} (e.g. eval.gates.perplexity.max_rel_increase)")
     value = strict_yaml.load(raw, f"--set {key}", RecipeError) if raw.strip() else ""
     node = data
     for part in parts[:-1]:
@@ -480,9 +523,13 @@ def parse_recipe(data: Any, *, overrides: tuple[str, ...] = (), model: str | Non
     data = strict_yaml.plain(data, "", RecipeError)  # overrides and --model checked the same way
     _check_keys(data, Recipe, "")
     try:
-        return Recipe.model_validate_json(json.dumps(data), strict=True)
+        recipe = Recipe.model_validate_json(json.dumps(data), strict=True)
     except ValidationError as e:
         raise RecipeError(_format_validation(e)) from None
+    if recipe.schema_version != SCHEMA_VERSION:  # the loader's own key: which schema the file was written for
+        raise RecipeError(f"invalid recipe value at 'schema_version': schema_version {recipe.schema_version} is not "
+                          f"supported (this quant reads {SCHEMA_VERSION})")
+    return recipe
 
 
 def load_recipe(path: str | Path, *, overrides: tuple[str, ...] = (), model: str | None = None) -> Recipe:

@@ -4,26 +4,69 @@ artifact (profile, plan, quantize layer reports, eval, manifest)."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from quant.io.rundir import atomic_write_text
-from quant.measure.profile import RoutingProfile
+from quant.measure.profile import RoutingProfile, ratio_text
 from quant.models import ModelSource
 from quant.plan.bitplan import KEEP_BITS, BitPlan
-from quant.plan.summary import summarize
+from quant.plan.summary import BITS_TERMS, PlanSummary, summarize
 from quant.recipe import Recipe
 
 
-def _bit_grid(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> torch.Tensor:
-    """``[L, E]`` mean bits of each expert's three projections."""
-    grid = torch.zeros(len(profile.layers), profile.n_experts)
+def _scheme(p) -> tuple:
+    return (KEEP_BITS, 0, True) if p.keep else (p.bits, p.group_size, p.symmetric)
+
+
+def _scheme_label(schemes: tuple) -> str:
+    """One expert's schemes (gate, up, down) as the legend names them: ``W4 g32``, ``bf16 (kept)``, or
+    ``W8 g32 gate/up, W4 g32 down`` when its projections differ."""
+    def one(s: tuple) -> str:
+        if s[0] == KEEP_BITS:
+            return "bf16 (kept)"
+        group = "per channel" if s[1] == -1 else f"g{s[1]}"
+        return f"W{s[0]} {group}{'' if s[2] else ' asym'}"
+
+    gate, up, down = schemes
+    if gate == up == down:
+        return one(gate)
+    return f"{one(gate)} gate/up, {one(down)} down" if gate == up else f"{one(gate)} gate, {one(up)} up, {one(down)} down"
+
+
+def scheme_grid(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> tuple[torch.Tensor, list[str]]:
+    """``[L, E]`` index of each expert's scheme into the returned labels (bits and group size of its
+    projections), labels in ascending bits then group size."""
+    per: dict[tuple[int, int], dict[str, tuple]] = {}
     for name, m in source.modules.items():
         if m.kind == "expert":
-            p = plan.modules[name]
-            grid[profile.row(m.layer), m.expert] += (KEEP_BITS if p.keep else p.bits) / 3
-    return grid
+            per.setdefault((m.layer, m.expert), {})[name.rsplit(".", 1)[1]] = _scheme(plan.modules[name])
+    keys = {k: tuple(v.get(p, (0, 0, True)) for p in ("gate", "up", "down")) for k, v in per.items()}
+    order = sorted(set(keys.values()), key=lambda s: (max(x[0] for x in s), [(-x[0], x[1]) for x in s]))
+    grid = torch.full((len(profile.layers), profile.n_experts), -1, dtype=torch.long)
+    for (layer, e), s in keys.items():
+        grid[profile.row(layer), e] = order.index(s)
+    return grid, [_scheme_label(s) for s in order]
+
+
+def _bit_map(plan: BitPlan, source: ModelSource, profile: RoutingProfile, path: Path) -> str:
+    """Each expert's scheme (bits and group size), one colour per scheme named in the legend."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    grid, labels = scheme_grid(plan, source, profile)
+    palette = [plt.get_cmap("tab10")(i % 10) for i in range(len(labels))]
+    fig, ax = plt.subplots(figsize=(8, 3 + 0.15 * len(profile.layers)))
+    ax.imshow(grid.numpy(), aspect="auto", cmap=ListedColormap(palette), vmin=-0.5, vmax=len(labels) - 0.5,
+              interpolation="nearest")
+    ax.set(title="Scheme of each expert (expert id order)", xlabel="expert", ylabel="MoE layer #",
+           yticks=range(len(profile.layers)), yticklabels=profile.layers)
+    ax.legend(handles=[Patch(color=c, label=lab) for c, lab in zip(palette, labels, strict=True)],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="scheme", title_fontsize=8)
+    return _save(fig, path)
 
 
 def plot_all(plan: BitPlan, source: ModelSource, profile: RoutingProfile, out: Path) -> list[str]:
@@ -41,12 +84,7 @@ def plot_all(plan: BitPlan, source: ModelSource, profile: RoutingProfile, out: P
            yticks=range(len(profile.layers)), yticklabels=profile.layers)
     fig.colorbar(im, ax=ax, label="share of routed tokens")
     files.append(_save(fig, out / "routing_heatmap.png"))
-    fig, ax = plt.subplots(figsize=(8, 3 + 0.15 * len(profile.layers)))
-    im = ax.imshow(_bit_grid(plan, source, profile).numpy(), aspect="auto", cmap="coolwarm", vmin=2, vmax=16)
-    ax.set(title="Bits per expert (expert id order)", xlabel="expert", ylabel="MoE layer #",
-           yticks=range(len(profile.layers)), yticklabels=profile.layers)
-    fig.colorbar(im, ax=ax, label="bits")
-    files.append(_save(fig, out / "bit_map.png"))
+    files.append(_bit_map(plan, source, profile, out / "bit_map.png"))
     fig, ax = plt.subplots(figsize=(6, 4))
     sorted_share = torch.sort(share, dim=1, descending=True).values
     frac = torch.arange(1, profile.n_experts + 1) / profile.n_experts
@@ -79,6 +117,9 @@ def _eval_lines(ev: dict) -> list[str]:
         err = f" ± {r['stderr']:.4f}" if r["stderr"] is not None else ""
         lines.append(f"| {t} ({r['metric']}, n={r['n']}) | {r['base']:.4f} | {r['quantized']:.4f}{err} "
                      f"| {100 * r['delta']:+.2f} pts |")
+    if ev["tasks"]:
+        lines += ["", "lm-eval's own results (task configs and versions, n-shot, sample counts): base "
+                  "[lm_eval_base.json](lm_eval_base.json), quantized [lm_eval_quantized.json](lm_eval_quantized.json)."]
     lines += ["", f"Loaded through: `{ev['loader']}` (from the exported checkpoint on disk)."]
     if "proxy_mode" in ev:
         how = "streamed layer by layer" if ev["proxy_mode"] == "streamed" else "whole models"
@@ -91,20 +132,27 @@ def _eval_lines(ev: dict) -> list[str]:
     return lines
 
 
-def _plan_lines(summary: dict) -> list[str]:
-    h = summary["headline"]
-    lines = [f"- average bits, expert weights: **{h['avg_bits_experts']}**; all weights: {h['avg_bits_all']}",
-             f"- checkpoint size estimate: {h['size_gb'] * 1000:.2f} MB",
-             f"- expert projections by bits (%): {h['expert_pct_by_bits']}",
-             f"- routed traffic by bits: {h['traffic_share_by_bits']}; traffic-weighted bits: {h['traffic_weighted_bits']}",
+def _plan_lines(summary: PlanSummary) -> list[str]:
+    h = summary.headline
+    lines = [f"- average bits, expert weights: **{h.avg_bits_experts}**; all weights: {h.avg_bits_all}",
+             f"- checkpoint size estimate: {h.size_gb * 1000:.2f} MB",
+             f"- expert projections by bits (%): {h.expert_pct_by_bits}",
+             f"- routed traffic by bits: {h.traffic_share_by_bits}; traffic-weighted bits: {h.traffic_weighted_bits}",
              "", "| layer | modules by bits | traffic share by bits | traffic-weighted bits |", "|---|---|---|---|"]
     lines += [f"| {r['layer']} | {r['modules_by_bits']} | {r['traffic_share_by_bits']} | {r['traffic_weighted_bits']} |"
-              for r in summary["per_layer"]]
+              for r in summary.per_layer]
     return lines
 
 
+WORST_ERROR = ("worst rel. error: per layer, the largest relative weight error ‖Ŵ − W‖ / ‖W‖ over its quantized "
+               "modules (experts, attention, shared experts, dense MLPs; every algorithm alike), W being the "
+               "full-precision weight the codes store (AWQ's after its smoothing scales). A weight error, not an "
+               "output error: GPTQ accepts a larger one for a smaller output error (see KL above).")
+
+
 def _quantize_lines(layers: list[dict]) -> list[str]:
-    lines = ["| layer | modules | experts | mean bits | worst rel. error | module | seconds | RTN fallbacks |",
+    lines = [f"Layer bits: {BITS_TERMS['layer bits']}. {WORST_ERROR}", "",
+             "| layer | modules | experts | layer bits | worst rel. error | module | seconds | RTN fallbacks |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['layer']} | {r['n_modules']} | {r['n_experts']} | {r['mean_bits']:.2f} | "
               f"{r['worst_rel_error']:.4f} | `{r['worst_module']}` | {r['seconds']:.2f} | {len(r['rtn_fallbacks'])} |"
@@ -115,9 +163,13 @@ def _quantize_lines(layers: list[dict]) -> list[str]:
 
 def _routing_lines(profile: RoutingProfile, min_tokens: int) -> list[str]:
     cold = profile.cold_experts(min_tokens)
+    where = ", ".join(f"layer {layer} expert {e}" for layer, e in cold[:12]) + (", …" if len(cold) > 12 else "")
+    ratios = ", ".join(f"layer {layer}: {ratio_text(r)}" for layer, r in zip(profile.layers,
+                                                                            profile.max_min_ratio().tolist(), strict=True))
     lines = [f"- routing entropy per MoE layer (1 = uniform): {[round(x, 3) for x in profile.entropy().tolist()]}",
-             f"- most / least used expert per layer: {[round(x, 1) for x in profile.max_min_ratio().tolist()]}",
-             f"- experts with fewer than {max(min_tokens, 1)} routed tokens: {len(cold)} {cold[:12]}",
+             f"- most / least used expert (routed tokens) per MoE layer: {ratios}",
+             f"- cold experts (fewer than {max(min_tokens, 1)} routed tokens, profile.min_tokens): {len(cold)}"
+             + (f" ({where})" if cold else ""),
              f"- super-expert candidates (max down-proj output > 50 × median): {profile.super_experts(50.0)[:12]}"]
     stability = profile.rank_stability()
     if stability:
@@ -144,12 +196,12 @@ def serving_lines(serving: dict) -> list[str]:
                         "vLLM/SGLang serve at this size"]
     alt = serving.get("best_servable")
     lines.append(f"- this plan's predicted KL on the calibration proxy: {_kl(serving['predicted_kl'])} "
-                 f"({serving['expert_storage_bits']:.3f} stored bits per expert weight)")
+                 f"(stored expert bits {serving['expert_storage_bits']:.3f})")
     if alt is None:
         return lines + ["- no plan of measured vLLM/SGLang schemes fits this plan's size"]
     schemes = ", ".join(f"{layer}: {s}" for layer, s in alt["layers"].items())
     lines.append(f"- best plan vLLM/SGLang serve at this size (`plan.policy: layer_sensitivity`): predicted KL "
-                 f"{alt['predicted_kl']:.4g} ({alt['expert_storage_bits']:.3f} stored bits); layers {schemes}")
+                 f"{alt['predicted_kl']:.4g} (stored expert bits {alt['expert_storage_bits']:.3f}); layers {schemes}")
     if blocked and serving["predicted_kl"] is not None:
         d = alt["predicted_kl"] - serving["predicted_kl"]
         verdict = ("this plan is predicted better by that much: the price of serving it with vLLM/SGLang" if d > 0
@@ -158,6 +210,12 @@ def serving_lines(serving: dict) -> list[str]:
     return lines + ["", "Calibration proxy: the sum over MoE layers of the KL of the model output when only that "
                     "layer's experts are quantized (round-to-nearest, measured in the profile on calibration "
                     "tokens); experts mixing schemes within a layer are weighted by their share of its W4 error."]
+
+
+def _description_lines(description: str) -> list[str]:
+    """The recipe's own description, quoted as written (``--set`` overrides may have changed what it describes)."""
+    text = " ".join(description.split())
+    return [f"Recipe description (as written in the recipe file): {text}", ""] if text else []
 
 
 def write_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
@@ -171,12 +229,13 @@ def write_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     lines = [f"# quant run `{recipe.name}` — gates {status}", "",
              f"Model `{source.display_name}` ({source.family.name}, fingerprint `{source.fingerprint}`); "
              f"algorithm `{plan.algorithm}`; policy `{plan.policy}`, granularity `{plan.granularity}`, "
-             f"target runtime `{plan.target_runtime}`.", "", "## Evaluation", ""] + _eval_lines(ev)
+             f"target runtime `{plan.target_runtime}`.", ""] + _description_lines(recipe.description)
+    lines += ["## Evaluation", ""] + _eval_lines(ev)
     lines += ["", "## Plan", ""] + _plan_lines(summary)
     lines += ["", "## Serving with vLLM / SGLang", ""] + serving_lines(plan.serving)
     lines += ["", "## Routing", ""] + _routing_lines(profile, recipe.profile.min_tokens)
     lines += [""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Quantization", ""] + _quantize_lines(layers)
-    atomic_write_text(run_dir / "metrics.json", json.dumps({"plan": summary["headline"], "eval": ev,
+    atomic_write_text(run_dir / "metrics.json", json.dumps({"plan": asdict(summary.headline), "eval": ev,
                                                                  "serving": plan.serving}, indent=1))
     atomic_write_text(run_dir / "report.md", "\n".join(lines) + "\n")

@@ -117,7 +117,7 @@ def expert_schemes_by_layer(plan) -> dict[int, set[tuple[int | None, int]]]:
 
 def repo_pythonpath() -> str:
     """PYTHONPATH for child processes: the checkout first, then whatever the caller had (e.g. a --target folder of
-    carried wheels on a GPU node), never replacing it."""
+    wheels installed beside it on a GPU node), never replacing it."""
     return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
@@ -131,6 +131,24 @@ def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600, env: dict | None =
 @pytest.fixture
 def cli():
     return run_cli
+
+
+# A child process whose seccomp filter refuses unshare: namespaces are unavailable to it and its children, as
+# in a container whose runtime refuses them (Docker's default profile does).
+WITHOUT_NAMESPACES = f"""
+import os, sys
+sys.path.insert(0, {str(REPO)!r})
+from quant.eval import isolation, seccomp as s
+s.install_filter(isolation.libc_handle(), [(s.BPF_LD_ABS, 0, 0, s.DATA_NR), (s.BPF_JEQ, 0, 1, s.DENIED["unshare"]),
+                                           (s.BPF_RET, 0, 0, s.RET_ERRNO | s.EPERM), (s.BPF_RET, 0, 0, s.RET_ALLOW)])
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+def run_without_namespaces(*argv: str, **kwargs) -> subprocess.CompletedProcess:
+    """``python ARGV`` under a filter refusing unshare (see WITHOUT_NAMESPACES)."""
+    return subprocess.run([sys.executable, "-c", WITHOUT_NAMESPACES, *argv], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, **kwargs)
 
 
 PER_EXPERT_CODE = REPO / "tests" / "fixtures" / "modeling_qwen3_moe_perexpert.py"

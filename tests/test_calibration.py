@@ -59,12 +59,26 @@ def test_jsonl_invalid_utf8(tmp_path, tokenizer):
     ("name: m\nsources: !!set {a}\n", "unsupported YAML tag"),
     (b"name: \xff\n", "not UTF-8"),
     ("name: m\nname: n\nsources: []\n", "duplicate key 'name'"),
+    ("name: m\nsources:\n  - {name: a, path: x.txt, weight: .inf}\n", "weight: Input should be a finite number"),
+    ("name: m\nsources:\n  - {name: a, path: x.txt, weight: .nan}\n", "weight: Input should be a finite number"),
+    ("name: m\nsources:\n  - {name: a, path: x.txt, weight: 1.0e308}\n  - {name: b, path: x.txt, weight: 1.0e308}\n",
+     "weights add up to more than a float holds"),
 ])
 def test_bad_manifests(tmp_path, tokenizer, text, match):
     p = tmp_path / "m.yaml"
     p.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(CalibrationError, match=match):
         _build(str(p), tokenizer)
+
+
+def test_huge_weights_that_fit_a_float_split_samples_by_their_ratio(tmp_path, tokenizer):
+    """Weights near the float maximum (their sum fits): n * w overflowed before the ratio was taken."""
+    (tmp_path / "a.txt").write_text("alpha beta gamma delta " * 200)
+    (tmp_path / "b.txt").write_text("one two three four five " * 200)
+    dataset = _manifest(tmp_path, "  - {name: a, path: a.txt, weight: 8.0e307}\n"
+                                  "  - {name: b, path: b.txt, weight: 8.0e307}\n")
+    calib = build_calibration(dataset, tokenizer, n_samples=4, seq_len=16, seed=0)
+    assert sorted(calib.domains) == ["a", "a", "b", "b"]
 
 
 def test_hub_source_while_offline(tmp_path, tokenizer, monkeypatch):
@@ -90,3 +104,61 @@ def test_cluster_manifest_offline_is_one_cli_line(tmp_path):
 def test_bundled_manifest_still_builds(tokenizer):
     calib = _build(str(REPO / "calibration" / "bundled.yaml"), tokenizer)
     assert calib.tokens.shape == (2, 16)
+
+
+def _big_text(path: Path, head: bytes, size: int) -> None:
+    """``head`` at the start of a ``size``-byte file whose rest is a hole (NUL bytes, valid UTF-8, no disk)."""
+    path.write_bytes(head)
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+BOUNDED = ("import resource, sys\n"
+           "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+           "from quant.calibration import build_calibration\n"
+           "from quant.models import resolve_model\n"
+           "c = build_calibration(sys.argv[1], resolve_model('builtin:qwen3-moe-tiny').tokenizer(), 4, 64, 0)\n"
+           "print(c.tokens.shape[0], max(int(i.split(':')[1]) for i in c.sample_ids))\n")
+
+
+@pytest.mark.parametrize("kind", ["text", "jsonl"])
+def test_a_300_mb_source_is_read_only_as_far_as_its_windows_need(tmp_path, quant_cache, kind):
+    """Before: the whole file went to the tokenizer at once, which aborted the process (exit 134, the stage left
+    `running`). Now a source reads ``read_budget_bytes`` (1 MiB for these 4 windows), cut after a line, in bounded
+    memory and time."""
+    import subprocess
+    import sys
+
+    prose = (REPO / "calibration" / "data" / "licenses-prose.txt").read_bytes()
+    head = prose * 16 if kind == "text" else b"".join(json.dumps({"text": line}).encode() + b"\n"
+                                                       for line in prose.decode().splitlines() * 16)
+    _big_text(tmp_path / f"big.{kind}", head, 300 << 20)
+    manifest = _manifest(tmp_path, f"  - {{name: big, kind: {kind}, path: big.{kind}}}\n")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", BOUNDED, manifest], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, last_start = map(int, proc.stdout.split())
+    assert rows == 4 and last_start < 1 << 20  # token offsets: all within the first MiB read
+    assert time.perf_counter() - t0 < 240
+
+
+def test_long_text_is_tokenized_in_pieces_cut_after_newlines_as_if_whole(tokenizer):
+    from quant.calibration import tokenize
+
+    text = (REPO / "calibration" / "data" / "python-stdlib-code.txt").read_text()[:60000]
+    whole = tokenize(tokenizer, text, max_chars=len(text))
+    assert tokenize(tokenizer, text, max_chars=4096).tolist() == whole.tolist()
+
+
+def test_a_source_cut_inside_a_character_or_a_line_reads_up_to_it(tmp_path):
+    from quant.calibration import Source, _documents
+
+    text = ("é" * 600_000).encode()  # 1.2 MB: the 1 MiB cut falls between the two bytes of a character
+    (tmp_path / "t.txt").write_bytes(text)
+    (docs,) = _documents(Source(name="t", path="t.txt"), tmp_path, 1 << 20)
+    assert docs == "é" * ((1 << 20) // 2)
+    (tmp_path / "t.jsonl").write_bytes(b"".join(json.dumps({"text": f"row {i}"}).encode() + b"\n"
+                                                for i in range(100_000)))
+    docs = _documents(Source(name="t", kind="jsonl", path="t.jsonl"), tmp_path, 100_000)
+    assert docs == [f"row {i}" for i in range(len(docs))] and 0 < len(docs) < 100_000

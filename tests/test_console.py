@@ -70,6 +70,14 @@ import compressed_tensors  # its loguru logger, called from a compressed_tensors
 exec("logger.info('3P-LOGURU')", {"__name__": "compressed_tensors.entrypoints.x", "logger": compressed_tensors.logger})
 for _ in tqdm.tqdm(range(3), desc="3P-TQDM"):
     pass
+for _ in tqdm.tqdm(range(3), desc="3P-EXPLICIT", disable=False):  # as compressed-tensors' "Dispatching model"
+    pass
+from tqdm.auto import tqdm as auto_tqdm  # as lm-eval's "Running loglikelihood requests"
+bar = auto_tqdm(total=2, desc="3P-AUTO", disable=False)
+bar.update(2)
+bar.close()
+positional = tqdm.tqdm(range(2), "3P-POSITIONAL", 2, True, None, None, 0.1, 10.0, None, None, False)
+list(positional)
 logging.getLogger("quant.x").info("OUR-LINE")
 """
 
@@ -85,7 +93,7 @@ def test_third_party_chatter_is_kept_out_unless_verbose():
 
     quiet, loud = stderr("quiet"), stderr("verbose")
     assert "OUR-LINE" in quiet and "OUR-LINE" in loud
-    for needle in ("3P-LOGGING", "3P-FUTURE", "3P-LOGURU", "3P-TQDM"):
+    for needle in ("3P-LOGGING", "3P-FUTURE", "3P-LOGURU", "3P-TQDM", "3P-EXPLICIT", "3P-AUTO", "3P-POSITIONAL"):
         assert needle not in quiet, quiet
         assert needle in loud, (needle, loud)
 

@@ -15,6 +15,8 @@ from tests.conftest import REPO, run_cli
 RECIPE = REPO / "recipes" / "mixed_int8_int4.yaml"
 FAST = ("calibration.n_samples=4", "calibration.seq_len=32", "eval.perplexity.n_samples=2",
         "eval.perplexity.seq_len=32", "plan.group_size=32")
+# one expert scheme for the whole model: transformers serves the compressed-tensors checkpoint
+SERVED = (*FAST, "plan.policy=uniform")
 
 
 class FakeHub:
@@ -47,18 +49,22 @@ def _files(root: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def runs(quant_cache, tmp_path_factory) -> dict[str, Path]:
-    """A finished run whose gates passed, and a copy re-evaluated with an impossible gate (eval + report rerun)."""
+    """A finished run whose gates passed, and a copy re-evaluated with an impossible gate (eval, card and report rerun)."""
     from quant.recipe import load_recipe
     from quant.run.pipeline import run
 
     root = tmp_path_factory.mktemp("publish")
     passed = root / "passed"
-    assert run(load_recipe(RECIPE, overrides=FAST), passed).passed is True
+    assert run(load_recipe(RECIPE, overrides=SERVED), passed).passed is True
     failed = root / "failed"
     shutil.copytree(passed, failed)
     with pytest.raises(GateFailed):
-        run(load_recipe(RECIPE, overrides=(*FAST, "eval.gates.perplexity.max_rel_increase=-1")), failed)
-    return {"passed": passed, "failed": failed}
+        run(load_recipe(RECIPE, overrides=(*SERVED, "eval.gates.perplexity.max_rel_increase=-1")), failed)
+    # the headline plan (8- and 4-bit experts in one layer) on a model too narrow for the vLLM plugin's kernel:
+    # nothing serves its compressed-tensors checkpoint; GPTQModel serves the GPTQ export
+    experts = root / "experts"
+    assert run(load_recipe(RECIPE, overrides=(*FAST, "export.formats=[compressed-tensors,gptq]")), experts).passed
+    return {"passed": passed, "failed": failed, "experts": experts}
 
 
 def test_uploads_the_validated_checkpoint_byte_for_byte(runs, tmp_path):
@@ -67,7 +73,7 @@ def test_uploads_the_validated_checkpoint_byte_for_byte(runs, tmp_path):
     url = publish_run(runs["passed"], "acme/tiny-moe-w4", private=True, api=hub)
     assert url == "https://huggingface.co/acme/tiny-moe-w4"
     uploaded = _files(tmp_path / "hub" / "acme" / "tiny-moe-w4")
-    assert uploaded == before  # the checkpoint as validated, with the model card the report stage wrote
+    assert uploaded == before  # the checkpoint as validated, with the model card the card stage wrote
     assert uploaded["README.md"].startswith(b"---\n") and b"All quality gates passed" in uploaded["README.md"]
     assert "quant_manifest.json" in before and any(k.endswith(".safetensors") for k in before)
     assert [c[0] for c in hub.calls][:2] == ["create_repo", "upload_folder"]
@@ -159,8 +165,8 @@ def test_truncated_checkpoint_is_redone_by_the_advised_command(runs, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-4096])
     with pytest.raises(CheckpointError, match="changed since export .*re-run the `quant run` command"):
         publish_run(run_dir, "acme/x", api=FakeHub(tmp_path / "hub"))
-    result = run(load_recipe(RECIPE, overrides=FAST), run_dir)
-    assert "export" in result.ran and "report" in result.ran
+    result = run(load_recipe(RECIPE, overrides=SERVED), run_dir)
+    assert "export" in result.ran and "card" in result.ran
     assert publish_run(run_dir, "acme/x", api=FakeHub(tmp_path / "hub")).endswith("acme/x")
     assert _files(tmp_path / "hub" / "acme" / "x") == _files(runs["passed"] / "checkpoint")  # deterministic export
 
@@ -175,3 +181,27 @@ def test_checkpoint_exported_after_eval_is_refused(runs, tmp_path):
     run(load_recipe(RECIPE, overrides=(*FAST, "export.formats=[gptq]")), run_dir, until="export")
     with pytest.raises(CheckpointError, match="not the checkpoint the eval stage evaluated"):
         publish_run(run_dir, "acme/x", api=FakeHub(tmp_path / "hub"))
+
+
+def test_published_means_servable(runs, tmp_path):
+    """The per-expert run: its compressed-tensors checkpoint is served by no runtime on its card, so the GPTQ folder
+    (GPTQModel) is what goes up; asked for the compressed-tensors one, or with no servable folder, publish refuses
+    with what to run instead."""
+    import json
+
+    hub = FakeHub(tmp_path / "hub")
+    publish_run(runs["experts"], "acme/x", api=hub)
+    assert Path(hub.calls[1][2]) == runs["experts"] / "checkpoint-gptq"
+    assert _files(tmp_path / "hub" / "acme" / "x") == _files(runs["experts"] / "checkpoint-gptq")
+    with pytest.raises(QuantError, match="no runtime serves .*checkpoint; run recipes/mixed_vllm.yaml"):
+        publish_run(runs["experts"], "acme/x", api=hub, fmt="compressed-tensors")
+    gone = tmp_path / "ct-only"
+    shutil.copytree(runs["experts"], gone)
+    m = json.loads((gone / "manifest.json").read_text())
+    m["stages"]["export"]["served_by"].pop("checkpoint-gptq")  # as a run that exported compressed-tensors only
+    (gone / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(QuantError, match="vllm-quant .*add gptq to export.formats"):
+        publish_run(gone, "acme/x", api=hub)
+    p = run_cli("publish", str(runs["experts"]), "--repo-id", "acme/x", "--format", "compressed-tensors",
+                env={"HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 1 and p.stderr.count("error:") == 1 and "no runtime serves" in p.stderr

@@ -13,6 +13,17 @@ def test_recipes_exist_including_nested():
     assert any(p.name == "mixed_int8_int4.yaml" for p in RECIPES)
 
 
+def test_headline_recipe_quantizes_with_gptq_and_its_rtn_baseline_differs_only_there():
+    headline = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml")
+    baseline = load_recipe(REPO / "recipes" / "mixed_int8_int4_rtn.yaml")
+    assert headline.quantize.algorithm == "gptq" and "GPTQ" in headline.description
+    assert baseline.quantize.algorithm == "rtn" and "RTN" in baseline.description
+    a, b = headline.model_dump(), baseline.model_dump()
+    for d in (a, b):
+        d.pop("name"), d.pop("description"), d["quantize"].pop("algorithm")
+    assert a == b
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_recipe_validates(path):
     r = load_recipe(path)
@@ -22,6 +33,12 @@ def test_every_recipe_validates(path):
 def test_unknown_key_names_closest_key():
     with pytest.raises(RecipeError, match=r"unknown recipe key 'plan\.top_fracton'.*did you mean 'plan\.top_fraction'"):
         parse_recipe({"name": "x", "plan": {"top_fracton": 0.2}})
+
+
+def test_a_key_nothing_reads_is_unknown():
+    """profile.extra_datasets was accepted and read by nothing; it is an unknown key now (see test_recipe_keys)."""
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'profile\.extra_datasets'"):
+        parse_recipe({"name": "x", "profile": {"extra_datasets": ["calibration/code.yaml"]}})
 
 
 def test_unknown_top_level_section():
@@ -142,6 +159,18 @@ def test_eval_parallel_keys_belong_to_their_backend():
         parse_recipe({"name": "x", "eval": {"gpus": 0}})
     e = parse_recipe({"name": "x", "eval": {"backend": "vllm", "tensor_parallel_size": 8, "data_parallel_size": 2}}).eval
     assert (e.tensor_parallel_size, e.data_parallel_size) == (8, 2)
+
+
+def test_humaneval_sandbox_policy_is_require_or_an_explicit_allow_weak():
+    """Generated code needs every kernel layer of the sandbox unless the recipe opts out by name."""
+    assert parse_recipe({"name": "x"}).eval.humaneval_sandbox == "require"
+    weak = parse_recipe({"name": "x", "eval": {"tasks": ["quant_humaneval"], "humaneval_sandbox": "allow_weak"}})
+    assert weak.eval.humaneval_sandbox == "allow_weak"
+    for value in ("off", "weak", True, 0):
+        with pytest.raises(RecipeError, match="eval.humaneval_sandbox"):
+            parse_recipe({"name": "x", "eval": {"humaneval_sandbox": value}})
+    with pytest.raises(RecipeError, match="did you mean 'eval.humaneval_sandbox'"):
+        parse_recipe({"name": "x", "eval": {"humaneval_sandbx": "allow_weak"}})
 
 
 def _file(tmp_path, text: str | bytes) -> Path:

@@ -3,7 +3,12 @@ quickly and in bounded memory. Generated: recipes over the real schema with host
 binary, sets, huge and non-finite numbers, booleans, control characters, duplicate keys), alias bombs, deep
 nesting, byte flips of a valid recipe and raw bytes. In-process through ``cli_exit_code`` (what ``main`` runs);
 a few real subprocesses check the console entry point. Bounds: each recipe under 2 s, the whole run's peak RSS under
-1 GiB (it runs in a child process under a 4 GiB address-space limit)."""
+1 GiB (it runs in a child process under a 4 GiB address-space limit).
+
+The same property for model folders (``test_any_model_folder_is_ok_with_a_correct_checkpoint_or_one_error_line``,
+slow): builtins with tensors dropped, added, reshaped or retyped, config values set to hostile ones and shards
+indexed out of the folder, beside edits a consistent folder survives, through ``quant estimate`` and ``quant run``:
+exit 0 with a checkpoint holding every tensor of the model, or one ``error:`` line and exit 1."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -242,3 +248,198 @@ def test_real_cli_cases(tmp_path):
             assert p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr
     p = _cli("validate", str(REPO / "recipes" / "mixed_int8_int4.yaml"), "--set", "name=a\x1b[2Jb", tmp_path=tmp_path)
     assert p.returncode == 1 and "control character" in p.stderr and "\x1b" not in p.stderr
+
+
+# ---- model folders: generated configs and tensor sets, inconsistent on purpose, through `quant estimate` and `quant run`
+
+MODEL_EXAMPLES = 24
+MAX_ESTIMATE_SECONDS = 60.0
+MAX_RUN_SECONDS = 600.0  # a whole pipeline on a tiny model, on 2 busy cores
+MAX_MODEL_RSS_BYTES = 3 << 30
+BASES = ["qwen3-moe-tiny", "mixtral-tiny", "olmoe-tiny", "deepseek-v3-tiny"]
+FAST = ["--set", "calibration.n_samples=4", "--set", "calibration.seq_len=32", "--set", "eval.perplexity.n_samples=2",
+        "--set", "eval.perplexity.seq_len=32", "--set", "profile.layer_sensitivity=null"]
+CONFIG_KEYS = ["num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts_per_tok", "num_experts",
+               "num_local_experts", "n_routed_experts", "n_group", "topk_group", "first_k_dense_replace",
+               "tie_word_embeddings", "rope_parameters", "quantization_config", "model_type", "rms_norm_eps",
+               "hidden_act", "max_position_embeddings", "num_nextn_predict_layers"]
+HOSTILE = [0, -1, 1, 2, 3, 15, 17, 63, 65, 10**9, 2**63, 0.5, 1e-30, "x", "64", None, True, False, [], {}, [1, 2],
+           {"rope_type": "bogus"}, {"rope_type": "default", "rope_theta": 0}, {"quant_method": "gptq"}, "qwen3_moe"]
+DTYPES = ["float32", "float16", "float64", "int32", "int8", "uint8", "bool", "float8_e4m3fn"]
+edits = st.one_of(
+    st.tuples(st.just("drop"), st.integers(0, 10**6)),
+    st.tuples(st.just("extra"), st.sampled_from(["model.layers.1.self_attn.q_proj.bias", "lm_head.bias", "junk",
+                                                 "model.layers.0.mlp.experts.99.gate_proj.weight",
+                                                 "model.layers.9.input_layernorm.weight",
+                                                 "model.layers.0.self_attn.rotary_emb.inv_freq"])),
+    st.tuples(st.just("reshape"), st.integers(0, 10**6), st.sampled_from([-1, 1, "transpose", "flatten"])),
+    st.tuples(st.just("dtype"), st.integers(0, 10**6), st.sampled_from(DTYPES)),
+    st.tuples(st.just("config"), st.sampled_from(CONFIG_KEYS), st.sampled_from(HOSTILE)),
+    st.tuples(st.just("index"), st.sampled_from(["split", "absolute", "parent", "missing", "symlink out"])),
+)
+# edits a consistent folder survives (it must then run to a correct checkpoint), drawn as often as hostile ones
+benign = st.one_of(
+    st.tuples(st.just("dtype all"), st.sampled_from(["float32", "float16"])),
+    st.tuples(st.just("index"), st.just("split")),
+    st.tuples(st.just("extra"), st.just("model.layers.0.self_attn.rotary_emb.inv_freq")),
+    st.tuples(st.just("config"), st.sampled_from(["rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+                                                  "topk_group"]), st.sampled_from([1e-5, 2048, True, 1])),
+)
+model_plans = st.tuples(st.sampled_from(BASES), st.one_of(st.lists(benign, min_size=1, max_size=2),
+                                                          st.lists(edits, min_size=1, max_size=3)))
+
+
+def make_folder(plan, root: Path) -> Path:
+    """Builtin ``plan[0]`` with ``plan[1]``'s edits applied, in ``root/model``."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from quant.models.builtin import builtin_path
+
+    base, todo = plan
+    out = root / "model"
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(builtin_path(base), out)
+    tensors, config = load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
+    index = None
+    for edit in todo:
+        keys = sorted(tensors)
+        if edit[0] == "drop":
+            del tensors[keys[edit[1] % len(keys)]]
+        elif edit[0] == "extra":
+            tensors[edit[1]] = torch.zeros(64, dtype=torch.bfloat16)
+        elif edit[0] == "reshape":
+            key = keys[edit[1] % len(keys)]
+            t = tensors[key]
+            if edit[2] == "transpose":
+                t = t.T.contiguous() if t.dim() == 2 else t.reshape(1, -1)
+            elif edit[2] == "flatten":
+                t = t.reshape(-1)
+            else:
+                t = torch.zeros(max(1, t.shape[0] + edit[2]), *t.shape[1:], dtype=t.dtype)
+            tensors[key] = t
+        elif edit[0] == "dtype":
+            key = keys[edit[1] % len(keys)]
+            tensors[key] = tensors[key].float().to(getattr(torch, edit[2]))
+        elif edit[0] == "dtype all":
+            tensors = {k: t.to(getattr(torch, edit[1])) for k, t in tensors.items()}
+        elif edit[0] == "config":
+            config[edit[1]] = edit[2]
+        else:
+            index = edit[1]
+    if index is None:
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    else:
+        _shards(tensors, out, index)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _shards(tensors: dict, out: Path, how: str) -> None:
+    """Two shards and an index; the second one where ``how`` puts it."""
+    from safetensors.torch import save_file
+
+    (out / "model.safetensors").unlink()
+    keys = sorted(tensors)
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    elsewhere = out.parent / "elsewhere.safetensors"
+    for name, part in zip(names, (keys[: len(keys) // 2], keys[len(keys) // 2 :]), strict=True):
+        save_file({k: tensors[k] for k in part}, out / name, metadata={"format": "pt"})
+    second = {"split": names[1], "absolute": str(elsewhere), "parent": "../elsewhere.safetensors",
+              "missing": "model-00003-of-00003.safetensors", "symlink out": names[1]}[how]
+    if how in ("absolute", "parent", "symlink out"):
+        (out / names[1]).rename(elsewhere)
+    if how == "symlink out":
+        (out / names[1]).symlink_to(elsewhere)
+    weight_map = {k: names[0] if i < len(keys) // 2 else second for i, k in enumerate(keys)}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _cli(*argv: str) -> tuple[int, str, str, float]:
+    out, err = io.StringIO(), io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_exit_code(list(argv))
+    return code, out.getvalue(), err.getvalue(), time.perf_counter() - t0
+
+
+def _one_error_line(code: int, err: str, what) -> str:
+    assert code in (0, 1), (code, what, err[-3000:])
+    if code == 0:
+        return "ok"
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err and "internal error" not in lines[0], (what, err[-3000:])
+    return lines[0]
+
+
+def _checkpoint_is_the_models(run_dir: Path, model: Path) -> None:
+    """The exported checkpoint, read back dense, holds every tensor of the (checked) model folder with its shape,
+    and the run's gates passed."""
+    import torch
+
+    from quant.eval.stream import ShippedCheckpoint
+    from quant.models import resolve_model
+
+    base = resolve_model(str(model))
+    shipped = ShippedCheckpoint(run_dir / "checkpoint", base, torch.bfloat16)
+    assert shipped.shapes() == base.shapes()
+    assert json.loads((run_dir / "manifest.json").read_text())["passed"] is True
+
+
+def run_model_fuzz(n_examples: int, workdir: str) -> dict:
+    """The property over ``n_examples`` generated model folders (in a child process: its peak RSS is the bound)."""
+    recipe = str(REPO / "recipes" / "mixed_int8_int4.yaml")
+    root = Path(workdir)
+    outcomes: Counter = Counter()
+    seconds = {"estimate": [0.0], "run": [0.0]}
+
+    @settings(max_examples=n_examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(model_plans)
+    def check(plan) -> None:
+        model = make_folder(plan, root / "case")
+        code, _, err, s = _cli("estimate", recipe, "--model", str(model), "--host-memory-gb", "64")
+        seconds["estimate"].append(s)
+        estimated = _one_error_line(code, err, ("estimate", plan))
+        run_dir = root / "case" / "run"
+        code, _, err, s = _cli("run", recipe, "--model", str(model), "-o", str(run_dir), *FAST)
+        seconds["run"].append(s)
+        ran = _one_error_line(code, err, ("run", plan))
+        if ran == "ok":
+            _checkpoint_is_the_models(run_dir, model)
+        kind = ("ok" if estimated == "ok" else "refused", "ok" if ran == "ok" else "refused")
+        outcomes[kind] += 1
+        if kind == ("ok", "refused"):  # found by the run only (a later stage): worth a look
+            later.append(f"{plan}: {ran}")
+
+    later: list[str] = []
+    check()
+    return {"outcomes": {"/".join(k): v for k, v in outcomes.items()}, "max_estimate_s": max(seconds["estimate"]),
+            "max_run_s": max(seconds["run"]), "max_rss_bytes": _peak_rss_bytes(), "refused_by_run_only": later}
+
+
+def _limit_model_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30))  # torch and transformers reserve address space
+
+
+@pytest.mark.slow
+def test_any_model_folder_is_ok_with_a_correct_checkpoint_or_one_error_line(tmp_path, quant_cache):
+    """Generated model folders (a builtin with tensors dropped, added, reshaped or retyped, config values set to
+    hostile ones, shards indexed outside the folder), through `quant estimate` and `quant run`: exit 0 (for run,
+    with a checkpoint that holds every tensor of the model and passed its gates) or exactly one `error:` line with
+    exit 1, within a time bound per command and a memory bound for the whole property."""
+    code = ("import json, sys; from tests.test_recipe_fuzz import run_model_fuzz; "
+            "print(json.dumps(run_model_fuzz(int(sys.argv[1]), sys.argv[2])))")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1"}
+    child = subprocess.run([sys.executable, "-c", code, str(MODEL_EXAMPLES), str(tmp_path)], cwd=REPO,
+                           capture_output=True, text=True, timeout=3600, preexec_fn=_limit_model_memory, env=env)
+    assert child.returncode == 0, child.stderr[-6000:]
+    summary = json.loads(child.stdout.strip().splitlines()[-1])
+    print(summary)
+    assert summary["max_estimate_s"] < MAX_ESTIMATE_SECONDS and summary["max_run_s"] < MAX_RUN_SECONDS, summary
+    assert summary["max_rss_bytes"] < MAX_MODEL_RSS_BYTES, summary
+    assert summary["outcomes"].get("ok/ok", 0) > 0 and summary["outcomes"].get("refused/refused", 0) > 0, summary

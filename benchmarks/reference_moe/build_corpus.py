@@ -26,6 +26,9 @@ next-line evaluation) and ``corpus.json`` (every document with its source, licen
 excluded files with the reason; token counts; sha256 of every output).
 
     python benchmarks/reference_moe/build_corpus.py --out .refmoe/corpus
+
+``--calibration-manifest DIR`` writes instead the servable study's calibration set (``benchmarks/study_servable.py``):
+license prose and stdlib code as the JSONL sources of a calibration manifest, ``DIR/manifest.yaml``.
 """
 
 from __future__ import annotations
@@ -318,14 +321,53 @@ def write_outputs(docs: list[Doc], excluded: list[dict], args, out: Path) -> dic
     return summary
 
 
+STUDY_PROSE_SHARE = 0.4  # license prose; at 16x (52 k tokens) it stays within the ~57 k tokens the licenses hold
+STUDY_CODE_CHARS = 1_500_000  # ~400 k tokens of stdlib code, 5x what the study's 16x set draws
+
+
+def write_calibration_manifest(out: Path) -> Path:
+    """License prose and CPython stdlib code, as calibration/bundled.yaml but larger: the texts this corpus collects
+    (Debian's /usr/share/common-licenses, this Python's stdlib) without the held-out evaluation sources and anything
+    sharing lines with them; all licenses and the first STUDY_CODE_CHARS characters of code in hash order, as the
+    JSONL sources of a calibration manifest. Returns the manifest's path."""
+    import yaml
+
+    excluded: list[dict] = []
+    docs = dedupe(collect_stdlib(excluded) + collect_licenses(excluded), excluded)
+    assign_splits(docs, seed=0, fraction=0.03, min_per_domain=8)  # marks what shares lines with held-out text
+    out.mkdir(parents=True, exist_ok=True)
+    sources = []
+    for domain, prefix, weight in (("prose", "licenses/", STUDY_PROSE_SHARE), ("code", "stdlib/", 1 - STUDY_PROSE_SHARE)):
+        pool = sorted((d for d in docs if d.path.startswith(prefix) and d.path not in FORCED_HELDOUT
+                       and "shares lines" not in d.reason),
+                      key=lambda d: hashlib.sha256(d.path.encode()).hexdigest())
+        kept, chars = [], 0
+        for d in pool:
+            if chars >= STUDY_CODE_CHARS:
+                break
+            kept.append(json.dumps({"text": d.text, "path": d.path}))
+            chars += len(d.text)
+        (out / f"{domain}.jsonl").write_text("\n".join(kept) + "\n")
+        sources.append({"name": domain, "kind": "jsonl", "path": f"{domain}.jsonl", "weight": weight})
+    manifest = {"name": "licenses-stdlib", "description": "license prose + stdlib code (study)",
+                "sources": sources}
+    (out / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    return out / "manifest.yaml"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / ".refmoe" / "corpus")
+    ap.add_argument("--calibration-manifest", type=Path, default=None, metavar="DIR",
+                    help="write the servable study's calibration manifest into DIR instead of the corpus")
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--heldout-fraction", type=float, default=0.03, help="per domain, split evenly into val/test")
     ap.add_argument("--min-heldout-per-domain", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.calibration_manifest is not None:
+        print(write_calibration_manifest(args.calibration_manifest))
+        return
     t0 = time.time()
     excluded: list[dict] = []
     docs = dedupe(collect_stdlib(excluded) + collect_licenses(excluded) + collect_docs(excluded), excluded)

@@ -1,7 +1,9 @@
 """Evaluation of the reference MoE: held-out perplexity, next-line exact match on held-out Python, routing profile.
 
 ``train.py`` imports these functions for its periodic and final evaluation; run as a script it evaluates a saved
-checkpoint folder (CPU is enough: a few minutes on 2 cores):
+checkpoint folder (CPU is enough: a few minutes on 2 cores). The held-out lines of the next-line metric are picked
+by ``quant.study.heldout.nextline_samples`` (the studies score the same lines), so quant must be importable
+(installed, or ``PYTHONPATH=.`` from the repository root):
 
     python benchmarks/reference_moe/evaluate_reference.py --model runs/reference-moe/model \
         --corpus .refmoe/corpus --out eval.json
@@ -14,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -23,6 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import StoppingCriteria, StoppingCriteriaList
+
+from quant.study.heldout import nextline_samples  # the held-out lines the studies score too
 
 REPO = Path(__file__).resolve().parents[2]
 REPO_HELDOUT_TEXTS = ("calibration/data/heldout-apache-artistic-bsd.txt", "calibration/data/heldout-python-code.txt")
@@ -108,39 +111,6 @@ def text_perplexities(model, tokenizer, seq_len: int, device: torch.device) -> d
 
 
 # ----------------------------------------------------------------------------------------------- next line
-
-
-def nextline_samples(tokenizer, docs: list[dict], n: int, seed: int, max_context: int,
-                     max_line_tokens: int) -> list[dict]:
-    """Pick ``n`` (file, line) pairs from held-out Python files.
-
-    The context is the file up to the END of the previous line (no trailing newline: cutting after the newline
-    would split BPE's newline+indent tokens and put the model off-distribution), left-truncated to
-    ``max_context`` tokens. Both the previous and the target line must be non-blank, the previous one without
-    trailing whitespace. No file gives more than a quarter of the samples.
-    """
-    rng = random.Random(seed)
-    per_file = []
-    for d in docs:
-        if d["domain"] != "code" or not d["path"].endswith(".py"):
-            continue
-        lines = d["text"].split("\n")
-        cands = [i for i in range(1, len(lines))
-                 if lines[i].strip() and lines[i - 1].strip() and lines[i - 1] == lines[i - 1].rstrip()]
-        rng.shuffle(cands)
-        per_file.append((d, lines, cands[:max(1, n // 4)]))
-    pool = [(d, lines, i) for d, lines, cands in per_file for i in cands]
-    rng.shuffle(pool)
-    samples = []
-    for d, lines, i in pool:
-        target = lines[i].rstrip()
-        if len(tokenizer("\n" + target + "\n", add_special_tokens=False)["input_ids"]) > max_line_tokens:
-            continue
-        ctx = tokenizer("\n".join(lines[:i]), add_special_tokens=False, verbose=False)["input_ids"][-max_context:]
-        samples.append({"path": d["path"], "line": i + 1, "context_ids": ctx, "target": target})
-        if len(samples) == n:
-            break
-    return samples
 
 
 def _predicted_line(generated: str) -> str | None:

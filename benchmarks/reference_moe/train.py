@@ -32,12 +32,10 @@ import tarfile
 import time
 from pathlib import Path
 
+import evaluate_reference as ev  # the sibling script (run as a script, this folder is on sys.path)
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import evaluate_reference as ev  # noqa: E402  (sibling script module)
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = {

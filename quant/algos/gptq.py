@@ -105,8 +105,8 @@ def gptq(
     perm = None
     if act_order:
         perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1).float(), dim=-1, descending=True, stable=True)
-    Hr = _reversed_hessian(H, perm, dead | unseen[:, None])
-    applied, mean_diag = _dampen(Hr, dampening)
+    Hr = reversed_hessian(H, perm, dead | unseen[:, None])
+    applied, mean_diag = dampen(Hr, dampening)
     U, ok = upper_inverse_factor(Hr)
     flags = torch.stack([finite.long(), dead.sum(dim=-1), unseen.long(), ok.long()]).tolist()  # the one read
     _raise_non_finite(flags[0])
@@ -193,7 +193,7 @@ def _dead_repairs(n_dead: list[int], unseen: list[int]) -> list[tuple[int, str]]
             + [(b, f"{n} dead input channels (H_ii == 0): weight columns zeroed") for b, n in enumerate(n_dead) if n])
 
 
-def _reversed_hessian(H: torch.Tensor, perm: torch.Tensor | None, repaired: torch.Tensor) -> torch.Tensor:
+def reversed_hessian(H: torch.Tensor, perm: torch.Tensor | None, repaired: torch.Tensor) -> torch.Tensor:
     """fp32 copy of ``H [B, I, I]`` with rows and columns in reversed processing order (``perm`` reversed, or
     ``I-1 .. 0``) and the ``repaired [B, I]`` diagonal entries set to 1: the input of cholesky.upper_inverse_factor."""
     B, n_in, _ = H.shape
@@ -217,7 +217,7 @@ def _column_grids(scale: torch.Tensor, zero: torch.Tensor | None, perm: torch.Te
     return scale.gather(-1, idx), None if zero is None else zero.gather(-1, idx)
 
 
-def _dampen(Hr: torch.Tensor, dampening: float) -> tuple[torch.Tensor, torch.Tensor]:
+def dampen(Hr: torch.Tensor, dampening: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Add ``dampening · mean(diag H)`` to ``Hr``'s diagonal in place. -> (the added amounts ``[B]`` in ``Hr``'s
     dtype, ``mean(diag H) [B]`` in fp64)."""
     diag = torch.diagonal(Hr, dim1=-2, dim2=-1)

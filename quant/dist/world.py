@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 import pickle
 import sys
@@ -57,13 +58,16 @@ class StopFlag:
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the job. ``size == 1`` means no process group exists."""
+    """This process's place in the job. ``size == 1`` means no process group exists. Made once per run by the
+    caller (:func:`init_world` in the CLI; ``World()``, a world of one, for an in-process run or a test) and
+    passed to every stage; its stop flag belongs to this run alone."""
 
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     backend: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    local_size: int = 1  # processes of the job on this node (torchrun's LOCAL_WORLD_SIZE)
     stop: StopFlag = field(default_factory=StopFlag, compare=False, repr=False)
     groups: dict = field(default_factory=dict, compare=False, repr=False)  # "objects", "idle": gloo groups
 
@@ -80,6 +84,10 @@ class World:
     def device(self) -> torch.device:
         """Where tensors live for the tensor collectives (NCCL: this rank's GPU)."""
         return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+
+    def alone(self) -> World:
+        """This process as a world of one, for work it does by itself: same node, timeout and stop flag."""
+        return World(local_rank=self.local_rank, timeout_s=self.timeout_s, local_size=self.local_size, stop=self.stop)
 
     def shard(self, items: Sequence[T]) -> list[T]:
         """This rank's contiguous share of ``items`` (sizes differ by at most one; earlier ranks take more)."""
@@ -295,9 +303,55 @@ def assign(costs: Sequence[float], loads: Sequence[float]) -> list[int]:
     return owner
 
 
+def _env_int(name: str, default: int, low: int, high: int | None = None) -> int:
+    """Integer variable ``name`` of the launcher's environment, within [low, high]; a DistError naming it if not."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        raise DistError(f"{name}={raw[:40]!r} is not an integer {bound}; torchrun sets it for each process: start "
+                        f"quant with torchrun, or unset {name} to run as one process")
+    return value
+
+
 def env_world_size() -> int:
     """World size the launcher announced (torchrun's ``WORLD_SIZE``), 1 without a launcher."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return _env_int("WORLD_SIZE", 1, 1)
+
+
+def collective_timeout_s(timeout_s: float | None = None) -> float:
+    """``timeout_s``, else ``QUANT_DIST_TIMEOUT_S``, else 1800 s: a finite number of seconds above zero (0 timed out
+    every collective at once, each rank blaming another), else a DistError naming the variable."""
+    raw = str(timeout_s) if timeout_s is not None else os.environ.get("QUANT_DIST_TIMEOUT_S", "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0 or value > IDLE_TIMEOUT_S:
+        raise DistError(f"QUANT_DIST_TIMEOUT_S={raw[:40]!r}: the collective timeout must be a number of seconds above "
+                        f"0 and at most {IDLE_TIMEOUT_S:g} (default {DEFAULT_TIMEOUT_S:g}); set it so on every rank, "
+                        "or unset it")
+    return value
+
+
+def env_local_world_size() -> int:
+    """Processes of the job on this node (torchrun's ``LOCAL_WORLD_SIZE``), 1 without a launcher."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise DistError(f"LOCAL_WORLD_SIZE is '{value}': it must be a whole number of processes on this node "
+                        "(torchrun sets it; unset it outside a launcher)")
+    return n
 
 
 def init_world(device: str, timeout_s: float | None = None) -> World:
@@ -306,17 +360,16 @@ def init_world(device: str, timeout_s: float | None = None) -> World:
     ``device`` is the resolved device type of this job (``cuda`` or ``cpu``): NCCL for CUDA, gloo otherwise.
     Each CUDA rank uses GPU ``LOCAL_RANK``. ``timeout_s`` defaults to ``QUANT_DIST_TIMEOUT_S`` or 1800 s.
     """
-    timeout_s = float(timeout_s or os.environ.get("QUANT_DIST_TIMEOUT_S") or DEFAULT_TIMEOUT_S)
-    size = env_world_size()
+    timeout_s = collective_timeout_s(timeout_s)
+    size, local_size = env_world_size(), env_local_world_size()
     if size <= 1:
-        return World(timeout_s=timeout_s)
+        return World(timeout_s=timeout_s, local_size=local_size)
     import torch.distributed as dist
 
-    try:
-        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    except KeyError:
+    if not os.environ.get("RANK", "").strip():
         raise DistError("WORLD_SIZE is set but RANK is not: start quant with torchrun (or set RANK, "
-                        "LOCAL_RANK, MASTER_ADDR, MASTER_PORT for every process)") from None
+                        "LOCAL_RANK, MASTER_ADDR, MASTER_PORT for every process)")
+    rank, local_rank = _env_int("RANK", 0, 0, size - 1), _env_int("LOCAL_RANK", 0, 0, size - 1)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         visible = torch.cuda.device_count()
@@ -325,7 +378,7 @@ def init_world(device: str, timeout_s: float | None = None) -> World:
                             f"node): start at most {visible} process(es) per node (torchrun --nproc-per-node "
                             f"{visible}), or run on CPUs with quantize.device: cpu")
         torch.cuda.set_device(local_rank)
-    world = World(rank, size, local_rank, backend, timeout_s)
+    world = World(rank, size, local_rank, backend, timeout_s, local_size)
     with world._collective("joining the process group"):
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -369,5 +422,3 @@ def exit_process(code: int) -> NoReturn:
         os._exit(code)
     sys.exit(code)
 
-
-SINGLE = World()

@@ -27,12 +27,15 @@ import logging
 import torch
 
 from quant.algos.awq import AWQExtra, awq_search, pick_scales, quantize_scaled, smoothing_grid, trial_errors
-from quant.algos.grid import QuantSpec
+from quant.algos.grid import QuantizedWeight, QuantSpec, quantize_weight
 from quant.diag.hostsync import on_device
 from quant.dist.relay import Relay
+from quant.engine.budgets import search_bytes, sub_batches
 from quant.engine.hessians import ExpertStats, LinearStats, close_linear_stats, linear_stats
-from quant.engine.rank_split import sub_batches
+from quant.engine.layer_job import LayerJob
+from quant.engine.layerwise import Layerwise
 from quant.models.layers import smoothing_sites
+from quant.models.names import expert_name, parse
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +50,14 @@ def rows_from_hessian(H: torch.Tensor) -> torch.Tensor:
     return L.transpose(1, 2)
 
 
-def _search(w, H, means, spec, job):
+def _search(w: torch.Tensor, H: torch.Tensor, means: torch.Tensor, spec: QuantSpec, job: LayerJob):
     """Per-element search (one s per batch element) of ``w [B, O, I]`` given ``H [B, I, I]``."""
     x = rows_from_hessian(H)
     mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
     return awq_search(w, x, mask, spec, w.dtype, n_grid=job.spec.awq_grid, channel_means=means)
 
 
-def search_bytes(out_f: int, in_f: int) -> int:
-    """One element's estimated fp32 search working set: the rows and ``x / s`` ``2 I²``, ``Q(W · s)`` ``O I``, and
-    ``x Wᵀ``, ``y`` and their difference ``3 I O`` (quant estimate uses it)."""
-    return 4 * (2 * in_f * in_f + out_f * in_f + 3 * in_f * out_f)
-
-
-def _sub_batches(job, experts: list[int], weights: torch.Tensor) -> list[list[int]]:
+def _sub_batches(job: LayerJob, experts: list[int], weights: torch.Tensor) -> list[list[int]]:
     """``experts`` in equal runs whose search working set (``search_bytes`` each) fits ``solve_budget_gb``."""
     return sub_batches(experts, weights.shape[1], weights.shape[2], job.spec.solve_budget_gb, search_bytes)
 
@@ -69,7 +66,7 @@ def _in_chunk(experts: list[int], stats: ExpertStats) -> list[int]:
     return [e for e in experts if stats.first <= e < stats.first + stats.count]
 
 
-def _mine(job, experts: list[int]) -> list[int]:
+def _mine(job: LayerJob, experts: list[int]) -> list[int]:
     """The experts this rank searches and quantizes (its range of ``job.ranges``; all of them in a world of one)."""
     r = job.ranges[job.world.rank]
     return [e for e in experts if r.start <= e < r.stop]
@@ -79,7 +76,7 @@ def _local(experts: list[int], stats: ExpertStats) -> torch.Tensor:
     return on_device([e - stats.first for e in experts], stats.weight_sum.device)
 
 
-def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
+def _experts_down(job: LayerJob, stats: ExpertStats, groups: dict) -> None:
     """Per-expert s for the chunk's down_proj of this rank's experts, folded into that expert's up rows."""
     v, I = job.view, job.view.intermediate
     for (proj, spec, _few), experts in groups.items():
@@ -89,10 +86,12 @@ def _experts_down(job, stats: ExpertStats, groups: dict) -> None:
             sel, local = on_device(sub, v.down.device), _local(sub, stats)
             denom = stats.weight_sum[local].clamp_min(1e-12).float()
             H = stats.sum_down[local] / denom[:, None, None]
-            res = _search(v.down.data[sel], H, stats.abs_down[local] / denom[:, None], spec, job)
+            w = v.down.data[sel]
+            res = _search(w, H, stats.abs_down[local] / denom[:, None], spec, job)
             v.down.data[sel] = res.weight.dequantize().to(v.down.dtype)
             v.gate_up.data[sel, I:] = (v.gate_up.data[sel, I:].float() / res.scales[:, :, None]).to(v.gate_up.dtype)
-            job.record(res.weight, [[(f"layers.{job.idx}.experts.{e}.down", slice(None))] for e in sub])
+            job.results.record(res.weight, [[(expert_name(job.idx, e, "down"), slice(None))] for e in sub],
+                               w.float() * res.scales[:, None, :])  # the weight the codes store: W · s
 
 
 class _GateUpSearch:
@@ -109,7 +108,7 @@ class _GateUpSearch:
     each rank then quantizes its own experts.
     """
 
-    def __init__(self, job, totals: ExpertStats, groups: dict):
+    def __init__(self, job: LayerJob, totals: ExpertStats, groups: dict):
         self.job = job
         fused = sorted(((spec, e) for (proj, spec, _f), e in groups.items() if proj == "gate_up"),
                        key=lambda t: -len(t[1]))
@@ -137,9 +136,8 @@ class _GateUpSearch:
             for sub in _sub_batches(self.job, _mine(self.job, experts), v.gate_up):
                 w = v.gate_up.data[on_device(sub, s.device)]
                 _write_gate_up(self.job, sub, quantize_scaled(w, s, spec, v.gate_up.dtype),
-                               v.intermediate)
+                               v.intermediate, w.float() * s[:, None, :])
         return s[0]
-
 
     def _gathered(self) -> list[torch.Tensor]:
         """Each searched group's errors ``[n_grid, experts]`` of every rank, in expert order (ranks own ascending
@@ -153,7 +151,8 @@ class _GateUpSearch:
         return [torch.cat([rank[i] for rank in parts], dim=1).to(self.s_grid.device) for i in range(len(mine))]
 
 
-def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay) -> torch.Tensor:
+def _expert_passes(job: LayerJob, lw: Layerwise, hidden: torch.Tensor, lin_stats: dict[str, LinearStats],
+                   relay: Relay) -> torch.Tensor:
     """One calibration pass per expert chunk (``job.expert_chunks``: their Hessians fit ``hessian_budget_gb``);
     the first pass (on ``relay``, which the linears' statistics use) also takes the linears' statistics and every
     expert's counts and gate/up ``Σ |x|`` (the plan's token floor and the shared search's grid need all experts).
@@ -186,12 +185,14 @@ def _expert_passes(job, lw, hidden: torch.Tensor, lin_stats: dict, relay: Relay)
     return search.finish()
 
 
-def _write_gate_up(job, experts: list[int], qw, I: int) -> None:
+def _write_gate_up(job: LayerJob, experts: list[int], qw: QuantizedWeight, I: int, scaled: torch.Tensor) -> None:
+    """``scaled``: the weights ``qw`` encodes (``W · s``), for the layer's error report."""
     v = job.view
     sel = on_device(experts, v.gate_up.device)
     v.gate_up.data[sel] = qw.dequantize().to(v.gate_up.dtype)
-    job.record(qw, [[(f"layers.{job.idx}.experts.{e}.gate", slice(0, I)), (f"layers.{job.idx}.experts.{e}.up",
-                                                                         slice(I, 2 * I))] for e in experts])
+    job.results.record(qw, [[(expert_name(job.idx, e, "gate"), slice(0, I)), (expert_name(job.idx, e, "up"),
+                                                                              slice(I, 2 * I))] for e in experts],
+                       scaled)
 
 
 def _fold_norm(norm_name: str, norm, s: torch.Tensor, params: dict) -> None:
@@ -199,10 +200,11 @@ def _fold_norm(norm_name: str, norm, s: torch.Tensor, params: dict) -> None:
     params[norm_name] = norm.weight.data
 
 
-def _smooth_linears(job, names: list[str], lin_stats: dict[str, LinearStats], s: torch.Tensor | None) -> torch.Tensor:
+def _smooth_linears(job: LayerJob, names: list[str], lin_stats: dict[str, LinearStats],
+                    s: torch.Tensor | None) -> torch.Tensor:
     """Linears sharing one input: search s (or apply the given one), quantize; returns s."""
     mods = [job.linears[n] for n in names]
-    specs = {job.spec_of(n) for n in names}
+    specs = {job.modules[n] for n in names}
     if len(specs) > 1 or any(n not in lin_stats for n in names):
         return torch.ones(mods[0].in_features, device=mods[0].weight.device)
     spec: QuantSpec = specs.pop()
@@ -215,34 +217,32 @@ def _smooth_linears(job, names: list[str], lin_stats: dict[str, LinearStats], s:
         res = _search(w, st.hessian()[None], st.mean_abs()[None], spec, job)
         s, qw = res.scales[0], res.weight
     else:
-        from quant.algos.grid import quantize_weight
-
         qw = quantize_weight(w.float() * s, spec, w.dtype)
     deq = qw.dequantize()[0]
     for i, m in enumerate(mods):
         m.weight.data.copy_(deq[bounds[i] : bounds[i + 1]])
-    job.record(qw, [[(n, slice(bounds[i], bounds[i + 1])) for i, n in enumerate(names)]])
+    job.results.record(qw, [[(n, slice(bounds[i], bounds[i + 1])) for i, n in enumerate(names)]], w.float() * s)
     return s
 
 
-def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-    """AWQ for the planned modules of ``job``'s layer; returns the changed kept parameters."""
-    sites = smoothing_sites(job.source, job.layer, job.idx, set(job.mods))
-    # every rank holds every statistic: from every batch in order (the relay), or from its own batches, summed over
-    # ranks after each pass (quantize.statistics: reduce)
-    relay = Relay(lw.world, local=job.reduce_asked())
+def run_awq(job: LayerJob, lw: Layerwise, hidden: torch.Tensor, reduced: bool) -> dict[str, torch.Tensor]:
+    """AWQ for the planned modules of ``job``'s layer; returns the changed kept parameters. Every rank holds every
+    statistic: from every batch in order (the relay), or (``reduced``) from its own batches, summed over ranks after
+    each pass."""
+    sites = smoothing_sites(job.source, job.layer, job.idx, set(job.modules))
+    relay = Relay(lw.world, local=reduced)
     if relay.local:
         log.info("layer %d: statistics of each rank's own batches, summed over %d ranks", job.idx, lw.world.size)
     lin_stats = linear_stats(job.linears, relay)
     params: dict[str, torch.Tensor] = {}
-    routed = job.view is not None and bool(job.experts_planned())
+    routed = job.has_experts()
     if routed:
         s = _expert_passes(job, lw, hidden, lin_stats, relay)
         _fold_norm(sites.mlp_norm[0], sites.mlp_norm[1], s, params)
         for name, weight in sites.mlp_readers:
             weight.data = (weight.data.float() * s).to(weight.dtype)
             params[name] = weight.data
-        shared = [n for n in job.linears if ".shared." in n and n.rsplit(".", 1)[1] in ("gate", "up")]
+        shared = [n for n in job.linears if parse(n).block == "shared" and parse(n).leaf in ("gate", "up")]
         if shared:
             _smooth_linears(job, shared, lin_stats, s)
         for local, mod in sites.kept_mlp_inputs:  # kept (bf16) shared-expert gate/up also read the norm
@@ -255,9 +255,9 @@ def run_awq(job, lw, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
     if attn:
         s_attn = _smooth_linears(job, attn, lin_stats, None)
         _fold_norm(sites.attn_norm[0], sites.attn_norm[1], s_attn, params)
-    dense_in = [n for n in job.linears if ".mlp." in n and n.rsplit(".", 1)[1] in ("gate", "up")]
+    dense_in = [n for n in job.linears if parse(n).block == "mlp" and parse(n).leaf in ("gate", "up")]
     if dense_in and not routed:
         s_mlp = _smooth_linears(job, dense_in, lin_stats, None)
         _fold_norm(sites.mlp_norm[0], sites.mlp_norm[1], s_mlp, params)
-    job.run_linears({}, skip=set(job.results))  # the rest: round-to-nearest
+    job.run_linears({}, skip=set(job.results.codes))  # the rest: round-to-nearest
     return params

@@ -15,7 +15,7 @@ from torch import nn
 
 from quant.diag.hostsync import HostCopy, on_device
 from quant.dist.relay import Relay
-from quant.dist.world import SINGLE
+from quant.dist.world import World
 from quant.engine.routing import (
     Bucket,
     chunk_budget,
@@ -69,9 +69,8 @@ class LinearStats:
     Inputs go through a ``Relay`` channel: with several ranks each batch's input reaches the consuming rank(s),
     which accumulate in global batch order; ranks that do not consume hold no sums."""
 
-    def __init__(self, module: nn.Linear, name: str = "", last: list | None = None, relay: Relay | None = None,
+    def __init__(self, module: nn.Linear, relay: Relay, name: str = "", last: list | None = None,
                  consumers: set[int] | None = None):
-        relay = relay or Relay(SINGLE)
         n = module.in_features
         self.name = name
         mine = consumers is None or relay.world.rank in consumers
@@ -133,16 +132,15 @@ class LinearStats:
         return self.abs_sum / max(self.n, 1)
 
 
-def linear_stats(modules: dict[str, nn.Linear], relay: Relay | None = None,
+def linear_stats(modules: dict[str, nn.Linear], relay: Relay,
                  consumers: set[int] | None = None) -> dict[str, LinearStats]:
     """Statistics for several linears of one layer, modules fed the same input tensor sharing one sum.
     ``consumers``: the ranks that accumulate (default every rank)."""
     last: list = [None, None]
-    relay = relay or Relay(SINGLE)
-    return {name: LinearStats(m, name, last, relay, consumers) for name, m in modules.items()}
+    return {name: LinearStats(m, relay, name, last, consumers) for name, m in modules.items()}
 
 
-def close_linear_stats(stats: dict[str, LinearStats], world) -> None:
+def close_linear_stats(stats: dict[str, LinearStats], world: World) -> None:
     """End the pass of :func:`linear_stats`: hooks removed, the sharing of inputs agreed over ranks
     (:func:`agree_leaders`) and, with a ``local`` relay, each accumulator's sums added over ranks."""
     for st in stats.values():
@@ -152,7 +150,7 @@ def close_linear_stats(stats: dict[str, LinearStats], world) -> None:
         st._sum_over_ranks()
 
 
-def agree_leaders(stats: dict[str, LinearStats], world) -> None:
+def agree_leaders(stats: dict[str, LinearStats], world: World) -> None:
     """Which linears share an input is seen by the hooks, so a rank that ran no calibration batch (more ranks than
     batches) saw none of it: every rank takes the sharing from the first rank that saw some. Call after the pass."""
     mine = {n: s.leader.name for n, s in stats.items() if s.leader is not None}
@@ -175,9 +173,8 @@ class ExpertStats:
     """
 
     def __init__(self, view: ExpertsView, gate_weighted: bool, all_experts: bool, first: int = 0,
-                 count: int | None = None, need_down: bool = True, relay: Relay | None = None,
+                 count: int | None = None, need_down: bool = True, *, relay: Relay,
                  consumers: set[int] | None = None, hessians: bool = True):
-        relay = relay or Relay(SINGLE)
         count = view.n_experts - first if count is None else count
         E, D, I = count, view.gate_up.shape[2], view.intermediate
         dev = view.gate_up.device

@@ -27,7 +27,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.errors import RecipeError
 from quant.io.staging import Staging, copy_into, host_available_bytes, pin_budget
 from quant.models import ModelSource
@@ -43,6 +43,7 @@ from quant.models.layers import (
 )
 
 log = logging.getLogger(__name__)
+ACTIVATION_BUDGET_BYTES = 8 << 30  # cached activations up to this size stay on the device (quant estimate too)
 
 
 def pick_device(spec: str) -> torch.device:
@@ -88,7 +89,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-class _LayerReader:
+class LayerReader:
     """A decoder layer's on-disk tensors for ``load_layer``: on a GPU read ahead (the next layer, by a thread) and,
     with several NCCL ranks, read in contiguous shares of about equal bytes, one per rank, then broadcast."""
 
@@ -102,8 +103,7 @@ class _LayerReader:
 
     def shares(self, idx: int) -> list[list[str]]:
         """Layer ``idx``'s tensor names split into one contiguous share per rank (by element count)."""
-        prefix = f"model.layers.{idx}."
-        keys = sorted(k for k in self.source.weight_map if k.startswith(prefix))
+        keys = sorted(self.source.layer_keys(idx))
         if not self.shared:
             return [keys]
         if self._numel is None:
@@ -137,7 +137,7 @@ class _LayerReader:
     def pin_budget(self) -> int:
         """Largest read-ahead (bytes) kept in page-locked memory (``staging.pin_budget``). Two layers' worth is held
         at a time (one uploading, the next being read), so at most half the host's available memory."""
-        return pin_budget()
+        return pin_budget(self.world.local_size)
 
     def take(self, idx: int, ahead: int | None = None) -> dict[str, torch.Tensor] | None:
         """Layer ``idx``'s tensors (None: ``load_layer`` reads them itself), and start reading layer ``ahead`` (default
@@ -186,8 +186,8 @@ class _LayerReader:
 class Layerwise:
     """Run a model layer by layer over fixed calibration tokens ``[N, S]``."""
 
-    def __init__(self, source: ModelSource, dtype: str, device: str, batch_size: int,
-                 activation_budget_bytes: int = 8 << 30, world: World = SINGLE):
+    def __init__(self, source: ModelSource, dtype: str, device: str, batch_size: int, world: World,
+                 activation_budget_bytes: int = ACTIVATION_BUDGET_BYTES):
         self.source = source
         self.world = world
         self.n_rows = 0  # rows of the token set last embedded (all ranks)
@@ -197,7 +197,7 @@ class Layerwise:
         self.budget = activation_budget_bytes
         self.model = build_skeleton(source, self.dtype)
         self.runner = LayerRunner(self.model, self.device, self.dtype)
-        self.reader = _LayerReader(source, world, self.device, self.dtype)
+        self.reader = LayerReader(source, world, self.device, self.dtype)
 
     def _store(self, like_shape: tuple[int, ...]) -> torch.device:
         n_bytes = torch.Size(like_shape).numel() * torch.finfo(self.dtype).bits // 8

@@ -6,7 +6,8 @@ to 4 bits (with an even ``in``) are stored two a byte, ``uint8 [out, in / 2]``: 
 for even columns, the high nibble for odd ones (half the disk and write time of a W4 layer: 5.6 instead of
 11.3 GB per DeepSeek-V3 layer); wider codes, and files of earlier versions, hold one int8 code a byte. Readers
 return int8 ``[out, in]`` either way. Files are written to a temporary name and renamed, so a file that exists is
-complete.
+complete; beside each, ``<file>.sha256`` records the SHA-256 of what was written, so a stored layer is reused (a
+resumed quantize) only while its bytes are still those (``stored_layer_problem``).
 """
 
 from __future__ import annotations
@@ -22,10 +23,40 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quant.algos.grid import QuantizedWeight, QuantSpec
+from quant.io.rundir import atomic_write_text
+from quant.io.storage import file_sha256
 
 
 def layer_file(root: Path, layer: int | None) -> Path:
     return root / ("layer_head.safetensors" if layer is None else f"layer_{layer:05d}.safetensors")
+
+
+def digest_file(path: Path) -> Path:
+    """Where the SHA-256 of layer file ``path`` is recorded when it is written."""
+    return path.with_name(path.name + ".sha256")
+
+
+def stored_layer_problem(path: Path) -> str | None:
+    """Why layer file ``path`` must not be reused, or None when its bytes are the ones recorded at writing (digests
+    cached by stat: an unchanged file is not re-read, a changed one always is)."""
+    if not path.is_file():
+        return "missing"
+    try:
+        recorded = digest_file(path).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return "without a recorded digest (written by a killed process or an older quant)"
+    try:
+        if file_sha256(path) != recorded:
+            return "damaged (its SHA-256 differs from the one recorded when it was written)"
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    return None
+
+
+def remove_layer(path: Path) -> None:
+    """Delete a stored layer file and its recorded digest."""
+    path.unlink(missing_ok=True)
+    digest_file(path).unlink(missing_ok=True)
 
 
 PARAM_PREFIX = "__param__."
@@ -97,7 +128,9 @@ def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[st
     # one metadata key: safetensors keeps metadata in a hash map, so several keys come out in varying order and the
     # same layer would not always be the same bytes
     save_file(tensors, str(tmp), metadata={"quant": json.dumps({"modules": meta, "report": report or {}})})
+    digest_file(path).unlink(missing_ok=True)  # never an old digest beside a new file
     os.replace(tmp, path)
+    atomic_write_text(digest_file(path), file_sha256(path) + "\n")  # read back from the page cache, then cached
 
 
 def read_layer(path: Path, device: str | torch.device = "cpu", names=None,

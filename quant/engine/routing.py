@@ -12,6 +12,9 @@ import torch
 
 from quant.diag.hostsync import on_device
 
+GPU_BLOCK_ELEMS = 1 << 28  # elements per padded per-expert block on a GPU (512 MB of bf16; quant estimate too)
+CPU_BLOCK_ELEMS = 1 << 24
+
 
 @dataclass
 class Bucket:
@@ -159,7 +162,6 @@ def expert_output(a: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """``a [E, C, I]``, ``down [E, D, I]`` -> ``[E, C, D]`` (before routing weights)."""
     return torch.bmm(a, down.transpose(1, 2).to(a.dtype))
 
-
 def chunk_budget(device: torch.device) -> int:
-    """Elements per padded per-expert block: 2^28 (512 MB of bf16) on a GPU, small on a CPU."""
-    return 1 << (28 if device.type == "cuda" else 24)
+    """Elements per padded per-expert block: ``GPU_BLOCK_ELEMS`` on a GPU, ``CPU_BLOCK_ELEMS`` on a CPU."""
+    return GPU_BLOCK_ELEMS if device.type == "cuda" else CPU_BLOCK_ELEMS

@@ -11,6 +11,8 @@ computed in token chunks by ``evalstream.ProxySums`` and split over ranks by sam
   mixed expert schemes as garbage). Faster for small models.
 ``auto`` (default) takes ``whole`` when the dense model fits in half the eval device's memory (and a mixed plan's
 dense copy fits the temporary folder's free disk), else ``streamed``; eval.json records which and why.
+The checkpoint evaluated is the first of ``export.formats``; a GPTQ-format one is read back by
+``shipped_gptq.GptqCheckpoint`` (streamed), or as its dense copy (whole, lm-eval's hf backend).
 Tasks (``eval.tasks``): lm-eval on both models with identical settings, on the writer rank; base scores are
 cached by model fingerprint and task settings. Gates turn deltas into pass/fail.
 """
@@ -31,16 +33,18 @@ from pathlib import Path
 import torch
 
 from quant.calibration import build_calibration
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.engine.layerwise import device_memory_bytes, pick_device
-from quant.errors import RecipeError
+from quant.errors import CheckpointError, RecipeError
+from quant.eval.shipped_gptq import GptqCheckpoint, dense_copy
 from quant.eval.stream import ProxySums, ShippedCheckpoint, streamed_proxies
 from quant.io.storage import remove_stale
 from quant.models import ModelSource
 from quant.models.builtin import cache_root
+from quant.models.dequant import DequantizingSource
 from quant.models.layers import DTYPES
 from quant.plan.bitplan import BitPlan
-from quant.recipe import Recipe
+from quant.recipe import EvalSpec, Recipe
 
 log = logging.getLogger(__name__)
 
@@ -55,27 +59,52 @@ def _load(path: Path, dtype, device, trust_remote_code: bool):
     return model
 
 
-@contextmanager
-def servable_checkpoint(checkpoint: Path, plan: BitPlan, source: ModelSource):
-    """A folder transformers loads correctly: the checkpoint itself, or its compressed-tensors dequantization."""
+def checkpoint_format(checkpoint: Path) -> str:
+    """``gptq`` or ``compressed-tensors``: the quant_method of an exported checkpoint's config.json."""
+    from quant.models.source import read_json_object
+
+    qcfg = read_json_object(checkpoint / "config.json", "re-run the export", CheckpointError).get("quantization_config")
+    return "gptq" if isinstance(qcfg, dict) and qcfg.get("quant_method") == "gptq" else "compressed-tensors"
+
+
+def shipped_checkpoint(checkpoint: Path, source: ModelSource, dtype: torch.dtype, device,
+                       processes_per_node: int = 1) -> DequantizingSource:
+    """The exported checkpoint as a source of dense weights, read by its format's reader (``processes_per_node``:
+    the world's ``local_size``, which sizes the page-locked read buffers)."""
+    reader = GptqCheckpoint if checkpoint_format(checkpoint) == "gptq" else ShippedCheckpoint
+    return reader(checkpoint, source, dtype, device, processes_per_node)
+
+
+def needs_dense_copy(checkpoint: Path, plan: BitPlan, source: ModelSource) -> bool:
+    """Whether transformers needs a dense copy to load the checkpoint correctly (GPTQ files always; a
+    compressed-tensors checkpoint when transformers cannot serve its plan)."""
     from quant.plan.runtimes import problems_for
 
-    if not problems_for(plan, source, "transformers"):
+    return checkpoint_format(checkpoint) == "gptq" or bool(problems_for(plan, source, "transformers"))
+
+
+@contextmanager
+def servable_checkpoint(checkpoint: Path, plan: BitPlan, source: ModelSource, dtype: torch.dtype = torch.bfloat16):
+    """A folder transformers loads correctly: the checkpoint itself, or its dense copy in the temporary folder
+    (compressed-tensors' dequantization, or the GPTQ files read back by ``shipped_gptq``)."""
+    if not needs_dense_copy(checkpoint, plan, source):
         yield checkpoint, "transformers"
         return
-    from compressed_tensors.entrypoints.convert import convert_checkpoint
-    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from quant.eval.layer_error import dense_copy as ct_dense_copy
 
     remove_stale(Path(tempfile.gettempdir()), "quant-dense-")  # left by killed runs
     tmp = Path(tempfile.mkdtemp(prefix=f"quant-dense-{os.getpid()}-"))
     try:
-        convert_checkpoint(checkpoint, tmp, CompressedTensorsDequantizer(checkpoint), device="cpu")
-        yield tmp, "compressed-tensors-dequantize"
+        if checkpoint_format(checkpoint) == "gptq":
+            dense_copy(GptqCheckpoint(checkpoint, source, dtype, "cpu"), tmp)
+            yield tmp, "gptq-dequantize"
+            return
+        yield ct_dense_copy(checkpoint, tmp, "cpu"), "compressed-tensors-dequantize"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _final_hidden(model, tokens: torch.Tensor, batch: int, device) -> torch.Tensor:
+def final_hidden(model, tokens: torch.Tensor, batch: int, device) -> torch.Tensor:
     """Final-norm hidden states ``[n, S, D]`` of a whole transformers model, ``batch`` samples at a time."""
     out = []
     with torch.no_grad():
@@ -85,16 +114,16 @@ def _final_hidden(model, tokens: torch.Tensor, batch: int, device) -> torch.Tens
 
 
 def whole_proxies(base_path: Path, quant_path: Path, tokens: torch.Tensor, dtype, device, batch: int,
-                  trust_remote_code: bool, world: World = SINGLE) -> dict:
+                  trust_remote_code: bool, world: World) -> dict:
     """The proxies with each model loaded whole (one at a time), this rank scoring its share of the samples."""
     mine = tokens[world.shard(range(tokens.shape[0]))]
     sums = ProxySums(device)
     if mine.shape[0]:
         base = _load(base_path, dtype, device, trust_remote_code)
-        hidden_base, head_base = _final_hidden(base, mine, batch, device), base.get_output_embeddings()
+        hidden_base, head_base = final_hidden(base, mine, batch, device), base.get_output_embeddings()
         del base
         quant = _load(quant_path, dtype, device, trust_remote_code)
-        hidden_quant, head_quant = _final_hidden(quant, mine, batch, device), quant.get_output_embeddings()
+        hidden_quant, head_quant = final_hidden(quant, mine, batch, device), quant.get_output_embeddings()
         del quant
         sums.score(hidden_base, head_base, hidden_quant, head_quant, mine, device)
     return sums.reduce(world).metrics()
@@ -117,22 +146,27 @@ def check_mode(requested: str, source: ModelSource) -> None:
                           "weights quant quantized; use eval.mode: streamed or auto")
 
 
-def proxy_mode(requested: str, source: ModelSource, plan: BitPlan, dtype: torch.dtype, device) -> tuple[str, str]:
+def proxy_mode(requested: str, source: ModelSource, plan: BitPlan, dtype: torch.dtype, device,
+               dense_copy_needed: bool | None = None) -> tuple[str, str]:
     """(``whole`` or ``streamed``, why): ``requested`` unless ``auto``, then the documented size rule; a base model
-    stored quantized (``check_mode``) is streamed."""
+    stored quantized (``check_mode``) is streamed. ``dense_copy_needed``: whole would load a dense copy of the
+    checkpoint (``needs_dense_copy``; None: when transformers cannot serve the plan), which must fit the temporary
+    folder."""
     check_mode(requested, source)
     if requested != "auto":
         return requested, f"eval.mode: {requested} (recipe)"
     if source.stored_quantized:
         return "streamed", "auto: the base model is stored in FP8 blocks (streamed reads it dequantized, as quantize did)"
-    from quant.plan.runtimes import problems_for
-
     dense = dense_bytes(source, dtype)
     memory = device_memory_bytes(torch.device(device))
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     if dense > WHOLE_MAX_MEMORY_FRACTION * memory:
         return "streamed", f"auto: dense model {gb(dense)} > {WHOLE_MAX_MEMORY_FRACTION:g} x {device} memory {gb(memory)}"
-    if problems_for(plan, source, "transformers"):
+    if dense_copy_needed is None:
+        from quant.plan.runtimes import problems_for
+
+        dense_copy_needed = bool(problems_for(plan, source, "transformers"))
+    if dense_copy_needed:
         free = shutil.disk_usage(tempfile.gettempdir()).free
         if dense > free:
             return "streamed", f"auto: a dense copy ({gb(dense)}) does not fit the free disk of the temporary folder"
@@ -142,11 +176,11 @@ def proxy_mode(requested: str, source: ModelSource, plan: BitPlan, dtype: torch.
 def _task_cache_key(source: ModelSource, recipe: Recipe) -> str:
     e = recipe.eval
     blob = json.dumps([source.fingerprint, e.tasks, e.limit, e.num_fewshot, e.batch_size, e.backend,
-                       e.max_gen_toks, recipe.model.dtype], sort_keys=True)
+                       e.max_gen_toks, recipe.model.dtype, e.humaneval_sandbox], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def task_gpus(e, model_bytes: int) -> int:
+def task_gpus(e: EvalSpec, model_bytes: int) -> int:
     """GPUs the hf lm-eval backend dispatches the model over: ``eval.gpus``, else every visible GPU when the dense
     model exceeds ~90% of GPU 0's memory, else 1."""
     visible = torch.cuda.device_count()
@@ -159,25 +193,63 @@ def task_gpus(e, model_bytes: int) -> int:
     return visible if model_bytes > 0.9 * device_memory_bytes(torch.device("cuda", 0)) else 1
 
 
-def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpus: int = 1) -> dict:
+def base_scores_path(source: ModelSource, recipe: Recipe) -> Path:
+    """Where the base model's task scores for these eval settings are cached."""
+    return cache_root() / "eval" / f"base-{_task_cache_key(source, recipe)}.json"
+
+
+def read_cached_scores(path: Path, tasks) -> dict | None:
+    """The base model's cached task scores at ``path`` (``{task: {"value": ...}}`` covering ``tasks``), or None when
+    there are none; a damaged entry is a miss (a warning, and the base model is scored again), never an error."""
+    if not path.is_file():
+        return None
+    try:
+        scores = json.loads(path.read_bytes())
+        if all(isinstance(scores[t]["value"], int | float) and not isinstance(scores[t]["value"], bool) for t in tasks):
+            return scores
+        problem = "a score that is not a number"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}"
+    log.warning("cached base-model scores %s are damaged (%s); scoring the base model again", path, problem)
+    return None
+
+
+def write_cached_scores(path: Path, scores: dict) -> None:
+    """Cache the base model's task scores (atomically: a killed run never leaves half a file)."""
+    from quant.io.rundir import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(scores))
+
+
+LM_EVAL_RESULTS = {"base": "lm_eval_base.json", "quantized": "lm_eval_quantized.json"}  # in the run directory
+
+
+def _run_tasks(recipe: Recipe, source: ModelSource, quant_dir: Path, device, gpus: int = 1,
+               run_dir: Path | None = None) -> dict:
+    """lm-eval on the base model (scores cached per model and settings) and on ``quant_dir``; lm-eval's own results
+    of both go to ``run_dir`` (``LM_EVAL_RESULTS``)."""
     from quant.eval.lmeval import run_lm_eval
 
     e = recipe.eval
     kw = dict(limit=e.limit, num_fewshot=e.num_fewshot, batch_size=e.batch_size, seed=1234, device=str(device),
-              backend=e.backend, max_gen_toks=e.max_gen_toks, trust_remote_code=source.trust_remote_code)
+              backend=e.backend, max_gen_toks=e.max_gen_toks, trust_remote_code=source.trust_remote_code,
+              humaneval_sandbox=e.humaneval_sandbox)
     if e.backend == "vllm":
         kw["model_args"] = {"tensor_parallel_size": e.tensor_parallel_size, "data_parallel_size": e.data_parallel_size}
     else:
         max_mem = None if e.max_memory_per_gpu_gb is None else int(e.max_memory_per_gpu_gb * 1e9)
         kw.update(gpus=gpus, max_memory_per_gpu=max_mem)
-    cache = cache_root() / "eval" / f"base-{_task_cache_key(source, recipe)}.json"
-    if cache.is_file():
-        base = json.loads(cache.read_text())
-    else:
-        base = {k: asdict(v) for k, v in run_lm_eval(source.path, list(e.tasks), **kw).items()}
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(base))
-    quant = {k: asdict(v) for k, v in run_lm_eval(quant_dir, list(e.tasks), **kw).items()}
+    cache = base_scores_path(source, recipe)
+    raw = cache.with_suffix(".lm_eval.json")  # lm-eval's own results of the cached base run
+    base = read_cached_scores(cache, e.tasks) if raw.is_file() else None
+    if base is None:
+        base = {k: asdict(v) for k, v in run_lm_eval(source.path, list(e.tasks), results_path=raw, **kw).items()}
+        write_cached_scores(cache, base)
+    out = run_dir / LM_EVAL_RESULTS["quantized"] if run_dir is not None else None
+    quant = {k: asdict(v) for k, v in run_lm_eval(quant_dir, list(e.tasks), results_path=out, **kw).items()}
+    if run_dir is not None:
+        shutil.copyfile(raw, run_dir / LM_EVAL_RESULTS["base"])
     return {t: {"metric": quant[t]["metric"], "base": base[t]["value"], "quantized": quant[t]["value"],
                 "delta": quant[t]["value"] - base[t]["value"], "stderr": quant[t]["stderr"], "n": quant[t]["n"]}
             for t in quant}
@@ -209,19 +281,30 @@ def gate_results(recipe: Recipe, proxy: dict, tasks: dict) -> list[dict]:
     return out
 
 
+def _sandbox_record(e) -> dict | None:
+    """For eval.json, when a task ran generated code: the sandbox policy and the layers that were in force."""
+    from quant.eval.lmeval import SANDBOXED_TASKS
+    from quant.eval.sandbox import probe
+
+    if not any(name in SANDBOXED_TASKS for name in e.tasks):
+        return None
+    found = probe()
+    return {"policy": e.humaneval_sandbox, "layers": list(found.layers), "missing": list(found.missing)}
+
+
 def _quantized_tasks(recipe: Recipe, source: ModelSource, plan: BitPlan, checkpoint: Path, device, gpus: int,
-                     dense: Path | None) -> dict:
+                     dense: Path | None, run_dir: Path | None = None) -> dict:
     """lm-eval on base and quantized model: vllm reads the checkpoint itself; hf loads ``dense`` (the folder the
     whole-model proxies loaded) or, when none was made, the folder ``servable_checkpoint`` makes now."""
     if recipe.eval.backend == "vllm":
-        return _run_tasks(recipe, source, checkpoint, device)
+        return _run_tasks(recipe, source, checkpoint, device, run_dir=run_dir)
     if dense is not None:
-        return _run_tasks(recipe, source, dense, device, gpus)
-    with servable_checkpoint(checkpoint, plan, source) as (path, _):
-        return _run_tasks(recipe, source, path, device, gpus)
+        return _run_tasks(recipe, source, dense, device, gpus, run_dir)
+    with servable_checkpoint(checkpoint, plan, source, DTYPES[recipe.model.dtype]) as (path, _):
+        return _run_tasks(recipe, source, path, device, gpus, run_dir)
 
 
-def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
     """Proxies on every rank (each scores its share of the samples; sums all-reduced, identical everywhere);
     lm-eval tasks on the writer rank alone, the other ranks waiting for its result without the collective
     timeout (``World.on_writer``), so every rank returns the same result."""
@@ -231,30 +314,34 @@ def evaluate_run(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
     dtype = DTYPES[recipe.model.dtype]
     tokens = build_calibration(e.perplexity.dataset, source.tokenizer(), e.perplexity.n_samples,
                                e.perplexity.seq_len, seed=0).tokens
+    source.check_token_ids(tokens, f"the held-out set {e.perplexity.dataset}")
     checkpoint = run_dir / "checkpoint"
     gpus = task_gpus(e, dense_bytes(source, dtype)) if e.tasks and e.backend == "hf" else 1
 
     def tasks_on_writer(dense: Path | None = None) -> dict:
         if not e.tasks:
             return {}
-        return world.on_writer(lambda: _quantized_tasks(recipe, source, plan, checkpoint, device, gpus, dense))
+        return world.on_writer(lambda: _quantized_tasks(recipe, source, plan, checkpoint, device, gpus, dense,
+                                                        run_dir))
 
-    mode, reason = proxy_mode(e.mode, source, plan, dtype, device)
+    mode, reason = proxy_mode(e.mode, source, plan, dtype, device, needs_dense_copy(checkpoint, plan, source))
     log.info("eval proxies: %s (%s)", mode, reason)
     if mode == "streamed":
-        shipped = ShippedCheckpoint(checkpoint, source, dtype, device)
-        proxy, loader = streamed_proxies(source, shipped, tokens, recipe.model.dtype, device, e.batch_size, world), \
-            "compressed-tensors-per-layer"
+        shipped = shipped_checkpoint(checkpoint, source, dtype, device, world.local_size)
+        proxy = streamed_proxies(source, shipped, tokens, recipe.model.dtype, device, e.batch_size, world)
+        loader = f"{checkpoint_format(checkpoint)}-per-layer"
         tasks = tasks_on_writer()
     else:
-        with servable_checkpoint(checkpoint, plan, source) as (path, loader):
+        with servable_checkpoint(checkpoint, plan, source, dtype) as (path, loader):
             proxy = whole_proxies(source.path, path, tokens, dtype, device, e.batch_size, source.trust_remote_code,
                                   world)
             tasks = tasks_on_writer(path)
     gates = gate_results(recipe, proxy, tasks)
+    sandbox = _sandbox_record(e) if tasks else None
     log.info("eval: ppl %.3f -> %.3f, KL %.4f, top-1 %.3f, gates %s", proxy["perplexity"]["base"],
              proxy["perplexity"]["quantized"], proxy["kl"]["quantized"], proxy["top1_agreement"]["quantized"],
              "passed" if all(g["passed"] for g in gates) else "FAILED")
     return {"loader": loader, "proxy_mode": mode, "proxy_mode_reason": reason, "world_size": world.size,
             "task_gpus": gpus if tasks and e.backend == "hf" else None,
-            "proxies": proxy, "tasks": tasks, "gates": gates, "passed": all(g["passed"] for g in gates)}
+            "proxies": proxy, "tasks": tasks, **({"sandbox": sandbox} if sandbox else {}), "gates": gates,
+            "passed": all(g["passed"] for g in gates)}

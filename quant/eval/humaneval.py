@@ -2,8 +2,9 @@
 
 A completion is the text a model generates after a problem's prompt (the function body). Grading builds
 `prompt + completion + "\\n" + test + "\\n" + "check(entry_point)"` exactly as the reference harness does
-and runs it with `quant.eval.sandbox` (never in this process); a problem passes when that program runs to the
-end without an exception within the time and memory limits.
+and runs it with `quant.eval.sandbox` (never in this process, and only where its kernel layers work unless the
+caller allows weak isolation); a problem passes when that program runs to the end without an exception within
+the time and memory limits.
 
 `truncate_completion` applies the stop sequences lm-eval's `humaneval` task generates with (`"\\nclass"`,
 `"\\ndef"`, `"\\n#"`, `"\\nif"`, `"\\nprint"`): text after the first one is not part of the function.
@@ -95,16 +96,19 @@ def grade(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     max_workers: int | None = None,
+    policy: str | None = None,
 ) -> list[ExecResult]:
     """Run each (problem, completion) pair in the sandbox, `max_workers` at a time; input order.
 
-    Completions are graded as given (apply `truncate_completion` to raw generations first). Raises
-    ValueError when the two sequences differ in length.
+    Completions are graded as given (apply `truncate_completion` to raw generations first). `policy`: the
+    sandbox's ("require", "allow_weak"; default the current `sandbox.isolation_policy`). Raises ValueError when
+    the two sequences differ in length, SandboxUnavailable (before any program runs) as `run_programs` does.
     """
     if len(problems) != len(completions):
         raise ValueError(f"got {len(problems)} problems but {len(completions)} completions")
     programs = [build_program(p, c) for p, c in zip(problems, completions, strict=True)]
-    results = run_programs(programs, timeout_s=timeout_s, memory_bytes=memory_bytes, max_workers=max_workers)
+    results = run_programs(programs, timeout_s=timeout_s, memory_bytes=memory_bytes, max_workers=max_workers,
+                           policy=policy)
     counts = Counter(r.status for r in results)
     logger.info("graded %d HumanEval completions: %s", len(results), dict(sorted(counts.items())))
     return results
@@ -117,6 +121,7 @@ def pass_at_1(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     max_workers: int | None = None,
+    policy: str | None = None,
 ) -> float:
     """Fraction of problems whose single completion passes its tests, in [0, 1].
 
@@ -126,6 +131,7 @@ def pass_at_1(
     if not problems:
         raise ValueError("pass_at_1 needs at least one problem")
     results = grade(
-        problems, completions, timeout_s=timeout_s, memory_bytes=memory_bytes, max_workers=max_workers
+        problems, completions, timeout_s=timeout_s, memory_bytes=memory_bytes, max_workers=max_workers,
+        policy=policy,
     )
     return sum(r.passed for r in results) / len(results)

@@ -21,7 +21,9 @@ Task names:
 
 Code execution: `quant_humaneval` scores with its own metric function, `evals/tasks/quant_humaneval.py`
 (wired into the task YAML with `!function`), which runs every completion through `quant.eval.humaneval` /
-`quant.eval.sandbox`: a separate process group with rlimits, an empty network namespace and an audit hook. It
+`quant.eval.sandbox`: namespaces, a minimal read-only root, no privileges, a seccomp filter and rlimits. Where
+the machine lacks one of the required kernel layers, `run_lm_eval` refuses such a task before loading anything
+(SandboxUnavailable) unless `humaneval_sandbox="allow_weak"` (the recipe's `eval.humaneval_sandbox`). It
 does not use lm-eval's `code_eval` metric (that one is fetched from the hub by the `evaluate` library and
 executes code in-process-tree with only `HF_ALLOW_CODE_EVAL=1` as a guard), so the offline task needs
 neither. lm-eval's own `humaneval` is refused unless `allow_unsandboxed_code=True` (and the caller exports
@@ -32,13 +34,17 @@ request bars pass `disable=False`, which overrides `TQDM_DISABLE`), and each bar
 loglikelihood requests`, `Running generate_until requests`, ...) reports as quant progress steps
 (`quant.progress`, stage `lm-eval`, unit requests): a log line when it starts, at every tenth of its total and at
 its end, which the console shows as a bar on a TTY and as plain lines with elapsed time and ETA in a batch log.
+`check_tasks` runs before any stage of a run: unknown names, unsandboxed code tasks and, offline, datasets missing
+from the local cache are one RecipeError there instead of a failure in the eval stage.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import importlib
+import importlib.util
 import logging
 import math
 import os
@@ -48,7 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quant.errors import CheckpointError, RecipeError
+from quant.errors import CheckpointError, MissingDependency, RecipeError
+from quant.eval.sandbox import isolation_policy, require_isolation
 from quant.progress import step
 
 logger = logging.getLogger(__name__)
@@ -61,6 +68,8 @@ OFFLINE_TASK_PREFIX = "quant_"
 PRIMARY_METRICS = ("acc", "pass@1", "exact_match", "acc_norm", "mc2", "f1", "em")
 PREFERRED_FILTERS = ("none", "sandbox", "strict-match", "create_test", "flexible-extract")
 DEFAULT_BOOTSTRAP_ITERS = 1000
+# offline tasks whose metric executes generated code (in quant.eval.sandbox)
+SANDBOXED_TASKS = ("quant_humaneval",)
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,8 @@ def run_lm_eval(
     allow_unsandboxed_code: bool = False,
     gpus: int = 1,
     max_memory_per_gpu: int | None = None,
+    humaneval_sandbox: str = "require",
+    results_path: str | Path | None = None,
 ) -> dict[str, TaskScore]:
     """Evaluate the model saved in `model_dir` on `tasks`; returns {task name: TaskScore} in input order.
 
@@ -106,10 +117,12 @@ def run_lm_eval(
     (e.g. `tensor_parallel_size`, `max_model_len` for vllm). `tasks_dir` defaults to `default_tasks_dir()`.
     `gpus > 1` (hf): the model is dispatched over GPUs 0..gpus-1 by an accelerate device map (`dispatch_map`,
     at most `max_memory_per_gpu` bytes each) and lm-eval loads it with `parallelize=True`.
-    Raises CheckpointError for a directory without config.json; RecipeError for an unknown backend or task
+    `humaneval_sandbox`: the sandbox policy for `SANDBOXED_TASKS` ("require" or "allow_weak", see
+    `check_sandboxed_tasks`). Raises SandboxUnavailable as `check_sandboxed_tasks` does; CheckpointError for a directory without config.json; RecipeError for an unknown backend or task
     name (naming the closest ones), misplaced `model_args`, or an lm-eval task that would execute code
     outside the sandbox; FileNotFoundError for a missing tasks directory; ModuleNotFoundError when lm-eval
-    (or vllm for that backend) is not installed.
+    (or vllm for that backend) is not installed. `results_path`: where lm-eval's own results go as JSON (what it
+    writes with `--output_path`: scores, task configs, versions, n-shot, sample counts; no per-sample logs).
     """
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
@@ -118,6 +131,7 @@ def run_lm_eval(
         )
     if not tasks:
         raise RecipeError("run_lm_eval needs at least one task name")
+    check_sandboxed_tasks(tasks, humaneval_sandbox)
     lm_eval = _import_lm_eval()
     task_manager = _task_manager(list(tasks), Path(tasks_dir) if tasks_dir else default_tasks_dir())
     if gpus > 1 and backend != "hf":
@@ -128,7 +142,7 @@ def run_lm_eval(
                                                               trust_remote_code=trust_remote_code))
     logger.info("lm-eval %s on %s: tasks=%s limit=%s", backend, model_dir, list(tasks), limit)
     try:
-        with _one_process(), _bars_as_steps(backend):
+        with _one_process(), isolation_policy(humaneval_sandbox), _bars_as_steps(backend):
             results = lm_eval.simple_evaluate(
                 model=backend,
                 model_args=args,
@@ -147,6 +161,10 @@ def run_lm_eval(
                 fewshot_random_seed=seed,
                 confirm_run_unsafe_code=allow_unsandboxed_code,
             )
+    except ConnectionError as exc:  # a dataset neither cached nor reachable (check_tasks sees the offline case first)
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise RecipeError(f"lm-eval could not fetch a dataset of eval.tasks {list(tasks)} ({reason}); check the "
+                          "network, or use the offline tasks (quant_mmlu, quant_humaneval)") from None
     except ValueError as exc:
         if "unsafe" not in str(exc):
             raise
@@ -155,9 +173,120 @@ def run_lm_eval(
             "allow_unsandboxed_code=True (and export HF_ALLOW_CODE_EVAL=1) on a disposable machine"
         ) from exc
     scores = scores_from_results(results, tasks)
+    if results_path is not None:
+        save_results(results, Path(results_path))
     for name, score in scores.items():
         logger.info("%s: %s=%.4f (n=%d)", name, score.metric, score.value, score.n)
     return scores
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def check_installed(tasks: Sequence[str], backend: str) -> None:
+    """Before any work: lm-eval is installed when ``tasks`` name any, and vLLM for its backend (MissingDependency,
+    one line naming the pip command)."""
+    if tasks and not _installed("lm_eval"):
+        raise MissingDependency(f"eval.tasks ({', '.join(tasks)}) need lm-eval, which is not installed: pip install "
+                                "'moe-quant[eval]' (or set eval.tasks: [])")
+    if tasks and backend == "vllm" and not _installed("vllm"):
+        raise MissingDependency("eval.backend vllm needs vLLM, which is not installed: pip install vllm (or set "
+                                "eval.backend: hf)")
+
+
+def save_results(results: Mapping[str, Any], path: Path) -> None:
+    """lm-eval's results dict as its own JSON output has it (non-JSON values as lm-eval writes them), atomically."""
+    import json
+
+    from lm_eval.utils import handle_non_serializable
+
+    from quant.io.rundir import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = {k: v for k, v in results.items() if k != "samples"}
+    atomic_write_text(path, json.dumps(kept, indent=1, default=handle_non_serializable))
+
+
+def check_sandboxed_tasks(tasks: Sequence[str], humaneval_sandbox: str) -> None:
+    """Before any work: when ``tasks`` include one that executes generated code (``SANDBOXED_TASKS``), the sandbox
+    must have every kernel layer, or ``humaneval_sandbox`` must be "allow_weak". Raises SandboxUnavailable (one
+    line naming what is missing and the opt-out)."""
+    if any(name in SANDBOXED_TASKS for name in tasks):
+        require_isolation(humaneval_sandbox)
+
+
+def check_tasks(tasks: Sequence[str], tasks_dir: Path | None = None, allow_unsandboxed_code: bool = False) -> None:
+    """Before any work, a RecipeError for what ``run_lm_eval`` would only find after every other stage: lm-eval
+    missing, an unknown task name (naming the closest), a task that runs generated code outside quant's sandbox
+    (lm-eval's ``unsafe_code`` tasks, e.g. ``humaneval``), and, offline (``datasets``' ``HF_DATASETS_OFFLINE``), a
+    dataset of lm-eval's tasks that is not in the local cache (``mmlu`` offline was a ConnectionError in eval)."""
+    try:
+        _import_lm_eval()
+    except ModuleNotFoundError as e:
+        raise RecipeError(f"eval.tasks needs lm-eval: {e}") from None
+    manager = _task_manager(list(tasks), tasks_dir or default_tasks_dir())
+    leaves = _leaf_tasks(manager, tasks)
+    unsafe = sorted(n for n, cfg in leaves.items() if cfg.get("unsafe_code"))
+    if unsafe and not allow_unsandboxed_code:
+        raise RecipeError(f"eval.tasks: lm-eval's {', '.join(unsafe[:3])} would run generated code outside quant's "
+                          "sandbox; use quant_humaneval (HumanEval graded in the sandbox) or drop it")
+    from datasets import config as datasets_config
+
+    if datasets_config.HF_DATASETS_OFFLINE:
+        missing = sorted({f"{cfg['dataset_path']}" for n, cfg in leaves.items()
+                          if cfg.get("dataset_path") and not _cached_offline(cfg)})
+        if missing:
+            raise RecipeError(f"eval.tasks: the dataset(s) {', '.join(missing[:3])} of lm-eval's tasks are not in the "
+                              "local cache and the hub is off (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE); download them "
+                              "first, or use the offline tasks (quant_mmlu, quant_humaneval)")
+
+
+def _leaf_tasks(manager, names: Sequence[str]) -> dict[str, dict]:
+    """Every task (name -> its config from lm-eval's index) that ``names`` (tasks, groups, tags) stand for."""
+    out: dict[str, dict] = {}
+    todo, seen = list(names), set()
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):  # a group's inline task config
+            todo += [item["task"]] if isinstance(item.get("task"), str) and "dataset_path" not in item else []
+            if "dataset_path" in item or "unsafe_code" in item:
+                out[str(item.get("task", "?"))] = item
+            continue
+        if not isinstance(item, str) or item in seen:
+            continue
+        seen.add(item)
+        entry = manager.task_index.get(item)
+        if entry is None:
+            continue
+        cfg = entry.cfg or {}
+        kind = getattr(entry.kind, "name", "")
+        if kind == "TAG":
+            todo += sorted(entry.tags)
+        elif kind == "GROUP":
+            members = cfg.get("task", [])
+            todo += members if isinstance(members, list) else [members]
+        else:
+            out[item] = cfg
+    return out
+
+
+def _cached_offline(cfg: Mapping[str, Any]) -> bool:
+    """Whether ``datasets`` finds a task's dataset without the hub (only a missing dataset counts: anything else
+    this cannot judge is left to lm-eval)."""
+    import datasets
+
+    kwargs = cfg.get("dataset_kwargs") or {}
+    try:
+        datasets.load_dataset_builder(cfg["dataset_path"], cfg.get("dataset_name"),
+                                      **({"data_files": kwargs["data_files"]} if "data_files" in kwargs else {}))
+    except (ConnectionError, FileNotFoundError):
+        return False
+    except Exception:  # noqa: BLE001 - a builder this check cannot build offline for another reason
+        return True
+    return True
 
 
 # torchrun / srun variables: accelerate (inside lm-eval's hf backend) reads LOCAL_RANK and would turn a torchrun
@@ -266,19 +395,26 @@ def _import_lm_eval():
     return lm_eval
 
 
-def _task_manager(tasks: list[str], tasks_dir: Path):
-    """A TaskManager over our offline tasks; lm-eval's built-ins are indexed only if a task needs them."""
+@functools.lru_cache(maxsize=4)
+def _indexed(tasks_dir: str, include_defaults: bool):
+    """A TaskManager (lm-eval indexes every task config it can see: ~10 s with its built-ins), built once per
+    process: the check before any work, then the base and the quantized model's evaluations, share it."""
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=tasks_dir, include_defaults=include_defaults)
+
+
+def _task_manager(tasks: list[str], tasks_dir: Path):
+    """A TaskManager over our offline tasks; lm-eval's built-ins are indexed only if a task needs them."""
     if not tasks_dir.is_dir():
         raise FileNotFoundError(f"offline lm-eval task directory {tasks_dir} not found; pass tasks_dir")
-    offline = TaskManager(include_path=str(tasks_dir), include_defaults=False)
+    offline = _indexed(str(tasks_dir), False)
     if all(name in offline.all_tasks for name in tasks):
         return offline
     unknown_offline = [n for n in tasks if n.startswith(OFFLINE_TASK_PREFIX) and n not in offline.all_tasks]
     if unknown_offline:
         raise RecipeError(_unknown_tasks_message(unknown_offline, offline.all_tasks))
-    manager = TaskManager(include_path=str(tasks_dir), include_defaults=True)
+    manager = _indexed(str(tasks_dir), True)
     unknown = [n for n in tasks if n not in manager.all_tasks]
     if unknown:
         raise RecipeError(_unknown_tasks_message(unknown, manager.all_tasks))

@@ -23,12 +23,13 @@ import torch
 from torch import nn
 
 from quant.diag.hostsync import on_device
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.errors import CheckpointError
 from quant.models import ModelSource
 from quant.models.dequant import DequantizingSource
 from quant.progress import step
+from quant.serve.names import COMPRESSED_TENSORS_METHODS
 
 log = logging.getLogger(__name__)
 LOGIT_CHUNK_BYTES = 1 << 30  # float32 logits of both models (and log-softmax temporaries) per scored chunk
@@ -46,14 +47,15 @@ class ShippedCheckpoint(DequantizingSource):
     layer is 23 GB).
     """
 
-    def __init__(self, path: Path, base: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu"):
-        super().__init__(path, dtype, device, display_name=f"{base.display_name} (shipped)",
+    def __init__(self, path: Path, base: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 processes_per_node: int = 1):
+        super().__init__(path, dtype, device, processes_per_node, display_name=f"{base.display_name} (shipped)",
                          trust_remote_code=base.trust_remote_code, family=base.family.name)
         qcfg = self.config_dict.get("quantization_config") or {}
-        if qcfg.get("quant_method") != "compressed-tensors":
+        if qcfg.get("quant_method") not in COMPRESSED_TENSORS_METHODS:
             raise CheckpointError(
                 f"{path}: streamed eval reads compressed-tensors checkpoints, this one is "
-                f"'{qcfg.get('quant_method', 'not quantized')}'; list compressed-tensors first in export.formats"
+                f"'{qcfg.get('quant_method', 'not quantized')}' (GPTQ files are read by quant.eval.shipped_gptq)"
             )
         from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
             CompressedTensorsDequantizer,
@@ -71,7 +73,7 @@ class ShippedCheckpoint(DequantizingSource):
     def _dense_shape(self, raw: dict[str, torch.Tensor], key: str) -> tuple[int, ...]:
         return tuple(int(x) for x in raw[key + "_shape"].tolist())  # the weight_shape it stores
 
-    def _dense(self, raw: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
+    def dequantize(self, raw: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
         dense = self.dequantizer.process(raw)
         missing = [k for k in keys if k not in dense]
         if missing:
@@ -132,7 +134,7 @@ class ProxySums:
 
 
 def streamed_proxies(base: ModelSource, shipped: ModelSource, tokens: torch.Tensor, dtype: str, device,
-                     batch_size: int, world: World = SINGLE) -> dict:
+                     batch_size: int, world: World) -> dict:
     """Perplexity, KL and top-1 agreement over ``tokens [N, S]``, this rank scoring its share of the samples (the
     ``Layerwise`` batches dealt to it, batches no larger than an even share); every rank returns the same
     (all-reduced) numbers. Every rank walks both models' layers, even without samples: with NCCL each reads its
@@ -147,10 +149,10 @@ def streamed_proxies(base: ModelSource, shipped: ModelSource, tokens: torch.Tens
         batch = max(1, min(batch_size, math.ceil(tokens.shape[0] / walk.size)))
         n = base.n_layers
         log.info("eval: %d layers of each model, %d samples", n, tokens.shape[0], extra=step("eval", 0, 2 * n))
-        lw_base = Layerwise(base, dtype, str(device), batch, world=walk)
+        lw_base = Layerwise(base, dtype, str(device), batch, walk)
         hidden_base, head_base = lw_base.final_hidden(tokens, _progress("base", 0, n))
         mine = tokens[lw_base.my_rows()] if walk.distributed else tokens
-        lw_quant = Layerwise(shipped, dtype, str(device), batch, world=walk)
+        lw_quant = Layerwise(shipped, dtype, str(device), batch, walk)
         hidden_quant, head_quant = lw_quant.final_hidden(tokens, _progress("quantized", n, n))
         sums.score(hidden_base, head_base, hidden_quant, head_quant, mine, lw_base.device)
     return sums.reduce(world).metrics()
@@ -162,5 +164,6 @@ def _progress(model: str, before: int, n_layers: int):
 
 
 def layer_world(world: World, device) -> World:
-    """The world the eval's layer walks run in: the job's, unless it is NCCL and the eval device is not a GPU."""
-    return SINGLE if world.backend == "nccl" and torch.device(str(device)).type != "cuda" else world
+    """The world the eval's layer walks run in: the job's, unless it is NCCL and the eval device is not a GPU (then
+    each rank walks alone)."""
+    return world.alone() if world.backend == "nccl" and torch.device(str(device)).type != "cuda" else world

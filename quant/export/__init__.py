@@ -1,16 +1,21 @@
-"""Checkpoint writers (compressed-tensors, GPTQ), model card, and readers for ``quant inspect``."""
+"""Checkpoint writers (compressed-tensors, GPTQ), model card, and readers for ``quant inspect``.
+
+Two pipeline stages call this package: ``export`` writes each checkpoint (``export_all``) and, after ``eval``
+has measured that checkpoint on disk, ``card`` writes its model card with the eval numbers (``write_cards``).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.export.writer import CARD, add_to_manifest, checkpoint_digest
 from quant.models import ModelSource
 from quant.plan.bitplan import BitPlan
 from quant.recipe import Recipe
 
-__all__ = ["CARD", "check_formats", "checkpoint_digest", "checkpoint_dirs", "export_all", "runtime_notes", "write_cards"]
+__all__ = ["CARD", "check_formats", "checkpoint_digest", "checkpoint_dirs", "export_all", "runtime_notes", "served_by",
+           "write_cards"]
 
 
 def checkpoint_dirs(recipe: Recipe) -> dict[str, str]:
@@ -26,8 +31,7 @@ def check_formats(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) 
         check_gptq_plan(plan, source)
 
 
-def export_all(source: ModelSource, plan: BitPlan, recipe: Recipe, run_dir: Path,
-               world: World = SINGLE) -> dict[str, Path]:
+def export_all(source: ModelSource, plan: BitPlan, recipe: Recipe, run_dir: Path, world: World) -> dict[str, Path]:
     """Every format's checkpoint; under torchrun each rank writes its share of every checkpoint's shard files."""
     from quant.export.compressed_tensors import write_compressed_tensors
     from quant.export.gptq import write_gptq
@@ -35,31 +39,41 @@ def export_all(source: ModelSource, plan: BitPlan, recipe: Recipe, run_dir: Path
     writers = {"compressed-tensors": write_compressed_tensors, "gptq": write_gptq}
     max_bytes = int(recipe.export.max_shard_gb * 1e9)
     extra = {"recipe": recipe.name, "base_model": source.display_name, "model_fingerprint": source.fingerprint}
-    return {fmt: writers[fmt](source, plan, run_dir / "quantized", run_dir / folder, max_bytes, extra, world)
+    return {fmt: writers[fmt](source, plan, run_dir / "quantized", run_dir / folder, max_bytes, world, extra)
+            for fmt, folder in checkpoint_dirs(recipe).items()}
+
+
+def served_by(plan: BitPlan, source: ModelSource, recipe: Recipe) -> dict[str, list[str]]:
+    """Run-dir-relative checkpoint folder -> the runtimes its card names that serve it (``quant publish`` uploads
+    only a folder some runtime serves)."""
+    from quant.export.card import RUNTIMES
+    from quant.plan.runtimes import problems_for
+
+    return {folder: [rt for rt in RUNTIMES if not problems_for(plan, source, rt, (fmt,))]
             for fmt, folder in checkpoint_dirs(recipe).items()}
 
 
 def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
-    """The model card (README.md) of every exported checkpoint, from the plan summary, eval and runtime checks;
-    its SHA-256 is added to the checkpoint's manifest, so what is published is what was written."""
+    """The model card (README.md) of every exported checkpoint, from the recipe, the plan's headline, eval.json
+    and the runtime checks; its SHA-256 is added to the checkpoint's manifest, so what is published is what was
+    written. The card stage's body, after eval: the only writer of the card and of its manifest entry (export
+    writes a checkpoint without one; its identity, ``checkpoint_digest``, leaves the card out)."""
     import json
 
     from quant import version
     from quant.export.card import RUNTIMES, render_card
     from quant.io.rundir import atomic_write_text
-    from quant.measure.profile import RoutingProfile
     from quant.plan.runtimes import gptqmodel_kernel_problem, problems_for
-    from quant.plan.summary import summarize
+    from quant.plan.summary import scheme_counts
 
     plan = BitPlan.load(run_dir / "plan.json")
-    summary = summarize(plan, source, RoutingProfile.load(run_dir / "profile.json"))
     ev = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").is_file() else None
     for fmt, folder in checkpoint_dirs(recipe).items():
         problems = {rt: problems_for(plan, source, rt, (fmt,)) for rt in RUNTIMES}
         backend = "TORCH" if fmt == "gptq" and gptqmodel_kernel_problem(plan) else None
-        card = render_card(recipe, source, summary, ev, problems, version(), fmt=fmt,
+        card = render_card(recipe, source, plan.headline, ev, problems, version(), fmt=fmt,
                            runtime_notes=runtime_notes(plan, source, fmt), gptqmodel_backend=backend,
-                           serving=plan.serving)
+                           serving=plan.serving, schemes=scheme_counts(plan, source))
         atomic_write_text(run_dir / folder / CARD, card)
         add_to_manifest(run_dir / folder, CARD)
 
@@ -67,19 +81,25 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
 def runtime_notes(plan: BitPlan, source: ModelSource, fmt: str) -> dict[str, str]:
     """Warnings the card shows per runtime: where a runtime would load the checkpoint without an error and compute
     wrong outputs (read from their code, docs/runtimes.md), and which GPTQModel backend the plan needs."""
-    from quant.plan.runtimes import expert_schemes_by_layer, gptqmodel_kernel_problem
+    from quant.plan.runtimes import expert_schemes_by_layer, gptqmodel_kernel_problem, problems_for
 
     by_layer = expert_schemes_by_layer(plan, source)
     notes = {}
-    if any(len(s) > 1 for s in by_layer.values()):
+    mixed = any(len(s) > 1 for s in by_layer.values())
+    if mixed:  # as vLLM 0.26.0 and transformers 5.17 did with such checkpoints (tests/serve, tests/integration)
+        plugin = ("vLLM with quant's plugin serves it (above)." if not problems_for(plan, source, "vllm-quant", (fmt,))
+                  else "")
         notes["vllm"] = (
-            "**vLLM may load this checkpoint without an error and serve wrong outputs**: it builds each MoE layer "
-            "from expert 0's scheme and narrows the smaller tensors of other experts into those buffers without a "
-            "size check." if fmt == "compressed-tensors" else
-            "vLLM refuses this checkpoint at load: a guard rule in its `dynamic` config stops it, since it would "
-            "apply one scheme to every expert of a layer."
+            "Stock vLLM refuses this checkpoint by name (`quant_method: moe-quant-mixed`: \"Unknown quantization "
+            f"method\"). {plugin}".strip() if fmt == "compressed-tensors" else
+            "vLLM fails to load this checkpoint (its `dynamic` rules are per MoE layer, and the experts' tensors of "
+            "other bits do not fit); serve the compressed-tensors export with quant's plugin."
         )
-    if fmt == "compressed-tensors" and len(set().union(*by_layer.values())) > 1:
+    if fmt == "compressed-tensors" and mixed:
+        notes["transformers"] = ("**Do not load this checkpoint with transformers**: it skips the unknown method "
+                                 "`moe-quant-mixed` and leaves every quantized weight uninitialised (a load "
+                                 "report, no error).")
+    elif fmt == "compressed-tensors" and len(set().union(*by_layer.values())) > 1:
         notes["transformers"] = ("**transformers 5.x loads this checkpoint without an error and computes wrong "
                                  "outputs**: it decompresses every expert of the model with one scheme.")
     if fmt == "gptq" and (kernel := gptqmodel_kernel_problem(plan)):

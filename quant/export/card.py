@@ -1,5 +1,5 @@
 """The Hugging Face model card (``README.md``) of a quantized checkpoint. Formatting only: every number comes
-from the plan summary and the eval result passed in, every serving claim from the runtime check.
+from the plan's headline and the eval result passed in, every serving claim from the runtime check.
 
 Front matter: ``base_model`` when the model path looks like a hub id (``ORG/NAME``, not a builtin or a local
 folder), ``license`` copied from the source model (its README front matter, else ``config.json``), ``tags``
@@ -18,13 +18,16 @@ import yaml
 
 from quant.models import ModelSource
 from quant.models.source import layer_of_key
+from quant.plan.bitplan import Headline
 from quant.plan.runtimes import GPTQMODEL_NEEDS_GPTQ, TRANSFORMERS_NO_GPTQ
 from quant.recipe import Recipe
 
-RUNTIMES = ("vllm", "sglang", "transformers", "gptqmodel")
-RUNTIME_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "transformers": "transformers", "gptqmodel": "GPTQModel"}
+RUNTIMES = ("vllm-quant", "vllm", "sglang", "transformers", "gptqmodel")
+RUNTIME_NAMES = {"vllm-quant": "vLLM with quant's plugin", "vllm": "vLLM", "sglang": "SGLang",
+                 "transformers": "transformers", "gptqmodel": "GPTQModel"}
 # what a checkpoint format rules out regardless of the plan
-FORMAT_PROBLEMS = {("gptq", "transformers"): TRANSFORMERS_NO_GPTQ, ("compressed-tensors", "gptqmodel"): GPTQMODEL_NEEDS_GPTQ}
+FORMAT_PROBLEMS = {("gptq", "transformers"): TRANSFORMERS_NO_GPTQ, ("compressed-tensors", "gptqmodel"): GPTQMODEL_NEEDS_GPTQ,
+                   ("gptq", "vllm-quant"): "quant's vLLM plugin serves the compressed-tensors export"}
 # front matter library_name: the first runtime (hub library) that can serve the checkpoint; none if none can
 LIBRARY_FOR = (("transformers", "transformers"), ("vllm", "vllm"))
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -73,7 +76,20 @@ def _front_matter(recipe: Recipe, source: ModelSource, fmt: str, runtime_problem
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
 
 
-def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
+def _schemes_line(recipe: Recipe, schemes: dict[str, dict[str, int]] | None) -> str:
+    """The schemes the checkpoint holds, per module kind (its config.json's groups), and the recipe's request."""
+    p = recipe.plan
+    asked = ("per channel" if p.group_size == -1 else f"group size {p.group_size}") + (
+        ", symmetric" if p.symmetric else ", asymmetric (zero points)")
+    if not schemes:
+        return f"- grid (recipe): {asked}"
+    held = "; ".join(f"{kind} {', '.join(f'{s} ×{n}' for s, n in by.items())}" for kind, by in schemes.items())
+    return (f"- schemes (what config.json holds): {held} (recipe: {asked}, the largest group; each set of modules "
+            "that must share a scheme, such as the experts of one MoE layer, gets the largest power of two up to it "
+            "that divides all their input widths)")
+
+
+def _what(recipe: Recipe, source: ModelSource, fmt: str, schemes: dict[str, dict[str, int]] | None = None) -> list[str]:
     p, q = recipe.plan, recipe.quantize
     policy = f"`{p.policy}`"
     if p.policy in ("top_fraction", "random", "inverse"):
@@ -84,7 +100,6 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
                    f"expert bits; group sizes {groups})")
     elif p.policy == "budget":
         policy += f" ({f'{p.budget_avg_bits} average expert bits' if p.budget_avg_bits else f'{p.budget_gb} GB'})"
-    group = "per channel" if p.group_size == -1 else f"group size {p.group_size}"
     # the recipe's free-text description is not repeated: --set overrides (e.g. the algorithm) may contradict it
     lines = [f"`{source.display_name}` ({source.family.name}) quantized by moe-quant with recipe `{recipe.name}`."]
     left_out = sorted({layer_of_key(k) for k in source.left_out})
@@ -93,27 +108,25 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str) -> list[str]:
         f"- algorithm: `{q.algorithm}`",
         f"- policy: {policy}; experts at {p.high_bits} (high) or {p.low_bits} (low) bits",
         f"- granularity: `{p.granularity}` ({'one scheme per MoE layer' if p.granularity == 'per_layer' else 'bits chosen per expert'})",
-        f"- grid: {group}, {'symmetric' if p.symmetric else 'asymmetric (zero points)'}",
+        _schemes_line(recipe, schemes),
         f"- format: `{fmt}`; target runtime: `{p.target_runtime}`",
     ] + ([f"- not included: the source's multi-token-prediction layer(s) {', '.join(map(str, left_out))} "
           "(`num_nextn_predict_layers`; not part of the forward): MTP speculative decoding needs a separate draft "
           "model"] if left_out else [])
 
 
-def _plan(summary: dict) -> list[str]:
-    h = summary.get("headline", summary)
+def _plan(h: Headline) -> list[str]:
     lines = [
-        f"- average bits over expert weights: **{h['avg_bits_experts']}**; over all weights: {h['avg_bits_all']}",
-        f"- traffic-weighted bits (what a routed token reads): {h['traffic_weighted_bits']}",
-        f"- checkpoint size: {h['size_gb']} GB ({h['size_gb'] * 1000:.1f} MB)",
+        f"- average bits over expert weights: **{h.avg_bits_experts}**; over all weights: {h.avg_bits_all}",
+        f"- traffic-weighted bits (what a routed token reads): {h.traffic_weighted_bits}",
+        f"- checkpoint size: {h.size_gb} GB ({h.size_gb * 1000:.1f} MB)",
         "",
         "| bits | % of expert projections | share of routed traffic |",
         "|---|---|---|",
     ]
-    traffic = {str(b): v for b, v in h.get("traffic_share_by_bits", {}).items()}
-    for b, pct in sorted(h["expert_pct_by_bits"].items(), key=lambda kv: int(kv[0])):
-        label = "16 (kept)" if int(b) == 16 else str(b)
-        share = traffic.get(str(b))
+    for b, pct in sorted(h.expert_pct_by_bits.items()):
+        label = "16 (kept)" if b == 16 else str(b)
+        share = h.traffic_share_by_bits.get(b)
         lines.append(f"| {label} | {pct}% | {'-' if share is None else f'{100 * share:.1f}%'} |")
     return lines
 
@@ -148,8 +161,13 @@ def _eval(ev: dict | None) -> list[str]:
     return lines + ["", verdict, "", f"Evaluated from the exported checkpoint on disk (loader: `{ev.get('loader', '?')}`)."]
 
 
-def _snippet(runtime: str, repo: str, trust: bool, backend: str | None = None) -> list[str]:
+def _snippet(runtime: str, repo: str, trust: bool, backend: str | None = None, quant_flag: str = "") -> list[str]:
     flag, kw = (" --trust-remote-code", ", trust_remote_code=True") if trust else ("", "")
+    if runtime == "vllm-quant":  # what tests/serve/test_vllm.py serves on vLLM 0.26.0
+        q, qkw = (f" --quantization {quant_flag}", f', quantization="{quant_flag}"') if quant_flag else ("", "")
+        return ["```bash", "pip install vllm==0.26.0 && pip install --no-deps moe-quant  # registers quant's plugin",
+                f"vllm serve {repo}{flag}{q}", "```", "```python", "from vllm import LLM",
+                f'llm = LLM(model="{repo}"{kw}{qkw})', 'print(llm.generate(["Hello"])[0].outputs[0].text)', "```"]
     if runtime == "vllm":
         return ["```bash", f"vllm serve {repo}{flag}", "```", "```python", "from vllm import LLM",
                 f'llm = LLM(model="{repo}"{kw})', 'print(llm.generate(["Hello"])[0].outputs[0].text)', "```"]
@@ -193,27 +211,31 @@ def _serving(runtime_problems: dict[str, list[str]], fmt: str, repo: str, trust:
         if extra and extra not in reasons:
             reasons.append(extra)
         backend = gptqmodel_backend if rt == "gptqmodel" else None
-        lines += ([f"not servable: {'; '.join(reasons)}"] if reasons else _snippet(rt, repo, trust, backend)) + [""]
+        # a plain compressed-tensors checkpoint takes the plugin only when asked for by name
+        flag = "moe-quant-mixed" if rt == "vllm-quant" and runtime_problems.get("vllm") else ""
+        lines += ([f"not servable: {'; '.join(reasons)}"] if reasons else _snippet(rt, repo, trust, backend, flag)) + [""]
     return lines
 
 
-def render_card(recipe: Recipe, source: ModelSource, plan_summary: dict, eval_result: dict | None,
+def render_card(recipe: Recipe, source: ModelSource, headline: Headline, eval_result: dict | None,
                 runtime_problems: dict[str, list[str]], tool_version: str, *, fmt: str | None = None,
                 repo_id: str | None = None, runtime_notes: dict[str, str] | None = None,
-                gptqmodel_backend: str | None = None, serving: dict | None = None) -> str:
+                gptqmodel_backend: str | None = None, serving: dict | None = None,
+                schemes: dict[str, dict[str, int]] | None = None) -> str:
     """README.md for the checkpoint of format ``fmt`` (default: the recipe's first export format, i.e. the run's
-    ``checkpoint/``). ``plan_summary``: ``plan_summary.summarize`` output or its ``headline``. ``runtime_problems``:
+    ``checkpoint/``). ``headline``: the plan's figures (``BitPlan.headline``). ``runtime_problems``:
     runtime -> reasons it cannot serve the checkpoint (empty list: servable); ``library_name`` is the first of
     transformers / vLLM that can. ``runtime_notes``: runtime -> a line shown in its section (warnings).
     ``gptqmodel_backend``: the ``BACKEND`` member the GPTQModel snippet must name (its default kernel cannot run
     the plan). ``repo_id`` goes into the snippets (default ``ORG/NAME``). ``serving``: the plan's
-    ``quant.plan.servable.serving_summary`` (names the best plan vLLM/SGLang serve when they cannot serve this one)."""
+    ``quant.plan.servable.serving_summary`` (names the best plan vLLM/SGLang serve when they cannot serve this one).
+    ``schemes``: ``quant.plan.summary.scheme_counts`` of the plan, listed as what the checkpoint holds."""
     fmt = fmt or recipe.export.formats[0]
     repo = repo_id or "ORG/NAME"
     title = repo_id.split("/")[-1] if repo_id else f"{source.display_name.split('/')[-1]} ({recipe.name})"
     lines = [_front_matter(recipe, source, fmt, runtime_problems), f"# {title}", "", "## What this is", ""]
-    lines += _what(recipe, source, fmt)
-    lines += ["", "## Plan", ""] + _plan(plan_summary)
+    lines += _what(recipe, source, fmt, schemes)
+    lines += ["", "## Plan", ""] + _plan(headline)
     lines += ["", "## Evaluation", ""] + _eval(eval_result)
     lines += ["", "## Serving", ""] + _serving(runtime_problems, fmt, repo, recipe.model.trust_remote_code,
                                                runtime_notes or {}, gptqmodel_backend, serving)

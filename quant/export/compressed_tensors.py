@@ -1,6 +1,9 @@
 """compressed-tensors checkpoint (``pack-quantized``), written with the library's own packing and config types.
 
-One config group per (bits, group size, symmetry). Targets are anchored ``re:`` regexes over the on-disk module
+One config group per (bits, group size, symmetry). Where one fused MoE layer's experts carry different schemes,
+``quant_method`` is ``moe-quant-mixed`` (``quant.serve.names``): the tensors and config groups are the same, but
+only quant's vLLM plugin (``quant.serve``) serves such a layer, and stock vLLM refuses the name rather than load
+it with one scheme. Targets are anchored ``re:`` regexes over the on-disk module
 names the runtimes see (per-expert names such as ``model.layers.3.mlp.experts.17.up_proj``; Mixtral's
 ``block_sparse_moe.experts.17.w3``). Kept Linear weights (router, lm_head, any ``keep`` module) are listed
 in ``ignore``. Per quantized module the checkpoint holds ``weight_packed`` (int32), ``weight_scale``
@@ -17,12 +20,14 @@ from pathlib import Path
 
 import torch
 
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.engine.qstore import packed_words, with_codes
 from quant.export.targets import name_regexes
 from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
 from quant.plan.bitplan import BitPlan
+from quant.plan.runtimes import expert_schemes_by_layer
+from quant.serve.names import QUANT_METHOD
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +55,12 @@ def quantization_config(source: ModelSource, plan: BitPlan) -> dict:
     ignore = ["re:" + r for r in name_regexes(kept, universe)] if kept else []
     cfg = QuantizationConfig(config_groups=config_groups, format="pack-quantized",
                              quantization_status="compressed", ignore=ignore)
-    return cfg.model_dump(exclude_none=True)
+    out = cfg.model_dump(exclude_none=True)
+    if any(len(s) > 1 for s in expert_schemes_by_layer(plan, source).values()):
+        # experts of one fused MoE layer differ: only quant's vLLM plugin serves that; stock vLLM refuses the name
+        # (one scheme per fused layer would load the other experts wrong), the tensors are compressed-tensors'
+        out["quant_method"] = QUANT_METHOD
+    return out
 
 
 def compress_module(qw) -> dict[str, torch.Tensor]:
@@ -73,7 +83,7 @@ def compress_module(qw) -> dict[str, torch.Tensor]:
 
 
 def write_compressed_tensors(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
-                             extra_manifest: dict | None = None, world: World = SINGLE) -> Path:
+                             world: World, extra_manifest: dict | None = None) -> Path:
     """Write the checkpoint to ``out`` atomically (each rank of ``world`` its share of the shards); returns ``out``."""
     config = json.loads((source.path / "config.json").read_text())
     config["quantization_config"] = quantization_config(source, plan)

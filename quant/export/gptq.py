@@ -22,17 +22,17 @@ first matching rule) override the base scheme, the plan's most common one:
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
 
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.engine.qstore import packed_words, with_codes
 from quant.errors import PlanError
 from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
+from quant.models.families import layer_rule
 from quant.plan.bitplan import BitPlan
 
 GPTQ_BITS = (2, 4, 8)
@@ -92,23 +92,6 @@ def _scheme(plan: BitPlan, name: str) -> tuple | None:
     return None if p.keep else (p.bits, p.group_size, p.symmetric)
 
 
-def _block_of(name: str, family) -> tuple[int, str, int | None] | None:
-    """(layer, block regex, expert) of a canonical module that dynamic rules address, else None."""
-    parts = name.split(".")
-    if parts[0] != "layers":
-        return None
-    layer, kind = int(parts[1]), parts[2]
-    if kind == "experts":
-        return layer, rf"(mlp|{re.escape(family.disk_moe)})\.experts" if family.disk_moe != "mlp" else r"mlp\.experts", int(parts[3])
-    if kind == "attn":
-        return layer, r"self_attn\.", None
-    if kind == "shared":
-        return layer, rf"mlp\.{re.escape(family.shared_attr or 'shared_experts')}\.", None
-    if kind == "mlp":
-        return layer, r"mlp\.(gate_proj|up_proj|down_proj|gate_up_proj)", None
-    return None
-
-
 def _override(s: tuple) -> dict:
     return {"bits": s[0], "group_size": s[1], "sym": s[2], "desc_act": False}
 
@@ -121,7 +104,7 @@ def dynamic_rules(plan: BitPlan, source: ModelSource) -> tuple[tuple, dict]:
     base = Counter(quantized).most_common(1)[0][0]
     blocks: dict[tuple, dict] = defaultdict(dict)  # (layer, block) -> expert-or-None -> scheme
     for name in source.modules:
-        where = _block_of(name, source.family)
+        where = source.family.rule_block(name)
         if where is not None:
             blocks[(where[0], where[1])].setdefault(where[2], set()).add(_scheme(plan, name))
     skip, per_expert, per_block = defaultdict(list), defaultdict(list), defaultdict(list)
@@ -147,16 +130,16 @@ def dynamic_rules(plan: BitPlan, source: ModelSource) -> tuple[tuple, dict]:
                 per_expert[(layer, block, s)] = experts
     rules: dict[str, object] = {}
     for block, layers in skip.items():
-        rules[f"-:model\\.layers\\.{_alt(layers)}\\.{block}"] = {}
+        rules[f"-:{layer_rule(_alt(layers), block)}"] = {}
     mixed_layers = defaultdict(list)
     for (layer, block, _), _experts in per_expert.items():
         mixed_layers[block].append(layer)
     for block, layers in mixed_layers.items():
-        rules[f"+:model\\.layers\\.{_alt(layers)}\\.{block}${VLLM_GUARD}"] = {"desc_act": True}
+        rules[f"+:{layer_rule(_alt(layers), block)}${VLLM_GUARD}"] = {"desc_act": True}
     for (layer, block, s), experts in per_expert.items():
-        rules[f"+:model\\.layers\\.{layer}\\.{block}\\.{_alt(experts)}\\."] = _override(s)
+        rules[f"+:{layer_rule(str(layer), block)}\\.{_alt(experts)}\\."] = _override(s)
     for (block, s), layers in per_block.items():
-        rules[f"+:model\\.layers\\.{_alt(layers)}\\.{block}"] = _override(s)
+        rules[f"+:{layer_rule(_alt(layers), block)}"] = _override(s)
     return base, rules
 
 
@@ -195,8 +178,8 @@ def check_gptq_plan(plan: BitPlan, source: ModelSource) -> None:
     dynamic_rules(plan, source)
 
 
-def write_gptq(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
-               extra_manifest: dict | None = None, world: World = SINGLE) -> Path:
+def write_gptq(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int, world: World,
+               extra_manifest: dict | None = None) -> Path:
     """Write the GPTQ-format checkpoint to ``out`` atomically (each rank of ``world`` its share of the shards);
     returns ``out``."""
     check_gptq_plan(plan, source)

@@ -12,7 +12,9 @@ import re
 from pathlib import Path
 
 from quant.errors import CheckpointError, ModelError
+from quant.export.targets import NotCompact, compact_match, compile_compact
 from quant.models.source import open_safetensors, read_json_object
+from quant.serve.names import COMPRESSED_TENSORS_METHODS
 
 
 def _tensor_names(ckpt: Path) -> dict[str, tuple[int, ...]]:
@@ -33,18 +35,37 @@ def _tensor_names(ckpt: Path) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _matches(target: str, name: str) -> bool:
-    return re.match(target[3:], name) is not None if target.startswith("re:") else target == name
+class _Patterns:
+    """Regexes of a checkpoint's config, each compiled once in the compact form quant writes (``targets``); any
+    other is a CheckpointError: matched by ``re``, a hostile one (``re:^(.*)*(.*)*Z$``) would run for hours."""
+
+    def __init__(self, ckpt: Path):
+        self.ckpt = ckpt
+        self._compiled: dict[str, tuple] = {}
+
+    def match(self, pattern: str, name: str) -> bool:
+        if pattern not in self._compiled:
+            try:
+                self._compiled[pattern] = compile_compact(pattern)
+            except NotCompact as e:
+                shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
+                raise CheckpointError(f"{self.ckpt}: quantization_config regex {shown!r} is not of the form quant "
+                                      f"writes (literal names, \\d+, (a|b) alternatives; here: {e}); quant inspect "
+                                      "reads checkpoints quant wrote") from None
+        return compact_match(self._compiled[pattern], name)
+
+    def target(self, target: str, name: str) -> bool:
+        return self.match(target[3:], name) if target.startswith("re:") else target == name
 
 
-def _compressed_tensors(cfg: dict, names: dict) -> dict[str, dict]:
+def _compressed_tensors(cfg: dict, names: dict, patterns: _Patterns) -> dict[str, dict]:
     out = {}
     for key in names:
         if not key.endswith(".weight_packed"):
             continue
         module = key.removesuffix(".weight_packed")
         for group in cfg["config_groups"].values():
-            if any(_matches(t, module) for t in group["targets"]):
+            if any(patterns.target(t, module) for t in group["targets"]):
                 w = group["weights"]
                 out[module] = {"bits": w["num_bits"], "group_size": w["group_size"], "symmetric": w["symmetric"]}
                 break
@@ -53,7 +74,7 @@ def _compressed_tensors(cfg: dict, names: dict) -> dict[str, dict]:
     return out
 
 
-def _gptq(cfg: dict, names: dict) -> dict[str, dict]:
+def _gptq(cfg: dict, names: dict, patterns: _Patterns) -> dict[str, dict]:
     out = {}
     for key in names:
         if not key.endswith(".qweight"):
@@ -62,7 +83,7 @@ def _gptq(cfg: dict, names: dict) -> dict[str, dict]:
         scheme = {"bits": cfg["bits"], "group_size": cfg["group_size"], "symmetric": cfg["sym"]}
         for rule, override in (cfg.get("dynamic") or {}).items():
             sign, pattern = (rule[0], rule[2:]) if rule[:2] in ("+:", "-:") else ("+", rule)
-            if re.match(pattern, module):
+            if patterns.match(pattern, module):
                 if sign == "-":
                     raise CheckpointError(f"{module} is quantized but a '-:' dynamic rule skips it")
                 scheme = {"bits": override.get("bits", scheme["bits"]),
@@ -83,12 +104,12 @@ def read_checkpoint_bits(ckpt: Path) -> dict[str, dict]:
         raise CheckpointError(f"{ckpt} has no quantization_config; it is not a quantized checkpoint")
     names = _tensor_names(ckpt)
     method = qcfg.get("quant_method")
-    readers = {"compressed-tensors": _compressed_tensors, "gptq": _gptq}
+    readers = {m: _compressed_tensors for m in COMPRESSED_TENSORS_METHODS} | {"gptq": _gptq}
     if method not in readers:
-        raise CheckpointError(f"{ckpt}: quant_method '{method}' is not one quant writes (compressed-tensors, gptq)")
+        raise CheckpointError(f"{ckpt}: quant_method '{method}' is not one quant writes ({', '.join(readers)})")
     try:
-        out = readers[method](qcfg, names)
-    except (KeyError, TypeError, AttributeError, ValueError, re.error) as e:
+        out = readers[method](qcfg, names, _Patterns(ckpt))
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise CheckpointError(f"{ckpt}: malformed {method} quantization_config ({type(e).__name__}: {e}); it is not "
                               "a checkpoint quant wrote, or it was edited") from None
     for key, shape in names.items():

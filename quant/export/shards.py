@@ -3,8 +3,8 @@ disjoint shard files of the checkpoint one process writes, byte for byte.
 
 The plan lists every checkpoint tensor (name, shape, dtype, where it comes from) in the order of the source's keys
 (layers ascending, then the rest); shards are filled in that order up to ``max_shard_bytes`` (a tensor larger than
-that gets a shard of its own) and named ``model.safetensors`` when there is one, else
-``model-XXXXX-of-YYYYY.safetensors``. A quantized module's tensors are planned by running the format's own packing
+that gets a shard of its own; a quantized module's parts stay in one shard) and named ``model.safetensors`` when
+there is one, else ``model-XXXXX-of-YYYYY.safetensors``. A quantized module's tensors are planned by running the format's own packing
 on a zero module of the same shapes, once per distinct (shapes, dtypes, scheme), so the plan cannot drift from the
 writer; every written tensor is checked against its plan. Shards go to ranks longest first onto the least-loaded
 rank (``dist.assign``), so every rank computes the same assignment.
@@ -103,15 +103,19 @@ def _probe(layout: tuple[QuantSpec, tuple], module_tensors: Callable) -> list[tu
 
 
 def plan_shards(tensors: list[Planned], max_shard_bytes: int) -> list[Shard]:
-    """Consecutive tensors in files of at most ``max_shard_bytes`` (a larger tensor alone in its file)."""
+    """Consecutive tensors in files of at most ``max_shard_bytes`` (a larger tensor alone in its file). A quantized
+    module's parts (codes, scales, zero points, shape) are never split over files: loaders resolve a module's parts
+    from the file of its codes (compressed-tensors' converter refused a file holding only another module's scale)."""
+    units = [list(g) for _, g in groupby(tensors, key=lambda t: t.module if t.module is not None else ("", t.name))]
     groups: list[list[Planned]] = []
     size = 0
-    for t in tensors:
-        if not groups or (groups[-1] and size + t.nbytes > max_shard_bytes):
+    for unit in units:
+        nbytes = sum(t.nbytes for t in unit)
+        if not groups or (groups[-1] and size + nbytes > max_shard_bytes):
             groups.append([])
             size = 0
-        groups[-1].append(t)
-        size += t.nbytes
+        groups[-1].extend(unit)
+        size += nbytes
     groups = groups or [[]]
     n = len(groups)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.errors import CheckpointError
 from quant.export.shards import Shard, index, plan_shards, plan_tensors, shard_owners, write_shard
 from quant.io.rundir import atomic_write_text, environment_error
@@ -33,7 +33,7 @@ from quant.plan.bitplan import BitPlan
 log = logging.getLogger(__name__)
 
 MANIFEST = "quant_manifest.json"
-CARD = "README.md"  # the model card, written after evaluation (report stage), then added to the manifest
+CARD = "README.md"  # the model card: written after evaluation by the card stage alone, which adds it to the manifest
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
               "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "LICENSE", "LICENSE.txt")
 
@@ -68,7 +68,7 @@ def read_manifest(directory: Path) -> dict | None:
 
 
 def add_to_manifest(directory: Path, name: str) -> None:
-    """Record (or update) the SHA-256 of one file written after export (the model card)."""
+    """Record (or update) the SHA-256 of one file written after export (the model card, by the card stage)."""
     data = read_manifest(directory)
     if data is None:
         raise CheckpointError(f"{directory} has no readable {MANIFEST}; re-run the export")
@@ -90,8 +90,8 @@ def verify_manifest(directory: Path) -> list[str]:
 
 
 def checkpoint_digest(directory: Path) -> str | None:
-    """Identity of a finished, intact checkpoint: a hash of its manifest's file digests, model card excluded (it
-    is added later by the report stage). None when the manifest is missing or any other file differs from it."""
+    """Identity of a finished, intact checkpoint: a hash of its manifest's file digests, model card excluded (the
+    card stage writes it after eval). None when the manifest is missing or any other file differs from it."""
     data = read_manifest(directory)
     if data is None or [f for f in verify_manifest(directory) if f != CARD]:
         return None
@@ -121,7 +121,7 @@ def replace_directory(tmp: Path, final: Path) -> None:
 
 def write_checkpoint(source: ModelSource, plan: BitPlan, qdir: Path, out: Path, max_shard_bytes: int,
                      module_tensors: Callable, config_files: dict[str, dict], manifest: dict,
-                     world: World = SINGLE) -> Path:
+                     world: World) -> Path:
     """Write every tensor of ``source`` to a new checkpoint at ``out`` (atomically), each rank of ``world`` its share
     of the shard files: quantized modules as ``module_tensors(stored) -> {suffix: tensor}`` (``stored`` as
     ``qstore.read_layer(packed=True)`` returns it: W4 codes may come two a byte), kept tensors from the

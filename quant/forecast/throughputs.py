@@ -4,40 +4,41 @@ Each number is a measured time divided by the work quant/forecast/estimate.py co
 the BENCHMARKS.md section and row, so a new measurement updates one line here. The solves' time models (GPTQ's
 column loop, AWQ's search) live here too, next to the rates they use.
 
-What a record measured and what the current engine does can differ: the second session's engine records ran
-GPTQ's column loop as CUDA graphs (launch bound, time follows columns); the engine now runs it as one fused Triton
+What a record measured and what the current engine does can differ: the engine records of 2026-11-30 at defaults
+ran GPTQ's column loop as CUDA graphs (launch bound, time follows columns); the engine now runs it as one fused Triton
 kernel per column block (bound by fp32 arithmetic). Forecasts use the current kernel (``"fused"``); tests
 reproduce the older records with the kernel they measured (``"cuda-graph"``).
 """
 
 THROUGHPUTS = {
-    # "Engine vs llm-compressor, Qwen3-30B-A3B shapes" second session: 3.47 s/layer minus statistics, solve and
-    # propagation leaves 0.63 s to load a 1.25 GB layer; "DeepSeek-V3-shaped layer": 13.5 s left for 23 GB
+    # "2026-11-30, one H200: engine vs llm-compressor at defaults": 3.47 s/layer minus statistics, solve and
+    # propagation leaves 0.63 s to load a 1.25 GB layer; "a DeepSeek-V3-shaped layer": 13.5 s left for 23 GB
     "load_bytes_per_s": 2.0e9,
     # same Qwen3 row: propagate 0.36 s for 524 k tokens x 56.6 M active parameters (0.71 s at 1 M tokens, full depth)
     "forward_param_tokens_per_s": 8.2e13,
     # statistics 0.85 s/layer (Qwen3, 524 k tokens) and 1.98 s (DeepSeek-V3, 65 k tokens, 4 expert chunks): routed
     # Hessian products + linear Hessians + one forward per pass; geometric mean of the two ratios
     "stats_macs_per_s": 8.5e13,
-    # "GPTQ solve: fused column loop and GEMM-based inverse factor": the fused solves of its four sub-batches
+    # "GPTQ solve, fused column loop and GEMM-based inverse factor": the fused solves of its four sub-batches
     # (0.085, 0.058, 0.042, 0.038 s) against their fp32 work, per element 4/3·I³ (inverse factor) + O·I² (lazy
     # updates); least squares for a rate and a fixed cost per sub-batch (cuSOLVER leaf blocks, grids, launches),
     # every row within 20 %. The rate is the ~45 TFLOP/s that section's kernel profile saw the fp32 products reach.
     "gptq_solve_flop_per_s": 4.0e13,
     "gptq_seconds_per_sub_batch": 0.032,
-    # the CUDA-graph column loop of the second session's records (solve 1.63 s for Qwen3's 15 k columns over all
+    # the CUDA-graph column loop of the 2026-11-30 records at defaults (solve 1.63 s for Qwen3's 15 k columns over all
     # sub-batches, 60.9 s for DeepSeek-V3's 695 k): launch bound, so time follows columns, not flops
     "gptq_graph_seconds_per_column": 0.97e-4,
-    # BENCHMARKS "Tenth session", call 4: Qwen3-30B-A3B's warm layer searched in 1.07 s (fused trial deltas, split
-    # bf16 products) for 4.3e13 flop of trial errors and Cholesky rows (awq_search_flops: experts' gate/up and down,
-    # q/k/v). One rate over-estimates large experts: DeepSeek-V3's layer took 30.8 s before the fused deltas
-    # (2.7e15 flop: 67 s at this rate), where its products, not its elementwise passes, dominate
+    # BENCHMARKS "AWQ's fused trial deltas" (2026-12-01, cf32a38): Qwen3-30B-A3B's warm layer searched in 1.07 s
+    # (fused trial deltas, split bf16 products) for 4.3e13 flop of trial errors and Cholesky rows (awq_search_flops:
+    # experts' gate/up and down, q/k/v). One rate over-estimates large experts: DeepSeek-V3's layer took 30.8 s
+    # before the fused deltas (2.7e15 flop: 67 s at this rate), where its products, not its elementwise passes,
+    # dominate
     "awq_search_flop_per_s": 4.0e13,
     # "Full depth, end to end" paragraph: profile 1.76 s/layer at 1.05 M tokens, of which 0.63 s loading
     "profile_param_tokens_per_s": 5.3e13,
     # "Full depth, end to end": export wrote 17 GB in 50.3 s
     "export_bytes_per_s": 0.34e9,
-    # first-session Qwen3 table: RTN solve 0.06 s/layer for a 1.25 GB layer
+    # "the first engine against llm-compressor" (be973b3): RTN solve 0.06 s/layer for a 1.25 GB layer
     "rtn_bytes_per_s": 2.1e10,
 }
 

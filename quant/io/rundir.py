@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 
 from quant.errors import RunDirError
-from quant.io.storage import file_sha256, free_bytes, is_disk_full, remove_stale
+from quant.io.storage import file_sha256, free_bytes, is_disk_full, pid_alive, remove_stale, temp_pid
 
 MANIFEST = "manifest.json"
+LOCK = ".lock"
 # OSErrors that are the environment's, not a bug: reported as one line naming the file
 ENVIRONMENT_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
                       errno.EIO, errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.EDQUOT}
@@ -97,6 +98,65 @@ def versions() -> dict[str, str]:
     return out
 
 
+STATUSES = ("running", "done", "failed", "interrupted", "stopped")
+_NUMBER = (int, float)
+# stage entry field -> the JSON types it may hold (a hand-edited manifest is refused, not half read)
+_STAGE_FIELDS: dict[str, tuple] = {
+    "status": (str,), "input_hash": (str,), "error": (str,), "updated": (str,), "device": (str,),
+    "upstream": (dict,), "outputs": (dict,), "wall_s": _NUMBER, "peak_memory_bytes": _NUMBER, "ranks": (int,),
+    "passed": (bool, type(None)), "failed_gates": (list,)}
+
+
+def manifest_problem(data) -> str | None:
+    """What makes ``data`` (a parsed manifest.json) not one quant wrote, or None."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    for key, kinds in (("identity", (dict,)), ("stages", (dict,)), ("versions", (dict,)), ("passed", (bool, type(None)))):
+        if key in data and not isinstance(data[key], kinds):
+            return f"'{key}' is a {type(data[key]).__name__}"
+    for stage, entry in data.get("stages", {}).items():
+        if not isinstance(entry, dict):
+            return f"stage '{stage}' is a {type(entry).__name__}, not an object"
+        for field, kinds in _STAGE_FIELDS.items():
+            value = entry.get(field, kinds[0]())
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):  # true is no number
+                return f"stages.{stage}.{field} is a {type(value).__name__}"
+        if entry.get("status", "done") not in STATUSES:
+            return f"stages.{stage}.status is {entry['status']!r}"
+        if not all(isinstance(v, str | None) for v in entry.get("outputs", {}).values()):
+            return f"stages.{stage}.outputs holds a value that is not a digest"
+        if not all(isinstance(v, dict | None) for v in entry.get("upstream", {}).values()):
+            return f"stages.{stage}.upstream holds a value that is not a stage's outputs"
+        if not all(isinstance(g, str) for g in entry.get("failed_gates", [])):
+            return f"stages.{stage}.failed_gates holds a value that is not a gate's text"
+    return None
+
+
+def read_run_manifest(path: Path) -> dict:
+    """The manifest at ``path`` ({} when there is none), or a RunDirError saying it is damaged."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_bytes())
+    except ValueError as e:  # not JSON, or not UTF-8 text
+        problem = f"not JSON: {str(e).splitlines()[0][:100]}"
+    else:
+        problem = manifest_problem(data)
+    if problem is not None:
+        raise RunDirError(f"{path} is damaged or was edited ({problem}); remove the run directory or use another "
+                          "--output")
+    return data
+def _model_changed(path: Path, old: dict, new: dict) -> str:
+    """Why a finished run directory refuses its model: the files differ from those it was made from. A builtin is
+    rebuilt when a quant version defines it differently; a folder or hub model was copied, edited or re-fetched."""
+    model = new.get("model")
+    why = ("a builtin model is rebuilt when a quant version defines it differently" if str(model).startswith("builtin:")
+           else "another copy, or files edited or downloaded again since")
+    return (f"the model {model} changed since {path} was made: its files no longer match the recorded fingerprint "
+            f"({old.get('fingerprint')}, now {new.get('fingerprint')}: {why}); use the model it was made with, or "
+            "--force all to redo the run on this one")
+
+
 class RunDir:
     """``runs/<name>/``: holds the manifest and every stage's artifacts."""
 
@@ -105,54 +165,62 @@ class RunDir:
         self._lock_file = None
 
     def manifest(self) -> dict:
-        p = self.path / MANIFEST
-        if not p.is_file():
-            return {}
-        try:
-            return json.loads(p.read_text())
-        except json.JSONDecodeError:
-            raise RunDirError(f"{p} is corrupt; remove the run directory or use another --output") from None
+        return read_run_manifest(self.path / MANIFEST)
 
     def save_manifest(self, data: dict) -> None:
         atomic_write_text(self.path / MANIFEST, json.dumps(data, indent=1))
 
-    def claim(self, identity: dict, force: bool) -> dict:
-        """Create or reopen the run dir for ``identity`` (recipe hash, model); refuse a different run."""
+    def claim(self, identity: dict, force: bool, managed: tuple[str, ...] = ()) -> dict:
+        """Create or reopen the run dir for ``identity`` (recipe hash, model); refuse a different run, and a symbolic
+        link in place of an entry quant writes (``managed``: names in the run directory)."""
         try:
-            return self._claim(identity, force)
+            return self._claim(identity, force, managed)
         except OSError as e:
             raise environment_error(e, self.path) or RunDirError(f"cannot create or use run directory {self.path}: "
                                                                  f"{e.strerror or e}") from None
 
-    def _claim(self, identity: dict, force: bool) -> dict:
+    def _claim(self, identity: dict, force: bool, managed: tuple[str, ...]) -> dict:
         if self.path.exists() and not self.path.is_dir():
             raise RunDirError(f"{self.path} is a file, not a run directory; use another --output")
-        if self.path.exists() and not (self.path / MANIFEST).is_file() and any(self.path.iterdir()) and not force:
+        for name in (MANIFEST, LOCK, *managed):
+            if (self.path / name).is_symlink():
+                raise RunDirError(f"{self.path / name} is a symbolic link; quant writes, replaces and removes "
+                                  f"{name} itself and follows no links in a run directory: remove the link (or put "
+                                  "the whole run directory where it points, with --output)")
+        if self.path.exists() and not (self.path / MANIFEST).is_file() and self._foreign() and not force:
             raise RunDirError(f"{self.path} exists and is not a quant run directory; use another --output or --force")
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock()
         for d in (self.path, self.path / "quantize.partial"):
             remove_stale(d)
         m = self.manifest()
-        finished = any(s.get("status") == "done" for s in m.get("stages", {}).values())
-        old = m.get("identity", {})
-        if m and finished and old != identity and not force and {**old, "fingerprint": None} == {**identity,
-                                                                                                 "fingerprint": None}:
-            raise RunDirError(f"the model {identity.get('model')} changed since {self.path} was made (its files no "
-                              "longer match the recorded fingerprint: damaged or replaced); restore it, or --force "
-                              "all to redo the run on it")
-        if m and finished and old != identity and not force:
-            raise RunDirError(
-                f"{self.path} holds a different run (recipe '{m.get('identity', {}).get('recipe')}', "
-                f"model {m.get('identity', {}).get('model')}); use another --output, or --force STAGE to redo it"
-            )
+        refusal = self.refusal(m, identity, force)
+        if refusal is not None:
+            raise RunDirError(refusal)
         m = {"identity": identity, "stages": m.get("stages", {}) if m.get("identity") == identity or force else {},
              "versions": versions()}
         self.save_manifest(m)
         return m
 
+    def _foreign(self) -> list[str]:
+        """Entries of a directory without a manifest that are not a claim's own leftovers: the lock, and temporaries
+        of processes that are gone (a claim stopped by a full disk leaves just those)."""
+        return [p.name for p in self.path.iterdir()
+                if p.name != LOCK and not ((pid := temp_pid(p.name)) is not None and not pid_alive(pid))]
+
+    def refusal(self, m: dict, identity: dict, force: bool) -> str | None:
+        """Why this run directory, whose manifest is ``m``, cannot take a run of ``identity`` (None: it can)."""
+        finished = any(s.get("status") == "done" for s in m.get("stages", {}).values())
+        old = m.get("identity", {})
+        if not m or not finished or old == identity or force:
+            return None
+        if {**old, "fingerprint": None} == {**identity, "fingerprint": None}:
+            return _model_changed(self.path, old, identity)
+        return (f"{self.path} holds a different run (recipe '{old.get('recipe')}', model {old.get('model')}); use "
+                "another --output, or --force STAGE to redo it")
+
     def _lock(self) -> None:
-        self._lock_file = open(self.path / ".lock", "w")  # noqa: SIM115 - held for the process lifetime
+        self._lock_file = open(self.path / LOCK, "w")  # noqa: SIM115 - held for the process lifetime
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -15,6 +15,7 @@ import mmap
 import os
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -122,10 +123,24 @@ def host_available_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def pin_budget() -> int:
+def host_total_bytes() -> int:
+    """The host's memory: its physical memory, or the cgroup's limit (a container, a Slurm job) when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def pin_budget(processes_per_node: int) -> int:
     """Largest buffer (bytes) one process pins for reads: a quarter of the host's available memory per process on
-    the node (a DeepSeek-V3 layer, 23 GB, on a 128 GB host with one GPU; a rank's 1/8 share on an 8-GPU node)."""
-    return host_available_bytes() // (4 * max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    the node (``processes_per_node``, the world's ``local_size``: a DeepSeek-V3 layer, 23 GB, on a 128 GB host with
+    one GPU; a rank's 1/8 share on an 8-GPU node)."""
+    return host_available_bytes() // (4 * max(1, processes_per_node))
 
 
 def page_locked(n_bytes: int) -> torch.Tensor | None:

@@ -33,8 +33,9 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def cache_root() -> Path:
-    """``$QUANT_CACHE`` (default ``~/.cache/quant``): builtin models, base-model eval scores, file digests."""
-    return Path(os.environ.get("QUANT_CACHE", Path.home() / ".cache" / "quant"))
+    """``$QUANT_CACHE`` (default ``~/.cache/quant``; set but empty counts as unset, not as the current directory):
+    builtin models, base-model eval scores, file digests."""
+    return Path(os.environ.get("QUANT_CACHE", "").strip() or Path.home() / ".cache" / "quant")
 
 
 def _stat_key(path: Path) -> list[int]:

@@ -50,9 +50,27 @@ PROBE_TOKENS = 64
 PROBE_CHUNK_BYTES = 1 << 30  # fp32 working set while the probe's RTN weights are made, a few experts at a time
 
 
-@dataclass
+def usage_ratio(counts: torch.Tensor) -> torch.Tensor:
+    """The most used expert's routed tokens over the least used one's, per row of ``counts [..., E]``; inf when an
+    expert is unused. The one definition the profile's log lines and the report print (``ratio_text``)."""
+    c = counts.double()
+    return c.max(dim=-1).values / c.min(dim=-1).values
+
+
+def ratio_text(ratio: float) -> str:
+    return f"{ratio:.1f}" if math.isfinite(ratio) else "inf (an expert unused)"
+
+
+def cold(counts: torch.Tensor, min_tokens: int) -> torch.Tensor:
+    """Which experts of ``counts [..., E]`` are cold: routed fewer than ``profile.min_tokens`` tokens (at least
+    one: an unused expert is always cold)."""
+    return counts < max(min_tokens, 1)
+
+
+@dataclass(frozen=True)
 class RoutingProfile:
-    """Stats are ``[L, E]`` tensors over the MoE layers listed in ``layers`` (model layer indices)."""
+    """Stats are ``[L, E]`` tensors over the MoE layers listed in ``layers`` (model layer indices). Frozen: a stage
+    that adds a measurement (``layer_damage``) makes a new profile with ``dataclasses.replace``."""
 
     model_fingerprint: str
     model: str
@@ -94,12 +112,12 @@ class RoutingProfile:
         return [(self.layers[r], e) for r, e in hits]
 
     def cold_experts(self, min_tokens: int) -> list[tuple[int, int]]:
-        """(layer, expert) routed fewer than ``min_tokens`` tokens (0 = never used)."""
-        return [(self.layers[r], e) for r, e in (self.counts < max(min_tokens, 1)).nonzero().tolist()]
+        """(layer, expert) of the cold experts (``cold``)."""
+        return [(self.layers[r], e) for r, e in cold(self.counts, min_tokens).nonzero().tolist()]
 
     def max_min_ratio(self) -> torch.Tensor:
-        """Per layer: most used expert's count over the least used one's (inf when an expert is unused)."""
-        return self.counts.max(dim=1).values / self.counts.min(dim=1).values
+        """Per layer: ``usage_ratio`` of its counts."""
+        return usage_ratio(self.counts)
 
     def rank_stability(self, fraction: float = 0.2) -> dict[str, dict[str, float]]:
         """For each pair of calibration domains: mean over layers of the Spearman correlation of expert counts
@@ -408,10 +426,11 @@ def _profile_layer(source: ModelSource, lw: Layerwise, idx: int, hidden: torch.T
 
 
 def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise,
-                    probe_tokens: int | None = PROBE_TOKENS) -> RoutingProfile:
+                    probe_tokens: int | None = PROBE_TOKENS, min_tokens: int = 4) -> RoutingProfile:
     """Run the calibration tokens through the model layer by layer and collect routing statistics (each rank
     runs its share of the batches; every rank returns the same profile). ``probe_tokens``: the sensitivity
-    probe's per-expert, per-batch token subset (None: every routed token)."""
+    probe's per-expert, per-batch token subset (None: every routed token). ``min_tokens``: what the log lines
+    count as a cold expert (``profile.min_tokens``)."""
     domains = sorted(set(calib.domains))
     dom_idx = torch.tensor([domains.index(d) for d in calib.domains])
     hidden = lw.embed(calib.tokens)
@@ -425,8 +444,9 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise,
         done = step("profile", idx + 1, source.n_layers)
         if acc is not None:
             c = acc.stat("counts")
-            log.info("profile layer %d: %d experts, max/min share %.1f, cold %d", idx, c.numel(),
-                     (c.max() / c.min().clamp_min(1)).item(), int((c == 0).sum()), extra=done)
+            log.info("profile layer %d: %d experts, most/least used %s, %d cold (fewer than %d routed tokens)",
+                     idx, c.numel(), ratio_text(usage_ratio(c).item()), int(cold(c, min_tokens).sum()),
+                     max(min_tokens, 1), extra=done)
         else:
             log.info("profile layer %d: dense", idx, extra=done)
     layers = sorted(per_layer)

@@ -1,10 +1,14 @@
 """Builtin tiny MoE checkpoints (``builtin:NAME``), deterministic and offline.
 
-Each is built from transformers' own config class, initialized with a fixed seed, given a deliberately biased
-router (a shared direction ``u`` is added to every token embedding and to the router rows of a few "hot"
-experts, so those experts win the top-k for most tokens, as in real MoEs), and saved with
-``save_pretrained`` to ``$QUANT_CACHE/builtin/<name>-<hash>``. From there it loads through exactly the code
-path a user's folder takes. The hot experts are recorded in ``quant_builtin.json`` beside the weights.
+Each is written by quant itself, not by transformers: config.json from the spec below, every tensor of the
+family's on-disk layout drawn from a generator seeded by the model's name and the tensor's name (norm weights
+1, biases 0, everything else normal with std 0.02), then given a deliberately biased router (a shared direction
+``u`` is added to every token embedding and to the router rows of a few "hot" experts, so those experts win the
+top-k for most tokens, as in real MoEs) and saved as bf16 safetensors to ``$QUANT_CACHE/builtin/<name>-<hash>``.
+The files are therefore the same bytes under any transformers version (a run directory made with one venv opens
+in another); transformers only supplies the names and shapes of the family's tensors (built on the meta device).
+From the cache a builtin loads through exactly the code path a user's folder takes. The hot experts are
+recorded in ``quant_builtin.json`` beside the weights.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from quant.errors import ModelError
 from quant.io.storage import cache_root, remove_stale
 
-BUILTIN_VERSION = 7
+BUILTIN_VERSION = 8  # 8: written by quant (seeded by tensor name), no longer by transformers' init
 _COMMON = dict(vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=1024, tie_word_embeddings=False, rms_norm_eps=1e-6)
 
@@ -41,6 +45,9 @@ BUILTINS: dict[str, tuple[str, dict, tuple[int, ...]]] = {
     "olmoe-tiny": ("olmoe", dict(_COMMON, intermediate_size=32, num_experts=16, num_experts_per_tok=4,
                                  norm_topk_prob=False), (0, 7, 12)),
 }
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}
+INIT_STD = 0.02
 DEFAULT_BUILTIN = "qwen3-moe-tiny"
 # trained checkpoints that ship with the package (see benchmarks/reference_moe/)
 SHIPPED: dict[str, Path] = {"reference-moe": Path(__file__).parent / "assets" / "reference-moe"}
@@ -49,10 +56,9 @@ HOT_SCALE = 0.15  # router logit bonus per unit of the shared direction, for the
 
 
 def _spec_hash(name: str) -> str:
-    import transformers
-
+    """The cache key: what the files are made from (the spec and this module's version; no library version)."""
     model_type, kwargs, hot = BUILTINS[name]
-    blob = json.dumps([BUILTIN_VERSION, model_type, kwargs, hot, transformers.__version__], sort_keys=True)
+    blob = json.dumps([BUILTIN_VERSION, model_type, kwargs, hot, LOGIT_SCALE, HOT_SCALE, INIT_STD], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
@@ -72,7 +78,7 @@ def builtin_path(name: str) -> Path:
     remove_stale(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=f".tmp-{os.getpid()}", dir=target.parent))
     try:
-        _build_here_or_apart(name, tmp) if name in BUILTINS else _unpack(SHIPPED[name], tmp)
+        _build(name, tmp) if name in BUILTINS else _unpack(SHIPPED[name], tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race; its copy is identical
@@ -101,71 +107,66 @@ def _unpack(assets: Path, out: Path) -> None:
     (out / "quant_builtin.json").write_text(json.dumps({"name": assets.name, "shipped": True}, indent=2))
 
 
-def _bias_router(model: torch.nn.Module, hot: tuple[int, ...], gen: torch.Generator) -> None:
+def seeded_tensor(model: str, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The initial value of tensor ``key`` of builtin ``model`` (float32): ones for a norm weight, zeros for a bias,
+    else normal(0, INIT_STD) from a generator seeded by the model's and the tensor's names."""
+    leaf = key.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+    if key.endswith("bias"):
+        return torch.zeros(shape)
+    if "norm" in leaf:
+        return torch.ones(shape)
+    seed = int.from_bytes(hashlib.sha256(f"{model}/{key}".encode()).digest()[:8], "little") >> 1
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * INIT_STD
+
+
+def _config(name: str, eos_id: int) -> dict:
+    model_type, kwargs, _ = BUILTINS[name]
+    return {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, **kwargs,
+            "initializer_range": INIT_STD, "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id,
+            "dtype": "bfloat16"}
+
+
+def _bias_router(name: str, tensors: dict[str, torch.Tensor]) -> None:
     """Add a shared unit direction u to every embedding row and HOT_SCALE*u to hot experts' router rows."""
-    emb = model.model.embed_tokens.weight
+    from quant.models.families import family_for
+
+    model_type, _, hot = BUILTINS[name]
+    gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(f"{name}/router".encode()).digest()[:4], "little"))
+    emb = tensors["model.embed_tokens.weight"]
     u = torch.randn(emb.shape[1], generator=gen)
     u = u / u.norm()
-    with torch.no_grad():
-        emb.add_(emb.abs().mean() * 4.0 * u.to(emb.dtype))
-        for layer in model.model.layers:
-            experts = getattr(layer.mlp, "experts", None)
-            if experts is None or not hasattr(experts, "gate_up_proj"):
-                continue
-            router = layer.mlp.gate.weight
+    emb.add_(emb.abs().mean() * 4.0 * u)
+    fam = family_for(model_type)
+    for key, router in tensors.items():
+        if fam.canonical(key) is not None and fam.canonical(key).endswith(".router"):
             for rank, e in enumerate(hot):
-                router[e].add_(HOT_SCALE * (1.0 - 0.25 * rank) * u.to(router.dtype))
-
-
-def _init_experts(model: torch.nn.Module, gen: torch.Generator, std: float) -> None:
-    """Fused expert parameters may be left uninitialized by from_config; give them seeded normal weights."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            experts = getattr(layer.mlp, "experts", None)
-            if experts is not None and hasattr(experts, "gate_up_proj"):
-                for p in (experts.gate_up_proj, experts.down_proj):
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
-
-
-def _build_here_or_apart(name: str, out: Path) -> None:
-    """``_build`` in this process, or in a child process when this one has joined a process group (torchrun):
-    transformers' ``save_pretrained`` then writes the config and weights on rank 0 only, and another rank's
-    folder would lack them."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        _build(name, out)
-        return
-    import subprocess
-    import sys
-
-    code = "import sys; from pathlib import Path; from quant.models.builtin import _build; _build(sys.argv[1], Path(sys.argv[2]))"
-    p = subprocess.run([sys.executable, "-c", code, name, str(out)], capture_output=True, text=True)
-    if p.returncode != 0:
-        raise ModelError(f"building builtin model '{name}' failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+                router[e].add_(HOT_SCALE * (1.0 - 0.25 * rank) * u)
 
 
 def _build(name: str, out: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+    from safetensors.torch import save_file
 
+    from quant.models.synthetic import disk_shapes
     from quant.models.tokenizer import EOS, load_tiny_tokenizer
 
     model_type, kwargs, hot = BUILTINS[name]
-    tok = PreTrainedTokenizerFast(tokenizer_object=load_tiny_tokenizer(), eos_token=EOS, bos_token=EOS,
-                                  pad_token=EOS, unk_token=EOS)
-    eos_id = tok.convert_tokens_to_ids(EOS)
-    config = AutoConfig.for_model(model_type, **kwargs, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1234)
-    _init_experts(model, gen, std=config.initializer_range)
-    _bias_router(model, hot, gen)
-    with torch.no_grad():  # peaked next-token distributions, so quantization error shows in KL / perplexity
-        model.lm_head.weight.mul_(LOGIT_SCALE)
-    model = model.to(torch.bfloat16)
-    model.generation_config = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
-                                               do_sample=False, max_new_tokens=32)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    tokenizer = load_tiny_tokenizer()
+    eos_id = tokenizer.token_to_id(EOS)
+    config = _config(name, eos_id)
+    ids = dict(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    shapes = disk_shapes(model_type, dict(kwargs, **ids))
+    tensors = {k: seeded_tensor(name, k, shape) for k, shape in sorted(shapes.items())}
+    _bias_router(name, tensors)
+    tensors["lm_head.weight"].mul_(LOGIT_SCALE)  # peaked next-token distributions: quantization error shows in KL
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id, "do_sample": False,
+         "max_new_tokens": 32}, indent=2, sort_keys=True) + "\n")
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS, "eos_token": EOS, "pad_token": EOS,
+         "unk_token": EOS, "model_max_length": kwargs["max_position_embeddings"]}, indent=2, sort_keys=True) + "\n")
     (out / "quant_builtin.json").write_text(json.dumps(
-        {"name": name, "version": BUILTIN_VERSION, "hot_experts": list(hot), "seed": 0}, indent=2))
+        {"name": name, "version": BUILTIN_VERSION, "hot_experts": list(hot)}, indent=2))

@@ -3,7 +3,8 @@
 ``DequantizingSource`` is a ``ModelSource`` that lists *dense* names (``<module>.weight``) in ``weight_map``,
 ``shapes()`` and ``dtypes()``, and whose ``read_tensors`` reads a module's stored parts (packed codes, block scales,
 ...) and returns its dense weight. Subclasses say which stored tensors make up a dense one (``parts``) and how to
-dequantize them (``_dense``, ``_dense_shape``). Used for a quantized release read as the base model (DeepSeek-V3's
+dequantize them (``dequantize``, ``_dense_shape``). The steps of a read are public (``stored_names``,
+``stored_staging``, ``chunks``, ``dequantize``, ``dense_views``, ``work_device``), so each can be timed alone. Used for a quantized release read as the base model (DeepSeek-V3's
 FP8 block-scaled weights, ``quant.models.fp8``) and for quant's own exported checkpoint in the streamed eval
 (``quant.eval.stream.ShippedCheckpoint``), so every layer walk (profile, quantize, eval) sees dense weights.
 
@@ -35,11 +36,14 @@ class DequantizingSource(ModelSource):
     maps each dequantized weight to its stored tensors (the stored weight first), ``weight_map`` lists dense names.
 
     ``dtype``: the dense weights' dtype. ``device``: where to dequantize; None picks the current CUDA device at
-    each read when there is one (a rank's read-ahead thread runs under its own device), else the CPU."""
+    each read when there is one (a rank's read-ahead thread runs under its own device), else the CPU.
+    ``processes_per_node``: processes of the job on this host, which share its page-locked memory."""
 
-    def __init__(self, path: Path, dtype: torch.dtype, device: str | torch.device | None = None, **kw):
+    def __init__(self, path: Path, dtype: torch.dtype, device: str | torch.device | None = None,
+                 processes_per_node: int = 1, **kw):
         super().__init__(path, **kw)
         self.dtype = dtype
+        self.processes_per_node = processes_per_node
         self.device = None if device is None else torch.device(device)
         self.raw_map = self.weight_map
         self.parts: dict[str, list[str]] = {}
@@ -55,7 +59,7 @@ class DequantizingSource(ModelSource):
         self.weight_map = {k: f for k, f in self.raw_map.items() if k not in stored}
         self.weight_map.update({k: self.raw_map[p[0]] for k, p in parts.items()})
 
-    def _dense(self, raw: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
+    def dequantize(self, raw: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
         """The dense tensors of ``keys`` (dequantized parts, other tensors as stored) from their stored tensors."""
         raise NotImplementedError
 
@@ -77,10 +81,12 @@ class DequantizingSource(ModelSource):
         raw = super().dtypes()
         return {k: DTYPE_NAMES[self.dtype] if k in self.parts else raw[k] for k in self.weight_map}
 
-    def _raw(self, keys: list[str]) -> list[str]:
+    def stored_names(self, keys: list[str]) -> list[str]:
+        """The stored tensors a read of dense ``keys`` reads (each part's stored tensors, other keys as they are)."""
         return [r for k in keys for r in self.parts.get(k, [k])]
 
-    def _work_device(self) -> torch.device:
+    def work_device(self) -> torch.device:
+        """Where reads dequantize: ``device``, else the current CUDA device, else the CPU."""
         if self.device is not None:
             return self.device
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -92,21 +98,21 @@ class DequantizingSource(ModelSource):
             return self._read_dense(keys, device, into)  # layers while the main thread may read the embedding)
 
     def _read_dense(self, keys: list[str], device, into) -> dict:
-        work = self._work_device()
+        work = self.work_device()
         gpu = work.type == "cuda"
 
         def stored_into(n_bytes: int) -> torch.Tensor:
             # on a GPU the stored bytes go to a page-locked buffer of their own, kept for the next read: fast uploads
             # (from a fresh pageable buffer they ran at a few GB/s, and faulting its pages in cost as much again)
-            buf = self._raw_staging.into(0)(n_bytes) if gpu else None
+            buf = self.stored_staging.into(0)(n_bytes) if gpu else None
             return buf if buf is not None else torch.empty(n_bytes, dtype=torch.uint8)
 
-        raw = read_safetensors(self.path, self.raw_map, self._raw(keys), "cpu", into=stored_into)
-        out = self._buffer_views(raw, keys, into) if into is not None else None
+        raw = read_safetensors(self.path, self.raw_map, self.stored_names(keys), "cpu", into=stored_into)
+        out = self.dense_views(raw, keys, into) if into is not None else None
         dense: dict[str, torch.Tensor] = {}
         with torch.cuda.stream(self._stream(work)) if gpu else contextlib.nullcontext():
-            for chunk in self._chunks(raw, keys):
-                got = self._dense({r: raw[r].to(work, non_blocking=gpu) for r in self._raw(chunk)}, chunk)
+            for chunk in self.chunks(raw, keys):
+                got = self.dequantize({r: raw[r].to(work, non_blocking=gpu) for r in self.stored_names(chunk)}, chunk)
                 for k, t in got.items():
                     # a kept tensor not copied would be a view of the whole stored read
                     dense[k] = (out[k].copy_(t, non_blocking=gpu) if out is not None
@@ -116,10 +122,10 @@ class DequantizingSource(ModelSource):
         return dense
 
     @cached_property
-    def _raw_staging(self) -> Staging:
+    def stored_staging(self) -> Staging:
         """One page-locked buffer for the stored bytes of a read; a read's uploads finish (the stream is synchronized
         after each chunk) before the next read writes it."""
-        return Staging(pin_budget())
+        return Staging(pin_budget(self.processes_per_node))
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         """Dequantization's own stream per GPU: the read-ahead thread's kernels and copies do not queue behind the
@@ -128,7 +134,7 @@ class DequantizingSource(ModelSource):
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def _chunks(self, raw: dict[str, torch.Tensor], keys: list[str]) -> list[list[str]]:
+    def chunks(self, raw: dict[str, torch.Tensor], keys: list[str]) -> list[list[str]]:
         """``keys`` in runs of about ``DEQUANT_CHUNK_BYTES`` of stored bytes, a module's parts never split."""
         chunks, size = [[]], 0
         for k in keys:
@@ -139,7 +145,7 @@ class DequantizingSource(ModelSource):
             size += sum(raw[r].numel() * raw[r].element_size() for r in self.parts.get(k, [k]))
         return [c for c in chunks if c]
 
-    def _buffer_views(self, raw: dict[str, torch.Tensor], keys: list[str], into) -> dict[str, torch.Tensor] | None:
+    def dense_views(self, raw: dict[str, torch.Tensor], keys: list[str], into) -> dict[str, torch.Tensor] | None:
         """One view per dense tensor of ``keys`` in a buffer from ``into`` (None where it declines)."""
         layout = {k: (self._dense_shape(raw, k), self.dtype) if k in self.parts else (tuple(raw[k].shape), raw[k].dtype)
                   for k in keys}

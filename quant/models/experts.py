@@ -28,7 +28,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from quant.errors import ModelError
-from quant.models.families import PROJ, FamilySpec
+from quant.models.families import FamilySpec
+from quant.models.names import PROJ
 
 RouteFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # fn(x [T, D], top_idx [T, k], top_w [T, k])
 FUSED_GATE_UP, FUSED_DOWN = "quant_fused_gate_up", "quant_fused_down"  # fused storage on a per-expert ModuleList

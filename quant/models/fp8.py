@@ -91,7 +91,7 @@ class Fp8BlockSource(DequantizingSource):
     def _dense_shape(self, raw: dict[str, torch.Tensor], key: str) -> tuple[int, ...]:
         return tuple(raw[key].shape)
 
-    def _dense(self, raw: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
+    def dequantize(self, raw: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
         return {k: dequantize_blocks(raw[k], raw[k + SCALE_SUFFIX], self.block, self.dtype) if k in self.parts
                 else raw[k] for k in keys}
 

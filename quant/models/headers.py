@@ -4,21 +4,26 @@ Local folders (and builtins): ``config.json`` and the safetensors headers, parse
 JSON table of name -> dtype, shape, offsets), so no weight is read and a header-only file serves as well. Hub ids:
 ``config.json`` alone through ``hf_hub_download`` and every shard's header through huggingface_hub's
 ``get_safetensors_metadata`` (HTTP range requests): nothing else is downloaded, so a 671 B model is sized in
-seconds on a login node.
+seconds on a login node. When the hub cannot be reached (``models.hub``), a copy in the local hub cache is read as a
+folder, or the id is one error at once.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from quant.errors import ModelError
 from quant.io.direct_read import DTYPE_NAMES, TORCH_DTYPES, header_table
+from quant.models.expected import check_model
 from quant.models.source import (
     ModelSource,
+    check_layer_count_type,
+    check_shard_names,
+    error_reason,
     fp8_block_size,
     fp8_dense_dtype,
+    never_read,
     prediction_layers,
     read_json_object,
     refuse_quantized,
@@ -47,14 +52,37 @@ class HeaderSource(ModelSource):
         self.display_name = display_name
         self.trust_remote_code = trust_remote_code
         self.config_dict = config
-        self.family = self._family(config.get("model_type", "?"), family)
+        model_type = config.get("model_type", "?")
+        if not isinstance(model_type, str):
+            raise ModelError(f"{display_name}: config.json's model_type must be a string, got {model_type!r}")
+        self.family = self._family(model_type, family)
+        check_layer_count_type(config, f"{display_name}: config.json")
         self.left_out = prediction_layers(config, tensors, display_name)
-        left_out = set(self.left_out)
+        left_out = set(self.left_out + never_read(tensors))
         self.tensors = {k: v for k, v in tensors.items() if k not in left_out}
         self.weight_map = {k: "(header)" for k in self.tensors}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: shape for k, (_, shape) in self.tensors.items()}
+
+    def dtypes(self) -> dict[str, str]:
+        return {k: dtype for k, (dtype, _) in self.tensors.items()}
+
+    def hf_config(self):
+        """From the folder's config.json when there is one, else from the hub's config.json for a model_type
+        transformers defines (None for remote code: its Python is not fetched for an estimate)."""
+        if (self.path / "config.json").is_file():
+            return self.config
+        from transformers import CONFIG_MAPPING
+
+        model_type = self.config_dict.get("model_type")
+        if model_type not in CONFIG_MAPPING:
+            return None
+        try:
+            return CONFIG_MAPPING[model_type].from_dict(dict(self.config_dict))
+        except Exception as e:  # noqa: BLE001 - config.json's values reach arbitrary transformers code: bad input
+            raise ModelError(f"transformers cannot read the config.json of {self.display_name}: {error_reason(e)}"
+                             ) from None
 
     def read_tensors(self, keys, device="cpu", into=None):
         raise ModelError(f"{self.display_name}: only tensor shapes are known here (quant estimate), not weights")
@@ -70,22 +98,39 @@ def _local(path: Path) -> tuple[dict, dict]:
     files = sorted(set(map(str, weight_map.values()))) if weight_map else sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise ModelError(f"{path} has no safetensors files (quant reads safetensors only)")
+    check_shard_names(path, files, str(index) if weight_map else str(path))
     tensors: dict = {}
     for name in files:
         tensors.update(read_safetensors_header(path / name))
     return read_json_object(path / "config.json", "it must be the model's configuration"), tensors
 
 
-def _hub(repo_id: str, hub) -> tuple[dict, dict]:
+def _hub(repo_id: str, hub) -> tuple[dict, dict, Path | None]:
+    """(config, tensors, None) from the hub's metadata; when the hub cannot be reached, a copy in the local hub
+    cache is read as a folder (its path third), at once."""
+    from quant.models.hub import cache_only_error, unreachable_reason
+
+    offline = unreachable_reason()
+    if offline:
+        try:
+            path = Path(hub.snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"], local_files_only=True))
+        except Exception:  # noqa: BLE001 - not cached, in whatever way huggingface_hub says it
+            raise ModelError(cache_only_error(repo_id, offline)) from None
+        if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+            raise ModelError(cache_only_error(repo_id, offline))
+        return *_local(path), path
     try:
-        config = json.loads(Path(hub.hf_hub_download(repo_id, "config.json")).read_text())
+        config = read_json_object(Path(hub.hf_hub_download(repo_id, "config.json")), "it must be the model's "
+                                  "configuration")
         meta = hub.get_safetensors_metadata(repo_id)
+    except ModelError:
+        raise
     except Exception as e:  # noqa: BLE001 - any hub failure is the same user-facing problem
         raise ModelError(f"model '{repo_id}' is not a local folder and its config/safetensors headers could not be "
                          f"read from the hub: {e}") from None
     tensors = {name: (info.dtype, tuple(info.shape)) for f in meta.files_metadata.values()
                for name, info in f.tensors.items()}
-    return config, tensors
+    return config, tensors, None
 
 
 def load_headers(spec: str, trust_remote_code: bool = False, family: str | None = None, hub=None) -> HeaderSource:
@@ -101,8 +146,7 @@ def load_headers(spec: str, trust_remote_code: bool = False, family: str | None 
     elif spec.count("/") == 1 and not spec.startswith((".", "/")):
         if hub is None:
             import huggingface_hub as hub
-        config, tensors = _hub(spec, hub)
-        path = None
+        config, tensors, path = _hub(spec, hub)
     else:
         raise ModelError(f"model path does not exist: {spec} (use a folder, a hub id, or builtin:NAME)")
     refuse_quantized(config, f"model {spec}")
@@ -112,7 +156,9 @@ def load_headers(spec: str, trust_remote_code: bool = False, family: str | None 
         dense = DTYPE_NAMES[fp8_dense_dtype(config)]
         tensors = {k: (dense if k + "_scale_inv" in scales else dtype, shape) for k, (dtype, shape) in tensors.items()
                    if k not in scales}
-    return HeaderSource(config, tensors, spec, trust_remote_code, family, path, stored_quantized=bool(scales))
+    source = HeaderSource(config, tensors, spec, trust_remote_code, family, path, stored_quantized=bool(scales))
+    check_model(source)
+    return source
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from torch import nn
 
 from quant.errors import ModelError
 from quant.models.experts import ExpertsView, experts_view, moe_block, per_expert_layout
-from quant.models.families import module_kind
+from quant.models.names import module_kind
 from quant.models.source import ModelSource
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -41,8 +41,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def read_layer_tensors(source: ModelSource, idx: int, device="cpu") -> dict[str, torch.Tensor]:
     """Every on-disk tensor of decoder layer ``idx``, by on-disk name."""
-    prefix = f"model.layers.{idx}."
-    return source.read_tensors([k for k in source.weight_map if k.startswith(prefix)], device)
+    return source.read_tensors(source.layer_keys(idx), device)
 
 
 def _expert_keys(source: ModelSource, idx: int, keys) -> dict[str, dict[int, str]]:

@@ -3,7 +3,9 @@
 Nothing here loads weights; shapes come from safetensors headers, so a 600 GB model is inspected in seconds.
 Pickle checkpoints (``*.bin``, ``*.pt``) are refused: weights are read from safetensors only. A folder is checked
 when it is opened: config.json a JSON object with a model type and layer count, the index readable, every shard
-it names present with a readable header holding the tensors the index puts there; problems are ModelErrors.
+it names inside the folder and present with a readable header holding the tensors the index puts there; problems
+are ModelErrors. Whether the tensors are the ones config.json implies is ``models.expected``'s check, which
+``resolve_model`` runs on every folder it opens.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -25,9 +28,16 @@ from safetensors import SafetensorError, safe_open
 from quant.errors import ModelError
 from quant.io.direct_read import read_into
 from quant.io.storage import file_sha256
-from quant.models.families import FAMILIES, FamilySpec, expert_of, family_for, layer_of, module_kind
+from quant.models.families import FAMILIES, FamilySpec, family_for, layer_key_prefix
+from quant.models.names import expert_of, layer_of, module_kind
 
 log = logging.getLogger(__name__)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "spiece.model", "vocab.txt",
+                   "tokenizer_config.json")
+TOKENIZER_SIDE_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+TOKENIZER_PROBE = "The quick brown fox jumps over the lazy dog. 0123456789"
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,14 @@ def open_safetensors(path: Path, device: str = "cpu") -> Iterator:
                          "re-download or re-save it") from None
 
 
+def error_reason(e: BaseException) -> str:
+    """A library exception's message as one short clause: its first two non-empty lines (transformers' config
+    validation puts the field on the first and the problem on the second)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()][:2]
+    text = " ".join(lines) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def read_json_object(path: Path, what: str, error: type[Exception] = ModelError) -> dict:
     """A JSON file holding an object, or ``error`` naming the file."""
     try:
@@ -72,6 +90,24 @@ def read_json_object(path: Path, what: str, error: type[Exception] = ModelError)
     return data
 
 
+def check_shard_names(root: Path, names, what: str) -> None:
+    """Every shard a model folder names lies inside it: a plain relative name (no absolute path, no ``..``) whose
+    file, symlinks followed, is in the folder, or for a hub cache snapshot (``snapshots/<revision>/``) in its
+    repository's ``blobs/``. Else an index (or a symlink) could make quant read, quantize and ship another
+    folder's weights."""
+    real_root = root.resolve()
+    blobs = real_root.parent.parent / "blobs" if real_root.parent.name == "snapshots" else None
+    for name in sorted(set(names)):
+        rel = Path(name)
+        bad = rel.is_absolute() or ".." in rel.parts or not rel.parts or "\x00" in name
+        if not bad and (root / rel).exists():
+            target = (root / rel).resolve()
+            bad = not (target.is_relative_to(real_root) or (blobs is not None and target.is_relative_to(blobs)))
+        if bad:
+            raise ModelError(f"{what} names {name!r}, which is not a file inside {root}: a model's shards must lie "
+                             "in its folder (no absolute paths, no '..', no symlinks out of it)")
+
+
 def _read_index(path: Path) -> dict[str, str]:
     """Map every tensor key to its safetensors file name."""
     index = path / "model.safetensors.index.json"
@@ -79,6 +115,7 @@ def _read_index(path: Path) -> dict[str, str]:
         weight_map = read_json_object(index, "re-download the model").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ModelError(f"{index} has no weight_map of tensor name -> file; re-download the model")
+        check_shard_names(path, weight_map.values(), str(index))
         missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
         if missing:
             raise ModelError(f"{path} lacks {missing[0]}" + (f" and {len(missing) - 1} more shard(s)" if len(missing) > 1
@@ -86,6 +123,7 @@ def _read_index(path: Path) -> dict[str, str]:
         return dict(weight_map)
     single = path / "model.safetensors"
     if single.is_file():
+        check_shard_names(path, [single.name], str(path))
         with open_safetensors(single) as f:
             return {k: single.name for k in f.keys()}
     pickles = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
@@ -123,14 +161,12 @@ class ModelSource:
         if not isinstance(model_type, str):
             raise ModelError(f"{self.path / 'config.json'}: model_type must be a string, got {model_type!r}")
         self.family: FamilySpec = self._family(model_type, family)
-        layers = self.config_dict.get("num_hidden_layers")
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-            raise ModelError(f"{self.path / 'config.json'}: num_hidden_layers must be a positive integer, got {layers!r}")
+        check_layer_count_type(self.config_dict, str(self.path / "config.json"))
         self.weight_map = _read_index(self.path)
         self._dtypes: dict[str, str] = {}
         self._headers = self._read_headers()
         self.left_out = prediction_layers(self.config_dict, self._headers, str(self.path))
-        for key in self.left_out:
+        for key in self.left_out + never_read(self._headers):
             del self.weight_map[key], self._headers[key], self._dtypes[key]
 
     def _family(self, model_type: str, declared: str | None) -> FamilySpec:
@@ -165,19 +201,58 @@ class ModelSource:
 
         try:
             return AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
-        except (ValueError, TypeError, KeyError, OSError) as e:
-            reason = (str(e).strip().splitlines() or [""])[0]
-            raise ModelError(f"transformers cannot read {self.path / 'config.json'}: {reason}") from None
+        except Exception as e:  # noqa: BLE001 - config.json's values reach arbitrary transformers code: bad input
+            raise ModelError(f"transformers cannot read {self.path / 'config.json'}: {error_reason(e)}") from None
+
+    def hf_config(self):
+        """transformers' config object (``config``), or None where none can be made without the model's own code
+        from the hub (``models.headers``)."""
+        return self.config
 
     def tokenizer(self):
-        """The model's own tokenizer (its Python too, with ``trust_remote_code``)."""
+        """The model's own tokenizer (its Python too, with ``trust_remote_code``); one that turns text into no
+        tokens (transformers builds an empty one for a folder without tokenizer files) is a ModelError."""
         from transformers import AutoTokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
         except (ValueError, TypeError, KeyError, OSError) as e:
             reason = (str(e).strip().splitlines() or [""])[0]
             raise ModelError(f"cannot load the tokenizer of {self.path}: {reason}") from None
+        if not tok(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]:
+            found = [f for f in TOKENIZER_FILES if (self.path / f).is_file()]
+            what = (f"its tokenizer files ({', '.join(found)}) hold no vocabulary" if found else
+                    f"the folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)")
+            raise ModelError(f"the tokenizer of {self.path} turns text into no tokens: {what}; copy the tokenizer "
+                             "files from the model's release into the folder")
+        return tok
+
+    def tokenizer_digest(self) -> str:
+        """sha256 over the tokenizer files present (names and bytes): what ``tokenizer()`` reads, which the
+        fingerprint (weights and config) leaves out."""
+        h = hashlib.sha256()
+        for name in (*TOKENIZER_FILES, *TOKENIZER_SIDE_FILES):
+            if (self.path / name).is_file():
+                h.update(name.encode() + b"\0" + file_sha256(self.path / name).encode())
+        return h.hexdigest()[:16]
+
+    def token_rows(self) -> int:
+        """How many token ids the model has rows for: its embedding's rows, at most config.json's vocab_size."""
+        rows = self.shapes().get("model.embed_tokens.weight", (None,))[0]
+        vocab = self.config_dict.get("vocab_size")
+        sizes = [n for n in (rows, vocab) if isinstance(n, int) and not isinstance(n, bool)]
+        return min(sizes) if sizes else 0
+
+    def check_token_ids(self, tokens: torch.Tensor, what: str) -> None:
+        """A ModelError when ``tokens`` hold an id the model has no row for (a tokenizer of another model, or with
+        tokens added after the embedding was sized), instead of an index error deep in a forward."""
+        rows = self.token_rows()
+        top = int(tokens.max()) if tokens.numel() else -1
+        if rows and top >= rows:
+            n = int((tokens >= rows).sum())
+            raise ModelError(f"the tokenizer of {self.path} gives token id {top} ({n} token(s) of {what} at or above "
+                             f"{rows}), but the model has {rows} token embeddings (config.json vocab_size "
+                             f"{self.config_dict.get('vocab_size')}); use the tokenizer files that belong to this model")
 
     def read_tensors(self, keys: list[str], device="cpu", into: Callable[[int], torch.Tensor | None] | None = None
                      ) -> dict:
@@ -231,6 +306,11 @@ class ModelSource:
     def n_layers(self) -> int:
         return int(self.config_dict["num_hidden_layers"])
 
+    def layer_keys(self, layer: int) -> list[str]:
+        """On-disk tensor names of decoder layer ``layer``, in the weight map's order."""
+        prefix = layer_key_prefix(layer)
+        return [k for k in self.weight_map if k.startswith(prefix)]
+
     def moe_layers(self) -> list[int]:
         return sorted({m.layer for m in self.modules.values() if m.kind == "expert"})
 
@@ -260,6 +340,22 @@ class ModelSource:
         for file, digest in zip(files, digests, strict=True):
             h.update(f"{file}:{digest}".encode())
         return h.hexdigest()[:16]
+
+
+# buffers old transformers versions saved beside the weights (rotary inverse frequencies); transformers computes
+# them and never reads them from a checkpoint, so neither does quant, nor does it ship them
+_NEVER_READ = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def never_read(keys) -> list[str]:
+    """Stored tensors that are not weights of the model (``_NEVER_READ``): left out when a folder is opened."""
+    return [k for k in keys if _NEVER_READ.search(k)]
+
+
+def check_layer_count_type(config: dict, where: str) -> None:
+    layers = config.get("num_hidden_layers")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ModelError(f"{where}: num_hidden_layers must be a positive integer, got {layers!r}")
 
 
 def layer_of_key(key: str) -> int | None:
@@ -319,7 +415,10 @@ def refuse_quantized(config: dict, where: str) -> None:
     weights would fail later on names it does not know, or give garbage. FP8 with block scales is read dequantized
     (``quant.models.fp8``)."""
     qcfg = config.get("quantization_config")
-    if not isinstance(qcfg, dict) or fp8_block_size(config) is not None:
+    if qcfg is not None and not isinstance(qcfg, dict):
+        raise ModelError(f"{where}: config.json's quantization_config is a JSON {type(qcfg).__name__}, not an "
+                         "object; an unquantized model has none (remove it)")
+    if qcfg is None or fp8_block_size(config) is not None:
         return
     method = qcfg.get("quant_method", "unknown")
     raise ModelError(f"{where} is already quantized (quantization_config.quant_method '{method}'); quant needs the "

@@ -51,13 +51,17 @@ SHAPES |= {
                               moe_intermediate_size=256, num_attention_heads=8, num_key_value_heads=8,
                               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
                               n_group=1, topk_group=1, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
-                              qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=1.0, norm_topk_prob=True),
+                              qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=1.0, norm_topk_prob=True,
+                              # the release's routing keys (transformers' config class drops them; vLLM reads them)
+                              topk_method="noaux_tc", scoring_func="sigmoid"),
 }
 
 
-def build_model(shape: str | dict, n_layers: int, path: Path, seed: int) -> None:
+def build_model(shape: str | dict, n_layers: int, path: Path, seed: int, logit_scale: float = 1.0) -> None:
     """Random-weight model (transformers' own init, seeded) saved as bf16 safetensors + a word-level tokenizer.
-    ``shape`` names an entry of SHAPES or is such a dict (``model_type`` and config.json keys)."""
+    ``shape`` names an entry of SHAPES or is such a dict (``model_type`` and config.json keys). ``logit_scale``
+    multiplies ``lm_head``: peaked next-token distributions, as a trained model's are (random ones are near flat,
+    so a top-1 comparison would measure ties)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -73,6 +77,7 @@ def build_model(shape: str | dict, n_layers: int, path: Path, seed: int) -> None
             if ex is not None and hasattr(ex, "gate_up_proj"):
                 ex.gate_up_proj.normal_(0, cfg.initializer_range)
                 ex.down_proj.normal_(0, cfg.initializer_range)
+        model.lm_head.weight.mul_(logit_scale)
     model.save_pretrained(path, max_shard_size="50GB")
     # word-level over the whole vocabulary (word tN is token N), so text of random words (random_words) is random
     # tokens through quant's own calibration path (benchmarks/node.py)
@@ -86,39 +91,39 @@ def build_model(shape: str | dict, n_layers: int, path: Path, seed: int) -> None
         torch.cuda.empty_cache()
 
 
-def write_shapes_only(shape: str, n_layers: int, path: Path) -> Path:
-    """config.json and a header-only model.safetensors (names, dtypes, shapes; no data) of a ``shape`` model with
-    ``n_layers`` layers, in the per-expert on-disk layout save_pretrained writes: what ``quant estimate`` reads.
-    The model is built on the meta device, so a 671 B architecture costs no memory."""
-    import re
-    import struct
-
+def disk_shapes(model_type: str, config: dict) -> dict[str, list[int]]:
+    """On-disk tensor name -> shape of a ``model_type`` model with these config.json keys, in the per-expert
+    layout checkpoints use (``mlp.experts.<e>.gate_proj.weight``; Mixtral's ``block_sparse_moe.experts.<e>.w1``):
+    what the model folder check (``models.expected``) expects. The model is built on the meta device, so a 671 B
+    architecture costs no memory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from quant.models.expected import implied_tensors
     from quant.models.families import family_for
 
-    kw = dict(SHAPES[shape])
-    cfg = AutoConfig.for_model(kw.pop("model_type"), num_hidden_layers=n_layers, **kw)
+    cfg = AutoConfig.for_model(model_type, **config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    fam = family_for(cfg.model_type)
-    shapes: dict[str, list[int]] = {}
-    for key, t in model.state_dict().items():
-        m = re.match(r"model\.layers\.(\d+)\.(.+)\.experts\.(gate_up_proj|down_proj)$", key)
-        if not m:
-            layer = re.match(r"model\.layers\.(\d+)\.(.+)$", key)
-            shapes[fam.disk_key(int(layer[1]), layer[2]) if layer else key] = list(t.shape)
-            continue
-        layer, block, E = int(m[1]), m[2], t.shape[0]
-        parts = ({"gate": t.shape[1] // 2, "up": t.shape[1] // 2} if m[3] == "gate_up_proj" else {"down": t.shape[1]})
-        for e in range(E):
-            for proj, rows in parts.items():
-                local = f"{block}.experts.{e}.{fam.expert_proj[proj]}.weight"
-                shapes[fam.disk_key(layer, local)] = [rows, t.shape[2]]
+    implied, _ = implied_tensors(model, family_for(cfg.model_type))
+    return {key: list(shape) for key, (shape, _) in implied.items()}
+
+
+def write_shapes_only(shape: str, n_layers: int, path: Path) -> Path:
+    """config.json and a header-only model.safetensors (names, dtypes, shapes; no data) of a ``shape`` model with
+    ``n_layers`` layers, in the per-expert on-disk layout save_pretrained writes (``disk_shapes``): what ``quant
+    estimate`` reads."""
+    import struct
+
+    from transformers import AutoConfig
+
+    kw = dict(SHAPES[shape])
+    model_type = kw.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=n_layers, **kw)
+    shapes = disk_shapes(model_type, dict(kw, num_hidden_layers=n_layers))
     header, offset = {}, 0
     for key, shp in sorted(shapes.items()):
         n = 2 * int(torch.Size(shp).numel())
-        header[key] = {"dtype": "BF16", "shape": shp, "data_offsets": [offset, offset + n]}
+        header[key] = {"dtype": "BF16", "shape": list(shp), "data_offsets": [offset, offset + n]}
         offset += n
     path.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(path)

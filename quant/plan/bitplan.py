@@ -13,17 +13,19 @@ import json
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from quant.algos.grid import shared_group_size
+from quant.algos.grid import QuantSpec, shared_group_size
 from quant.errors import PlanError
 from quant.measure.profile import RoutingProfile
 from quant.models import ModuleInfo
+from quant.models.names import block_name, parse
 from quant.plan.layer_policy import LAYER_POLICIES
 from quant.recipe import PlanSpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the headline is a typed field (1 carried it as a JSON string in ``notes``)
 KEEP_BITS = 16  # what a kept (bf16/fp16) weight costs
 
 
@@ -40,9 +42,55 @@ class ModulePlan:
     def keep(self) -> bool:
         return self.bits is None
 
+    @property
+    def spec(self) -> QuantSpec:
+        """The quantization grid of a quantized module (``algos`` and the engine speak in these)."""
+        assert self.bits is not None, "a kept module has no quantization spec"
+        return QuantSpec(self.bits, self.group_size, self.symmetric)
 
-@dataclass
+
+def _by_bits(d: dict[Any, float]) -> dict[int, float]:
+    """A bits -> value map with int keys (JSON gives them back as strings), in ascending bits."""
+    return {int(b): v for b, v in sorted(d.items(), key=lambda kv: int(kv[0]))}
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A plan's summary figures (``quant.plan.summary.summarize``). Bits keys: 16 means kept in the model dtype.
+
+    ``avg_bits_experts`` / ``avg_bits_all``: mean code bits per weight over the routed experts / over every
+    quantizable weight (scales not counted); ``size_gb``: the checkpoint's size (codes, scales, zero points, kept
+    tensors); ``expert_pct_by_bits``: % of expert projections at each width; ``traffic_share_by_bits``: share of
+    a layer's routed traffic reading each width (mean over MoE layers); ``traffic_weighted_bits``: mean bits of
+    the expert weights a routed token reads (what decode bandwidth sees).
+    """
+
+    avg_bits_experts: float
+    avg_bits_all: float
+    size_gb: float
+    expert_pct_by_bits: dict[int, float]
+    traffic_share_by_bits: dict[int, float]
+    traffic_weighted_bits: float
+
+    @classmethod
+    def from_json(cls, d: dict) -> Headline:
+        return cls(**{**d, "expert_pct_by_bits": _by_bits(d["expert_pct_by_bits"]),
+                      "traffic_share_by_bits": _by_bits(d["traffic_share_by_bits"])})
+
+    def line(self) -> str:
+        """One line for a terminal: bits, size, and how the experts and their traffic split by bits."""
+        experts = ", ".join(f"{b}: {pct}%" for b, pct in self.expert_pct_by_bits.items())
+        traffic = ", ".join(f"{b}: {100 * v:.1f}%" for b, v in self.traffic_share_by_bits.items())
+        return (f"{self.avg_bits_experts} bits per expert weight ({self.avg_bits_all} over all weights), "
+                f"{self.traffic_weighted_bits} traffic-weighted; {self.size_gb * 1000:.1f} MB; expert projections "
+                f"by bits {experts}; routed traffic by bits {traffic}")
+
+
+@dataclass(frozen=True)
 class BitPlan:
+    """The plan artifact (``plan.json``). ``plan_bits`` decides ``modules``; the plan stage adds what the plan
+    costs and whom it serves (``headline``, ``serving``) with ``dataclasses.replace``."""
+
     modules: dict[str, ModulePlan]
     algorithm: str
     granularity: str
@@ -50,25 +98,30 @@ class BitPlan:
     policy: str
     model_fingerprint: str
     schema_version: int = SCHEMA_VERSION
-    notes: list[str] = field(default_factory=list)
     group_rule: str = ""  # how each module's group size was chosen (see ``resolve_group_sizes``)
     # quant.plan.servable.serving_summary: vLLM/SGLang problems, predicted KL, the best plan they serve (plan stage)
     serving: dict = field(default_factory=dict)
+    headline: Headline | None = None  # quant.plan.summary.summarize (plan stage)
 
     def quantized(self) -> dict[str, ModulePlan]:
         return {n: p for n, p in self.modules.items() if not p.keep}
 
+    def quantized_specs(self) -> dict[str, QuantSpec]:
+        """Canonical name -> spec of every quantized module, in plan order: what the engine quantizes."""
+        return {n: p.spec for n, p in self.quantized().items()}
+
     def save(self, path: Path) -> None:
-        d = asdict(self)
-        d["modules"] = {n: asdict(p) for n, p in self.modules.items()}
-        path.write_text(json.dumps(d, indent=1))
+        path.write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: Path) -> BitPlan:
         d = json.loads(path.read_text())
         if d.get("schema_version") != SCHEMA_VERSION:
-            raise PlanError(f"{path}: plan schema_version {d.get('schema_version')} != {SCHEMA_VERSION}")
+            raise PlanError(f"{path}: plan schema_version {d.get('schema_version')} != {SCHEMA_VERSION}; redo the "
+                            "plan stage (quant plan RECIPE --force plan)")
         d["modules"] = {n: ModulePlan(**p) for n, p in d["modules"].items()}
+        if d.get("headline") is not None:
+            d["headline"] = Headline.from_json(d["headline"])
         return cls(**d)
 
 
@@ -184,9 +237,9 @@ GROUP_RULE = (
 def scheme_unit(m: ModuleInfo, formats: tuple[str, ...]) -> str:
     """Name of the group of modules that must share one group size (see ``GROUP_RULE``)."""
     if m.kind == "expert":
-        return f"layers.{m.layer}.experts"
+        return block_name(m.layer, "experts")
     if "gptq" in formats and m.kind in ("attn", "shared", "dense_mlp"):
-        return m.name.rsplit(".", 1)[0]
+        return block_name(m.layer, parse(m.name).block)
     return m.name
 
 
@@ -251,6 +304,7 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
     layer_schemes = LAYER_POLICIES[spec.policy](profile, modules, spec) if spec.policy in LAYER_POLICIES else None
     high = _high_mask(profile, modules, spec) if layer_schemes is None else None
     supers = set(profile.super_experts(spec.protect.super_expert_ratio)) if spec.protect.super_experts else set()
+    pinned = spec.pinned_layers()
     decided: dict[str, tuple[int | None, str]] = {}
     requested: dict[str, int] = {}  # the group size asked for: plan.group_size, or a layer policy's per MoE layer
     for name, m in modules.items():
@@ -260,6 +314,9 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
         group_size = spec.group_size
         if rule is not None:
             bits, reason = rule
+        elif m.kind == "expert" and m.layer in pinned:
+            bits, group_size = pinned[m.layer]
+            reason = f"plan.layer_schemes:w{bits}g{group_size}"
         elif layer_schemes is not None:
             bits, group_size = layer_schemes[m.layer]
             reason = f"{spec.policy}:w{bits}g{group_size}"
@@ -269,6 +326,10 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
             bits, reason = spec.low_bits, f"{spec.policy}:low"
         decided[name] = (None if bits == "keep" else int(bits), reason)
         requested[name] = group_size
+    unknown = sorted(set(pinned) - {m.layer for m in modules.values() if m.kind == "expert"})
+    if unknown:
+        raise PlanError(f"plan.layer_schemes names layer {unknown[0]}, which has no routed experts; MoE layers: "
+                        f"{sorted({m.layer for m in modules.values() if m.kind == 'expert'})}")
     groups = _resolve_requested({n: modules[n] for n, (bits, _) in decided.items() if bits is not None}, requested,
                                 formats)
     out = {n: ModulePlan(bits, groups[n], spec.symmetric, reason) if bits is not None else ModulePlan(None, reason=reason)

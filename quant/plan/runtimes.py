@@ -11,6 +11,8 @@ Facts (read from vLLM 0.33, SGLang 0.5.23, transformers 5.17, GPTQModel 7.6; see
 - transformers 5.17 decompresses all fused experts of a compressed-tensors checkpoint with a single scheme
   (``get_experts_scheme``), symmetric only; any other expert scheme is silently loaded as garbage. It cannot
   load GPTQ MoE checkpoints at all.
+- quant's own vLLM plugin (``vllm-quant``, quant.serve) serves compressed-tensors checkpoints whose experts differ
+  within a layer (``quant_method: moe-quant-mixed``): each scheme group on vLLM's Marlin MoE kernel.
 - GPTQModel unfuses experts into per-expert Linear modules and honours per-expert ``dynamic`` rules: the one
   runtime here that serves per-expert mixed bits (GPTQ format; it cannot read Mixtral's original
   ``block_sparse_moe.experts.N.w1`` names).
@@ -22,9 +24,15 @@ from collections import defaultdict
 
 from quant.errors import PlanError
 from quant.models import ModelSource
+from quant.models.families import STANDARD_EXPERT_GATE_NAMES, STANDARD_PROJ_NAMES
+from quant.models.names import block_name, expert_name, parse
 from quant.plan.bitplan import BitPlan
 
-RUNTIMES = ("any", "vllm", "sglang", "transformers", "gptqmodel")
+RUNTIMES = ("any", "vllm", "vllm-quant", "sglang", "transformers", "gptqmodel")
+# vLLM with quant's plugin (``pip install "moe-quant[serve]"``, quant.serve): per-expert schemes in one MoE layer
+PLUGIN = "vllm-quant"
+PLUGIN_NEEDS_CT = ("quant's vLLM plugin serves the compressed-tensors export of a plan whose experts differ within a "
+                   "MoE layer; add compressed-tensors to export.formats")
 ATEN_INT4_GROUPS = (32, 64, 128, 256)  # torch's _weight_int4pack_mm_for_cpu (GPTQModel's TorchAtenLinear)
 TRANSFORMERS_NO_GPTQ = ("transformers cannot load GPTQ-format MoE checkpoints (fused experts); export "
                         "compressed-tensors or serve the GPTQ checkpoint with gptqmodel/vllm")
@@ -52,7 +60,7 @@ def expert_schemes_by_layer(plan: BitPlan, source: ModelSource) -> dict[int, set
 
 
 def _per_expert_hint(source: ModelSource) -> str:
-    if source.family.name == "mixtral":  # GPTQModel renames Mixtral's experts and cannot read quant's checkpoint
+    if not source.family.standard_expert_names:  # GPTQModel cannot read the checkpoint's expert names (Mixtral's)
         return ""
     return ", or plan.target_runtime: gptqmodel with export.formats: [gptq] for per-expert bits"
 
@@ -64,7 +72,8 @@ def _mix_hint(plan: BitPlan, source: ModelSource, layer: int, schemes: set[tuple
         return (f"only their group sizes differ ({widths}: per-channel groups follow each projection's width); set "
                 f"plan.group_size to 32, 64 or 128")
     if plan.granularity == "per_expert":
-        return "set plan.granularity: per_layer (bits per MoE layer)" + _per_expert_hint(source)
+        return ("set plan.granularity: per_layer (bits per MoE layer), or plan.target_runtime: vllm-quant (quant's "
+                "vLLM plugin serves per-expert bits)" + _per_expert_hint(source))
     reasons = sorted({plan.modules[n].reason for n, m in source.modules.items()
                       if m.kind == "expert" and m.layer == layer and not plan.modules[n].reason.endswith((":high", ":low"))})
     rules = ", ".join(f"plan.{r}" for r in reasons) or "a protection rule"
@@ -98,15 +107,15 @@ def _moe_kernels(plan: BitPlan, source: ModelSource, runtime: str) -> list[str]:
 def _fused_shards(plan: BitPlan, source: ModelSource, runtime: str) -> list[str]:
     by_parent: dict[tuple, dict[str, tuple]] = defaultdict(dict)
     for name in source.modules:
-        parts = name.split(".")
-        if parts[0] == "layers" and len(parts) == 4:
-            by_parent[(parts[1], parts[2])][parts[3]] = _scheme(plan, name)
+        n = parse(name)
+        if n.block is not None and n.expert is None:  # leaves of one block: attention, shared expert, dense MLP
+            by_parent[(n.layer, n.block)][n.leaf] = _scheme(plan, name)
     for (layer, block), leaves in by_parent.items():
         for fused_block, group in FUSED:
             present = [leaves[g] for g in group if g in leaves and block == fused_block]
             if len(set(present)) > 1:
-                return [f"{runtime} fuses layers.{layer}.{block}.{{{','.join(group)}}} into one module; they must share "
-                        f"one scheme but the plan gives {', '.join(sorted(map(_fmt, set(present))))}"]
+                return [f"{runtime} fuses {block_name(layer, block)}.{{{','.join(group)}}} into one module; they must "
+                        f"share one scheme but the plan gives {', '.join(sorted(map(_fmt, set(present))))}"]
     return []
 
 
@@ -151,10 +160,52 @@ def gptqmodel_kernel_problem(plan: BitPlan) -> str | None:
 def _gptqmodel(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> list[str]:
     if formats and "gptq" not in formats:
         return [GPTQMODEL_NEEDS_GPTQ]
-    if source.family.name == "mixtral":
-        return ["gptqmodel reads Mixtral experts as mlp.experts.N.gate_proj, not the original "
-                "block_sparse_moe.experts.N.w1 names the checkpoint keeps; serve Mixtral with vllm (per_layer)"]
+    fam = source.family
+    if not fam.standard_expert_names:
+        return [f"gptqmodel reads {fam.title} experts as {STANDARD_EXPERT_GATE_NAMES}, not the original "
+                f"{fam.expert_gate_names} names the checkpoint keeps; serve {fam.title} with vllm (per_layer)"]
     return []
+
+
+def _mixed_layer_kernels(plan: BitPlan, source: ModelSource) -> list[str]:
+    """The plugin runs each scheme group of a mixed layer on vLLM's Marlin MoE kernel (quant.serve.layout)."""
+    from quant.serve.layout import Scheme, check_servable
+
+    mixed = {layer for layer, s in expert_schemes_by_layer(plan, source).items() if len(s) > 1}
+    for name, m in source.modules.items():
+        p = plan.modules[name]
+        if m.kind != "expert" or m.layer not in mixed or p.keep:
+            continue
+        gate = source.modules[expert_name(m.layer, m.expert, "gate")]
+        why = check_servable(Scheme(p.bits, p.group_size, p.symmetric), gate.in_features, gate.out_features)
+        if why is not None:
+            return [f"quant's vLLM plugin runs the experts of a mixed MoE layer on vLLM's Marlin MoE kernel, which "
+                    f"cannot take {why} ({name})"]
+    return []
+
+
+def _plugin(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> list[str]:
+    """vLLM's own rules, except that the experts of one fused MoE layer may differ in bits and group size."""
+    problems = _fused_shards(plan, source, "vllm") + _moe_kernels(plan, source, "vllm")
+    if any(len(s) > 1 for s in expert_schemes_by_layer(plan, source).values()):
+        problems += _mixed_layer_kernels(plan, source)
+        if formats and "compressed-tensors" not in formats:
+            problems.append(PLUGIN_NEEDS_CT)
+    else:
+        problems += _gptq_types(plan, "vllm", formats)
+    return problems
+
+
+def _vllm_expert_names(source: ModelSource, formats: tuple[str, ...]) -> list[str]:
+    """vLLM 0.26 looks a fused MoE layer's compressed-tensors scheme up under ``experts.0.gate_proj`` (and up/down)
+    whatever the checkpoint calls them; experts stored under other names (Mixtral: w1/w3/w2) match no target, load
+    as unquantized experts and fail. The GPTQ export (rules per layer prefix) and quant's plugin find them."""
+    fam = source.family
+    if fam.standard_proj_names or "gptq" in formats:
+        return []
+    return [f"vllm 0.26 looks compressed-tensors experts up as {STANDARD_PROJ_NAMES}, but this model names them "
+            f"{fam.proj_names}: it loads them unquantized and fails; add gptq to export.formats, or serve with quant's plugin "
+            f"(plan.target_runtime: vllm-quant; vllm serve --quantization moe-quant-mixed)"]
 
 
 def problems_for(plan: BitPlan, source: ModelSource, runtime: str, formats: tuple[str, ...] = ()) -> list[str]:
@@ -165,8 +216,12 @@ def problems_for(plan: BitPlan, source: ModelSource, runtime: str, formats: tupl
         return _transformers(plan, source, formats)
     if runtime == "gptqmodel":
         return _gptqmodel(plan, source, formats)
+    if runtime == PLUGIN:
+        return _plugin(plan, source, formats)
     problems = _per_layer_uniform(plan, source, runtime) + _fused_shards(plan, source, runtime)
     problems += _moe_kernels(plan, source, runtime) + _gptq_types(plan, runtime, formats)
+    if runtime == "vllm":
+        problems += _vllm_expert_names(source, formats)
     if runtime == "sglang" and "gptq" in formats and len(set().union(*expert_schemes_by_layer(plan, source).values())) > 1:
         problems.append("sglang's GPTQ-Marlin MoE ignores dynamic rules: GPTQ checkpoints need one expert scheme "
                         "for the whole model; export compressed-tensors for per-layer bits")

@@ -16,6 +16,7 @@ import torch
 from quant.algos.grid import shared_group_size
 from quant.measure.profile import RoutingProfile
 from quant.models import ModelSource
+from quant.models.names import PROJ, expert_name
 from quant.plan.bitplan import BitPlan
 from quant.plan.layer_policy import choose_schemes, layer_storage, storage_bits
 from quant.plan.runtimes import problems_for
@@ -28,7 +29,7 @@ SERVED_BITS = (4, 8)
 def _expert_scheme(plan: BitPlan, source: ModelSource, layer: int, expert: int, measured: list[str]) -> str | None:
     """The measured scheme one expert's three projections resolve to (``keep`` when all are kept), else None."""
     projs = [(plan.modules[n], source.modules[n].in_features)
-             for n in (f"layers.{layer}.experts.{expert}.{p}" for p in ("gate", "up", "down"))]
+             for n in (expert_name(layer, expert, p) for p in PROJ)]
     if all(p.keep for p, _ in projs):
         return "keep"
     widths = {in_f for _, in_f in projs}

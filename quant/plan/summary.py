@@ -7,12 +7,23 @@ expert weighted by its share of the layer's routed assignments): what decode ban
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from quant.measure.profile import RoutingProfile
 from quant.models import ModelSource
-from quant.plan.bitplan import KEEP_BITS, BitPlan
+from quant.plan.bitplan import KEEP_BITS, BitPlan, Headline
 
 SCALE_BYTES = 2
+# The bits figures quant prints, defined once; every output names them so.
+BITS_TERMS = {
+    "expert bits": "code bits per routed-expert weight (scales not counted)",
+    "stored expert bits": "expert bits with each group's scale (and zero point) counted",
+    "traffic-weighted expert bits": "expert bits weighted by each expert's share of its layer's routed tokens: what "
+                                    "a routed token reads",
+    "bits over all weights": "code bits per weight over every weight of the model, kept ones (router, embeddings, "
+                             "lm_head) at 16",
+    "layer bits": "code bits per weight over one decoder layer's quantized weights (attention and experts)",
+}
 
 
 def module_bytes(bits: int | None, out_f: int, in_f: int, group: int, symmetric: bool) -> float:
@@ -28,7 +39,16 @@ def _bits(plan: BitPlan, name: str) -> int:
     return KEEP_BITS if p.keep else p.bits
 
 
-def summarize(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> dict:
+@dataclass(frozen=True)
+class PlanSummary:
+    """``headline``: the plan's figures; ``per_layer``: per MoE layer, expert projections and routed traffic share by
+    bits (``{"layer", "modules_by_bits", "traffic_share_by_bits", "traffic_weighted_bits"}``)."""
+
+    headline: Headline
+    per_layer: list[dict]
+
+
+def summarize(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> PlanSummary:
     """Headline numbers and a per-layer table (bits in keys: 16 means kept in the model dtype)."""
     mods = source.modules
     share = profile.share()
@@ -60,15 +80,15 @@ def summarize(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> di
         for b, v in row["traffic_share_by_bits"].items():
             traffic_by_bits[b] += v / len(table)
     n_expert_mods = sum(expert_mods_by_bits.values())
-    headline = {
-        "avg_bits_experts": round(e_bits / max(e_numel, 1), 3),
-        "avg_bits_all": round(all_bits / max(all_numel, 1), 3),
-        "size_gb": round(size / 1e9, 4),
-        "expert_pct_by_bits": {b: round(100 * n / max(n_expert_mods, 1), 2) for b, n in sorted(expert_mods_by_bits.items())},
-        "traffic_share_by_bits": {b: round(v, 4) for b, v in sorted(traffic_by_bits.items())},
-        "traffic_weighted_bits": round(sum(r["traffic_weighted_bits"] for r in table) / max(len(table), 1), 3),
-    }
-    return {"headline": headline, "per_layer": table}
+    headline = Headline(
+        avg_bits_experts=round(e_bits / max(e_numel, 1), 3),
+        avg_bits_all=round(all_bits / max(all_numel, 1), 3),
+        size_gb=round(size / 1e9, 4),
+        expert_pct_by_bits={b: round(100 * n / max(n_expert_mods, 1), 2) for b, n in sorted(expert_mods_by_bits.items())},
+        traffic_share_by_bits={b: round(v, 4) for b, v in sorted(traffic_by_bits.items())},
+        traffic_weighted_bits=round(sum(r["traffic_weighted_bits"] for r in table) / max(len(table), 1), 3),
+    )
+    return PlanSummary(headline, table)
 
 
 def _other_bytes(source: ModelSource) -> float:
@@ -82,3 +102,19 @@ def _other_bytes(source: ModelSource) -> float:
                 n *= d
             total += n * 2
     return float(total)
+
+
+KIND_LABELS = {"expert": "experts", "attn": "attention", "shared": "shared experts", "dense_mlp": "dense MLPs"}
+
+
+def scheme_counts(plan: BitPlan, source: ModelSource) -> dict[str, dict[str, int]]:
+    """Module kind (``KIND_LABELS``) -> quantization scheme (``W4 g32 sym``) -> number of modules at it: the
+    schemes a checkpoint of this plan holds (its config.json's groups), in ascending bits and group size."""
+    out: dict[str, dict[tuple, int]] = defaultdict(lambda: defaultdict(int))
+    for name, p in plan.quantized().items():
+        out[KIND_LABELS.get(source.modules[name].kind, source.modules[name].kind)][(p.bits, p.group_size, p.symmetric)] += 1
+    return {kind: {f"W{b} g{g} {'sym' if s else 'asym'}" if g != -1 else f"W{b} per channel {'sym' if s else 'asym'}": n
+                   for (b, g, s), n in sorted(schemes.items())}
+            for kind, schemes in sorted(out.items(), key=lambda kv: list(KIND_LABELS.values()).index(kv[0])
+                                        if kv[0] in KIND_LABELS.values() else 99)}
+

@@ -1,4 +1,4 @@
-"""The one place where stage order lives: calibrate -> profile -> plan -> quantize -> export -> eval -> report.
+"""The one place where stage order lives: calibrate -> profile -> plan -> quantize -> export -> eval -> card -> report.
 
 Each stage is a function of typed inputs that writes its artifact into the run directory. The pipeline hashes
 every stage's inputs (recipe sections, model fingerprint, upstream outputs); a stage whose inputs did not
@@ -22,31 +22,116 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.engine.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
-from quant.errors import GateFailed, RunDirError, StopRequested
+from quant.errors import GateFailed, QuantError, RunDirError, StopRequested
 from quant.io.rundir import RunDir, environment_error, hash_path
+from quant.measure.profile import SCHEMA_VERSION as PROFILE_SCHEMA
 from quant.models import ModelSource, resolve_model
+from quant.plan.bitplan import SCHEMA_VERSION as PLAN_SCHEMA
 from quant.progress import step as progress_step
 from quant.recipe import Recipe
 from quant.run import stages
 
 log = logging.getLogger(__name__)
 
-STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "report")
-# stage -> (recipe sections it reads, upstream stages whose outputs it reads, its outputs)
+STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "card", "report")
+# stage -> (recipe sections (or top-level keys) it reads, upstream stages whose outputs it reads, its outputs)
 DEPENDS = {
     "calibrate": (("model", "calibration"), (), ("calibration.safetensors", "calibration.json")),
     "profile": (("model", "profile"), ("calibrate",), ("profile.json",)),
-    "plan": (("plan", "quantize", "export"), ("profile",), ("plan.json",)),  # formats decide group units
+    # the plan reads the algorithm and the export formats (they decide group units and whom the plan serves)
+    "plan": (("plan", "quantize.algorithm", "export.formats"), ("profile",), ("plan.json",)),
     "quantize": (("model", "quantize"), ("calibrate", "plan"), ("quantized",)),
     "export": (("export",), ("plan", "quantize"), ()),  # outputs: one folder per format
     "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
-    "report": (("report", "eval"), ("profile", "plan", "quantize", "export", "eval"), ("report.md", "metrics.json")),
+    # the model card: what was done (recipe), the plan's headline, eval's numbers; outputs: each checkpoint's README.md
+    "card": (("model", "plan", "quantize", "export", "eval"), ("plan", "export", "eval"), ()),
+    "report": (("report", "eval", "description"), ("profile", "plan", "quantize", "export", "eval"),
+               ("report.md", "metrics.json")),
 }
+# stages that read the model's tokenizer files (tokenize, or copy them into the checkpoint): the fingerprint covers
+# weights and config only, so a changed tokenizer redoes them
+TOKENIZES = ("calibrate", "export", "eval")
+# (stage, upstream stage) -> the digest of what the stage reads of that upstream's outputs, where that is less than
+# all of them: quantize reads the plan's modules and algorithm, not its headline or serving notes (which change
+# with export formats)
+READS = {("quantize", "plan"): stages.plan_digest_for_quantize}
+# the same, as the upstream will read once it is redone, where that is known before any work (the plan's modules
+# are a pure function of the profile and the recipe): a preview then says whether quantize will be redone
+PREDICTS = {("quantize", "plan"): stages.planned_digest_for_quantize}
 # stages every rank runs (``run_<stage>(..., world)``); the others run on the writer alone
 DISTRIBUTED = ("profile", "quantize", "export", "eval")
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop a run after the layer in hand (Slurm job scripts do)
+# Versioned artifacts: one written under another schema_version (by another quant version) counts as missing, so
+# its stage is redone instead of the next stage failing to load it.
+SCHEMAS = {"profile.json": PROFILE_SCHEMA, "plan.json": PLAN_SCHEMA}
+
+
+def schema_current(path: Path, version: int) -> bool:
+    """``path`` holds a JSON artifact of ``schema_version`` ``version`` (False when missing or unreadable)."""
+    try:
+        return json.loads(path.read_text()).get("schema_version") == version
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What a run will do, known before any work: the recipe values that changed since the run directory's last
+    run (``key: old -> new``), the stages it will redo and those that are up to date."""
+
+    run_dir: Path
+    changed: tuple[str, ...]
+    redo: tuple[str, ...]
+    fresh: tuple[str, ...]
+    new: bool
+
+    def line(self) -> str:
+        if self.new:
+            return f"{self.run_dir}: a new run: {', '.join(self.redo)}"
+        what = f"recipe changed since the last run ({'; '.join(self.changed)})" if self.changed else "recipe unchanged"
+        if not self.redo:
+            return f"{self.run_dir}: {what}; up to date, nothing to redo"
+        fresh = f" (up to date: {', '.join(self.fresh)})" if self.fresh else ""
+        return f"{self.run_dir}: {what}; will redo {', '.join(self.redo)}{fresh}"
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v}
+    return out
+
+
+def _shown(v) -> str:
+    if isinstance(v, list | tuple):
+        return f"[{', '.join(_shown(x) for x in v)}]"
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def recipe_changes(old: dict | None, new: dict) -> tuple[str, ...]:
+    """Dotted recipe keys whose values differ between two resolved recipes, as ``key: old -> new``."""
+    if not old:
+        return ()
+    a, b = _flat(old), _flat(new)
+    keys = list(b) + [k for k in a if k not in b]
+    unset = object()
+    return tuple(f"{k}: {_shown(a.get(k, '(unset)'))} -> {_shown(b.get(k, '(unset)'))}" for k in keys
+                 if a.get(k, unset) != b.get(k, unset))
+
+
+def check_devices(recipe: Recipe) -> None:
+    for device in {recipe.quantize.device, recipe.eval.device}:
+        pick_device(device)
+
+
+def check_machine(recipe: Recipe, until: str = "report") -> None:
+    """What this machine must have for a run of ``recipe`` up to ``until``, checked without the model or any work
+    (``quant validate`` too): the devices named, the optional libraries and the sandbox the eval stage needs."""
+    check_devices(recipe)
+    if STAGES.index(until) >= STAGES.index("eval"):
+        stages.check_eval_machine(recipe)
 
 
 @dataclass
@@ -70,7 +155,7 @@ def share_fingerprint(world: World, source: ModelSource) -> str:
 class Run:
     """One recipe applied to one run directory."""
 
-    def __init__(self, recipe: Recipe, run_dir: Path, world: World = SINGLE):
+    def __init__(self, recipe: Recipe, run_dir: Path, world: World):
         self.recipe = recipe
         self.dir = RunDir(run_dir)
         self.world = world
@@ -79,54 +164,136 @@ class Run:
     @cached_property
     def source(self) -> ModelSource:
         m = self.recipe.model
-        return resolve_model(m.path, trust_remote_code=m.trust_remote_code, family=m.family)
+        return resolve_model(m.path, trust_remote_code=m.trust_remote_code, family=m.family,
+                             processes_per_node=self.world.local_size)
 
     def identity(self) -> dict:
         return {"recipe": self.recipe.name, "model": self.recipe.model.path,
                 "fingerprint": self.source.fingerprint}
 
-    def input_hash(self, stage: str, m: dict) -> str:
+    def input_hash(self, stage: str, m: dict, reads: dict | None = None) -> str:
+        """``reads``: upstream -> what ``stage`` will read of it (``PREDICTS``), in place of what it holds now."""
         sections, upstream, _ = DEPENDS[stage]
+        reads = reads or {}
         blob = {
             "recipe": self.recipe.section_hash(*sections),
             "model": self.source.fingerprint,
-            "upstream": {u: m["stages"].get(u, {}).get("outputs") for u in upstream},
+            "upstream": {u: reads[u] if u in reads else self._upstream(stage, u, m) for u in upstream},
         }
         if stage == "calibrate":
             blob["dataset"] = stages.dataset_hash(self.recipe.calibration.dataset)
+        if stage in TOKENIZES:
+            blob["tokenizer"] = self.source.tokenizer_digest()
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
+    def _upstream(self, stage: str, upstream: str, m: dict):
+        """What ``stage`` reads of ``upstream``'s outputs, as recorded (``READS``: a digest of the part it reads)."""
+        if (stage, upstream) in READS:
+            return READS[stage, upstream](self.dir.path)
+        return m["stages"].get(upstream, {}).get("outputs")
+
     def outputs(self, stage: str) -> list[str]:
-        """Run-dir-relative outputs: export's are the checkpoint folders, report's include their model cards."""
+        """Run-dir-relative outputs: export's are the checkpoint folders, eval's include lm-eval's own results when
+        it ran tasks, card's are the model card in each checkpoint folder."""
         from quant.export import CARD, checkpoint_dirs
 
         if stage == "export":
             return list(checkpoint_dirs(self.recipe).values())
-        cards = [f"{d}/{CARD}" for d in checkpoint_dirs(self.recipe).values()] if stage == "report" else []
-        return list(DEPENDS[stage][2]) + cards
+        if stage == "card":
+            return [f"{d}/{CARD}" for d in checkpoint_dirs(self.recipe).values()]
+        if stage == "eval" and self.recipe.eval.tasks:
+            from quant.eval.evaluate import LM_EVAL_RESULTS
+
+            return list(DEPENDS[stage][2]) + list(LM_EVAL_RESULTS.values())
+        return list(DEPENDS[stage][2])
+
+    def managed(self) -> tuple[str, ...]:
+        """Top-level names the stages write in the run directory (their outputs, the partial quantized store)."""
+        names = {o.split("/")[0] for stage in STAGES for o in self.outputs(stage)}
+        return tuple(sorted(names | {stages.PARTIAL}))
 
     def output_hashes(self, stage: str) -> dict[str, str | None]:
         """What each output holds now (None: missing or damaged). A checkpoint counts by the SHA-256 manifest it
-        carries, verified file by file (digests cached by stat, so an unchanged checkpoint is not re-read)."""
+        carries, verified file by file (digests cached by stat, so an unchanged checkpoint is not re-read). A
+        versioned artifact of another schema (``SCHEMAS``) counts as missing."""
         if stage == "export":
             from quant.export import checkpoint_digest
 
             return {o: checkpoint_digest(self.dir.path / o) for o in self.outputs(stage)}
-        return {o: hash_path(self.dir.path / o) for o in self.outputs(stage)}
+        return {o: self._output_hash(o) for o in self.outputs(stage)}
 
-    def execute(self, until: str = "report", force: str | None = None) -> RunResult:
+    def _output_hash(self, output: str) -> str | None:
+        path = self.dir.path / output
+        if output in SCHEMAS and not schema_current(path, SCHEMAS[output]):
+            return None
+        return hash_path(path)
+
+    def check_arguments(self, until: str, force: str | None) -> None:
+        """What fails before any work, on every rank: stage names and devices."""
         if until not in STAGES:
             raise RunDirError(f"unknown stage '{until}'; stages: {', '.join(STAGES)}")
         if force is not None and force not in STAGES and force != "all":
             raise RunDirError(f"--force takes a stage name or 'all', got '{force}'; stages: {', '.join(STAGES)}")
-        for device in {self.recipe.quantize.device, self.recipe.eval.device}:  # absent devices fail before any work
-            pick_device(device)
+        check_devices(self.recipe)
+
+    def check_model(self, until: str) -> None:
+        """What fails before any work, on the writer (it resolves the model): what the eval stage needs of this
+        machine (``check_machine``) and of the model."""
+        if STAGES.index(until) >= STAGES.index("eval"):
+            stages.check_eval_machine(self.recipe)
+            stages.check_eval_model(self.recipe, self.source)
+
+    def preview(self, until: str = "report", force: str | None = None, m: dict | None = None,
+                previous: dict | None = None) -> Preview:
+        """The stages a run will redo and the recipe values changed since the last run, from the manifest ``m``
+        (default: the run directory's, read only; a run directory that would refuse the run raises)."""
+        if m is None:
+            self.check_arguments(until, force)
+            self.check_model(until)
+            previous = self.dir.manifest()
+            refusal = self.dir.refusal(previous, self.identity(), force is not None)
+            if refusal is not None:
+                raise RunDirError(refusal)
+            same = previous.get("identity") == self.identity()
+            m = {"stages": previous.get("stages", {}) if same else {}}
+        first_forced = 0 if force == "all" else (STAGES.index(force) if force else len(STAGES))
+        todo = STAGES[: STAGES.index(until) + 1]
+        redo: list[str] = []
+        for i, stage in enumerate(todo):
+            if i >= first_forced or self._stale(stage, m, redo):
+                redo.append(stage)
+        new = not any(s.get("status") == "done" for s in m["stages"].values())
+        return Preview(self.dir.path, recipe_changes((previous or {}).get("recipe"), self.recipe.model_dump(mode="json")),
+                       tuple(redo), tuple(s for s in todo if s not in redo), new)
+
+    def _stale(self, stage: str, m: dict, redo: list[str]) -> bool:
+        """Whether ``stage`` will be redone once the stages in ``redo`` are: its inputs changed, or an upstream it
+        reads is redone and what it will read of it is not known to stay the same (``PREDICTS``)."""
+        redone = [u for u in DEPENDS[stage][1] if u in redo]
+        reads = {}
+        for u in redone:
+            if (stage, u) not in PREDICTS or any(v in redo for v in DEPENDS[u][1]):
+                return True
+            try:
+                reads[u] = PREDICTS[stage, u](self.recipe, self.source, self.dir.path)
+            except (QuantError, OSError, ValueError):  # the upstream stage itself will say what is wrong
+                return True
+        h = self.input_hash(stage, m, reads)
+        return not self.dir.is_fresh(m, stage, h, lambda: self.output_hashes(stage))
+
+    def execute(self, until: str = "report", force: str | None = None) -> RunResult:
         w = self.world
+        self.check_arguments(until, force)
 
         def claim() -> dict:  # on the writer, which resolves the model first (a hub model downloads once)
-            if STAGES.index(until) >= STAGES.index("eval"):
-                stages.check_eval(self.recipe, self.source)  # a recipe the model cannot serve fails before any work
-            return self.dir.claim(self.identity(), force=force is not None)
+            self.check_model(until)  # a recipe the model cannot serve fails before any work
+            previous = self.dir.manifest()
+            m = self.dir.claim(self.identity(), force=force is not None, managed=self.managed())
+            p = self.preview(until, force, m, previous)
+            log.log(logging.WARNING if p.changed else logging.INFO, "%s", p.line())
+            m["recipe"] = self.recipe.model_dump(mode="json")
+            self.dir.save_manifest(m)
+            return m
 
         m = w.on_writer(claim)
         share_fingerprint(w, self.source)
@@ -139,6 +306,8 @@ class Run:
                 skipped.append(stage)
                 log.info("stage %s: up to date, skipped", stage)
                 continue
+            if stage in ("calibrate", "profile", "quantize", "eval"):  # before it allocates
+                w.on_writer(lambda stage=stage: stages.check_memory(self.recipe, self.source, stage, w.size))
             if stage == "quantize" or (stage == "export" and "quantize" not in ran):
                 w.on_writer(lambda stage=stage: stages.check_disk(self.recipe, self.source, self.dir.path, stage))
             position = (i, len(todo))
@@ -160,7 +329,7 @@ class Run:
         passed = m["stages"].get("eval", {}).get("passed")
         m["passed"] = passed
         self.dir.save_manifest(m)
-        if passed is False and until in ("eval", "report"):
+        if passed is False and STAGES.index(until) >= STAGES.index("eval"):
             failed = m["stages"]["eval"].get("failed_gates", [])
             raise GateFailed(f"quality gates failed: {'; '.join(failed)} (see {self.dir.path / 'report.md'})")
         return passed
@@ -208,8 +377,16 @@ class Run:
             raise plain from None
 
 
+def preview(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None) -> Preview:
+    """What ``run`` would do (``Run.preview``), reading the run directory only."""
+    return Run(recipe, run_dir).preview(until, force)
+
+
 def run(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None,
-        world: World = SINGLE) -> RunResult:
+        world: World | None = None) -> RunResult:
+    """Apply ``recipe`` to ``run_dir`` up to stage ``until`` in ``world`` (the CLI's process group; None: this
+    process alone, a fresh world of one whose stop flag is this run's)."""
+    world = World() if world is None else world
     try:
         return Run(recipe, run_dir, world).execute(until=until, force=force)
     except OSError as e:  # a full disk or unwritable path outside a stage (manifest writes)

@@ -10,10 +10,11 @@ import hashlib
 import json
 import logging
 import shutil
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from quant.calibration import CalibrationSet, build_calibration, load_manifest, resolve_dataset_path
-from quant.dist.world import SINGLE, World
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.io.rundir import atomic_write_text, temp_path
 from quant.measure.profile import RoutingProfile, profile_routing
@@ -23,6 +24,7 @@ from quant.plan.summary import summarize
 from quant.recipe import Recipe
 
 log = logging.getLogger(__name__)
+PARTIAL = "quantize.partial"  # the quantized store while quantize runs (kept across crashes)
 
 
 def dataset_hash(dataset: str) -> str:
@@ -55,30 +57,33 @@ def load_calibration(run_dir: Path) -> CalibrationSet:
 
 
 def _layerwise(recipe: Recipe, source: ModelSource, batch_size: int, world: World) -> Layerwise:
-    return Layerwise(source, recipe.model.dtype, recipe.quantize.device, batch_size, world=world)
+    return Layerwise(source, recipe.model.dtype, recipe.quantize.device, batch_size, world)
 
 
 def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     c = recipe.calibration
     calib = build_calibration(c.dataset, source.tokenizer(), c.n_samples, c.seq_len, c.seed)
+    source.check_token_ids(calib.tokens, f"the calibration set {c.dataset}")
     save_calibration(calib, run_dir)
     return {"n_tokens": int(calib.tokens.numel())}
 
 
-def _layer_damage(recipe: Recipe, source: ModelSource, calib: CalibrationSet) -> dict:
+def _layer_damage(recipe: Recipe, source: ModelSource, calib: CalibrationSet, world: World) -> dict:
+    """The layer-damage pass, run by this process alone (``world.alone()``)."""
     from quant.measure.layer_damage import measure_layer_damage, spread_rows
 
     ls = recipe.profile.layer_sensitivity
     tokens = calib.tokens[spread_rows(calib.tokens.shape[0], ls.n_samples)]
-    lw = Layerwise(source, ls.dtype, recipe.quantize.device, recipe.profile.batch_size)
+    lw = Layerwise(source, ls.dtype, recipe.quantize.device, recipe.profile.batch_size, world)
     return measure_layer_damage(source, tokens, lw, ls.schemes, ls.method, ls.carry_layers, seed=calib.seed).damage
 
 
-def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
     calib = load_calibration(run_dir)
-    profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size, world))
+    profile = profile_routing(source, calib, _layerwise(recipe, source, recipe.profile.batch_size, world),
+                              min_tokens=recipe.profile.min_tokens)
     if recipe.profile.layer_sensitivity is not None:  # one pass on the writer, its result on every rank
-        profile.layer_damage = world.on_writer(lambda: _layer_damage(recipe, source, calib))
+        profile = replace(profile, layer_damage=world.on_writer(lambda: _layer_damage(recipe, source, calib, world.alone())))
     if world.is_writer:
         tmp = temp_path(run_dir / "profile.json")
         profile.save(tmp)
@@ -96,21 +101,48 @@ def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers, formats)
     check_runtime(plan, source, recipe.plan.target_runtime, formats)
     check_formats(plan, source, formats)
-    plan.serving = serving_summary(plan, source, profile, formats)
-    summary = summarize(plan, source, profile)
-    plan.notes.append(json.dumps(summary["headline"]))
+    plan = replace(plan, serving=serving_summary(plan, source, profile, formats))
+    plan = replace(plan, headline=summarize(plan, source, profile).headline)
     tmp = temp_path(run_dir / "plan.json")
     plan.save(tmp)
     tmp.replace(run_dir / "plan.json")
-    log.info("plan: %s", summary["headline"])
-    return {"headline": summary["headline"]}
+    log.info("plan: %s", plan.headline.line())
+    return {"headline": asdict(plan.headline)}
 
 
-def check_eval(recipe: Recipe, source: ModelSource) -> None:
-    """The eval stage's recipe against the model, before any work (``evaluate.check_mode``)."""
+def check_eval_machine(recipe: Recipe) -> None:
+    """The eval stage's recipe against this machine, before any work and without the model: the libraries its
+    tasks need (``lmeval.check_installed``), a task that runs generated code where the sandbox lacks a kernel
+    layer (``lmeval.check_sandboxed_tasks``)."""
+    from quant.eval.lmeval import check_installed, check_sandboxed_tasks
+
+    check_installed(recipe.eval.tasks, recipe.eval.backend)
+    check_sandboxed_tasks(recipe.eval.tasks, recipe.eval.humaneval_sandbox)
+
+
+def check_eval_model(recipe: Recipe, source: ModelSource) -> None:
+    """The eval stage's recipe against the model, before any work (``evaluate.check_mode``), its held-out manifest
+    (read and validated: its sources are tokenized only in the eval stage) and its lm-eval tasks
+    (``lmeval.check_tasks``)."""
     from quant.eval.evaluate import check_mode
 
     check_mode(recipe.eval.mode, source)
+    load_manifest(resolve_dataset_path(recipe.eval.perplexity.dataset))
+    if recipe.eval.tasks:
+        from quant.eval.lmeval import check_tasks
+
+        check_tasks(recipe.eval.tasks)
+
+
+def check_memory(recipe: Recipe, source: ModelSource, stage: str, ranks: int) -> None:
+    """Before ``stage`` (calibrate, profile, quantize, eval) allocates: refuse when its token table and cached
+    hidden states cannot fit the host's available memory."""
+    from quant.engine.layerwise import pick_device
+    from quant.forecast.estimate import check_run_memory
+    from quant.io.staging import host_available_bytes
+
+    device = pick_device(recipe.eval.device if stage == "eval" else recipe.quantize.device)
+    check_run_memory(recipe, source, stage, device.type == "cpu", ranks, host_available_bytes())
 
 
 def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -> None:
@@ -120,15 +152,41 @@ def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -
 
     plan = BitPlan.load(run_dir / "plan.json")
     need = estimate(source, plan, recipe.export.formats, scale_bytes=2 if recipe.model.dtype != "float32" else 4)
-    partial = run_dir / "quantize.partial"
+    partial = run_dir / PARTIAL
     written = sum(f.stat().st_size for f in partial.glob("layer_*.safetensors")) if stage == "quantize" else 0
     check_free_disk(run_dir, need, with_store=stage == "quantize", existing_bytes=written)
 
 
+def _quantize_view(algorithm: str, modules: dict) -> str:
+    blob = json.dumps({"algorithm": algorithm, "modules": modules}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def plan_digest_for_quantize(run_dir: Path) -> str | None:
+    """Digest of what the quantize stage reads of ``plan.json``: each module's bits, group size and symmetry, and
+    the algorithm; not the rules' prose, the headline or the serving notes (None without a readable plan)."""
+    try:
+        d = json.loads((run_dir / "plan.json").read_text())
+        modules = {n: [p["bits"], p["group_size"], p["symmetric"]] for n, p in d["modules"].items()}
+        return _quantize_view(d["algorithm"], modules)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def planned_digest_for_quantize(recipe: Recipe, source: ModelSource, run_dir: Path) -> str:
+    """``plan_digest_for_quantize`` of the plan the plan stage would make now from the run's profile (the plan's
+    modules are a pure function of it; nothing is written)."""
+    profile = RoutingProfile.load(run_dir / "profile.json")
+    plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers,
+                     recipe.export.formats)
+    return _quantize_view(plan.algorithm, {n: [p.bits, p.group_size, p.symmetric] for n, p in plan.modules.items()})
+
+
 def _partial_dir(recipe: Recipe, run_dir: Path) -> Path:
-    """``quantize.partial/`` kept across crashes when its key (plan, quantize section, tokens) still matches."""
-    partial = run_dir / "quantize.partial"
-    key = hashlib.sha256((run_dir / "plan.json").read_bytes() + recipe.section_hash("quantize").encode()
+    """``quantize.partial/`` kept across crashes when its key (what quantize reads of the plan, the quantize
+    section, tokens) still matches."""
+    partial = run_dir / PARTIAL
+    key = hashlib.sha256(str(plan_digest_for_quantize(run_dir)).encode() + recipe.section_hash("quantize").encode()
                          + (run_dir / "calibration.safetensors").read_bytes()).hexdigest()[:16]
     if partial.exists() and (not (partial / "key").is_file() or (partial / "key").read_text() != key):
         shutil.rmtree(partial)
@@ -143,30 +201,31 @@ def _publish_partial(partial: Path, final: Path) -> None:
     partial.rename(final)
 
 
-def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
     """Layer files go to ``quantize.partial/`` (kept across crashes, keyed by the plan); renamed when done.
     Every rank runs this; the writer alone touches the run directory."""
     from quant.engine.quantize import quantize_model
 
     plan = BitPlan.load(run_dir / "plan.json")
     partial = world.on_writer(lambda: _partial_dir(recipe, run_dir))
-    reports = quantize_model(source, load_calibration(run_dir), plan, recipe.quantize,
-                             _layerwise(recipe, source, recipe.quantize.batch_size, world), partial)
+    # the engine's vocabulary: each quantized module's grid, and the algorithm's name
+    reports = quantize_model(source, load_calibration(run_dir), plan.quantized_specs(), plan.algorithm,
+                             recipe.quantize, _layerwise(recipe, source, recipe.quantize.batch_size, world), partial)
     world.on_writer(lambda: _publish_partial(partial, run_dir / "quantized"))
     return {"layers": len(reports), "rtn_fallbacks": sum(len(r.rtn_fallbacks) for r in reports),
             "resumed_layers": sum(r.resumed for r in reports)}
 
 
-def run_export(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+def run_export(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
     """Every rank writes its share of each checkpoint's shard files; the writer alone finishes each checkpoint."""
-    from quant.export import export_all
+    from quant.export import export_all, served_by
 
     plan = BitPlan.load(run_dir / "plan.json")
     written = export_all(source, plan, recipe, run_dir, world)
-    return {"formats": list(written)}
+    return {"formats": list(written), "served_by": served_by(plan, source, recipe)}
 
 
-def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = SINGLE) -> dict:
+def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
     from quant.eval.evaluate import evaluate_run
 
     result = evaluate_run(recipe, source, run_dir, world)
@@ -178,12 +237,18 @@ def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path, world: World = 
     return {"passed": not failed, "failed_gates": failed}
 
 
-def run_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+def run_card(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
+    """Each checkpoint's model card, written once, after eval (export owns it: ``export.write_cards``)."""
     from quant.export import write_cards
+
+    write_cards(recipe, source, run_dir)
+    return {}
+
+
+def run_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
     from quant.report import write_report
 
     write_report(recipe, source, run_dir)
-    write_cards(recipe, source, run_dir)
     return {}
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from quant.dist.world import SINGLE, World, assign, even_ranges, init_world
+from quant.dist.world import World, assign, even_ranges, init_world
 from quant.errors import DistError, QuantError, RecipeError
 from quant.dist.relay import Relay
 
@@ -27,8 +27,9 @@ def test_shard_covers_every_item_once_in_order():
 
 def test_single_process_world_is_identity(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     w = init_world("cpu")
-    assert w == SINGLE and w.is_writer and not w.distributed
+    assert w == World() and w.is_writer and not w.distributed
     assert w.all_gather_object({"a": 1}) == [{"a": 1}]
     assert w.broadcast_object(3) == 3
     assert w.exchange_tensors({"x": torch.ones(2)})["x"].tolist() == [1.0, 1.0]
@@ -51,9 +52,52 @@ def test_a_rank_without_a_gpu_of_its_own_is_one_clear_error(monkeypatch):
         init_world("cuda")
 
 
+def test_processes_per_node_come_from_the_launcher_at_process_group_setup(monkeypatch):
+    """torchrun's LOCAL_WORLD_SIZE is read when the world is set up and travels with it; the page-locked read budget
+    is a share of the host for that many processes, whatever the environment says later."""
+    from quant.io.staging import pin_budget
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert init_world("cpu").local_size == 4 and World().local_size == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")  # read at the edge only: the budget follows the argument
+    assert pin_budget(1) / pin_budget(4) == pytest.approx(4, rel=0.05)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2"])
+def test_a_bad_local_world_size_is_one_clear_error(monkeypatch, value):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    with pytest.raises(DistError, match=f"^LOCAL_WORLD_SIZE is '{value}': it must be a whole number of processes"):
+        init_world("cpu")
+@pytest.mark.parametrize("env,name", [
+    ({"QUANT_DIST_TIMEOUT_S": "abc"}, "QUANT_DIST_TIMEOUT_S"), ({"QUANT_DIST_TIMEOUT_S": "nan"}, "QUANT_DIST_TIMEOUT_S"),
+    ({"QUANT_DIST_TIMEOUT_S": "0"}, "QUANT_DIST_TIMEOUT_S"), ({"QUANT_DIST_TIMEOUT_S": "-5"}, "QUANT_DIST_TIMEOUT_S"),
+    ({"QUANT_DIST_TIMEOUT_S": "inf"}, "QUANT_DIST_TIMEOUT_S"), ({"WORLD_SIZE": "abc"}, "WORLD_SIZE"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE"), ({"WORLD_SIZE": "2", "RANK": "x"}, "RANK"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK"), ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "-1"}, "LOCAL_RANK"),
+])
+def test_launcher_variables_that_are_not_what_they_claim_are_one_dist_error(monkeypatch, env, name):
+    """Checked before joining any group, on each rank: a bad timeout made every collective time out at once (each
+    rank blaming another) or crashed; a bad WORLD_SIZE / RANK was a ValueError."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "QUANT_DIST_TIMEOUT_S"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(DistError, match=f"^{name}='") as e:
+        init_world("cpu")
+    assert "another rank" not in str(e.value)
+
+
+def test_a_valid_timeout_is_the_worlds(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("QUANT_DIST_TIMEOUT_S", " 42.5 ")
+    assert init_world("cpu").timeout_s == 42.5
+
+
 def test_relay_consumes_at_once_in_a_world_of_one():
     seen = []
-    relay = Relay(SINGLE)
+    relay = Relay(World())
     ch = relay.channel(lambda t: seen.append(int(t)))
     ch.put(torch.tensor(1))
     assert seen == [1]
@@ -139,9 +183,9 @@ def _awq_split(world: World):
     from quant.models import resolve_model
     from quant.plan.bitplan import plan_bits
     from quant.measure.profile import profile_routing
-    from quant.engine.quantize import _LayerJob
+    from quant.engine.algorithms import ALGORITHMS
+    from quant.engine.layer_job import LayerJob
     from quant.recipe import PlanSpec, QuantizeSpec
-    from quant.engine.awq_layer import run_awq
 
     src = resolve_model("builtin:qwen3-moe-tiny")
     calib = build_calibration(str(Path(__file__).parents[2] / "calibration" / "bundled.yaml"),
@@ -150,10 +194,11 @@ def _awq_split(world: World):
     plan = plan_bits(profile_routing(src, calib, lw), src.modules, PlanSpec(group_size=32, symmetric=False), "awq",
                      src.n_layers)
     hidden = lw.embed(calib.tokens)
+    awq = ALGORITHMS["awq"]
     with lw.layer(0) as layer:
-        job = _LayerJob(src, plan, QuantizeSpec(algorithm="awq"), 0, layer, world)
-        run_awq(job, lw, hidden)
-        experts = sorted({int(n.split(".")[3]) for n in job.results if ".experts." in n})
+        job = LayerJob(src, 0, layer, plan.quantized_specs(), QuantizeSpec(algorithm="awq"), world, awq.solve)
+        awq.run_layer(job, lw, hidden)
+        experts = sorted({int(n.split(".")[3]) for n in job.results.codes if ".experts." in n})
         r = job.ranges[world.rank]
         return experts, (r.start, r.stop), job.view.n_experts
 
@@ -188,7 +233,7 @@ def _shared_read(world: World):
     """Layer 1 of a builtin model read in one share per rank and broadcast (the NCCL path, forced on gloo), then
     loaded: the experts are received into their stacked slots (traced live bytes over the read and the load, the
     stacked parameters' storage); in a compute dtype other than the stored one they are stacked (cast) after."""
-    from quant.engine.layerwise import _LayerReader
+    from quant.engine.layerwise import LayerReader
     from quant.diag.memtrace import LiveBytes
     from quant.models import resolve_model
     from quant.models.layers import build_skeleton, load_layer, read_layer_tensors
@@ -197,7 +242,7 @@ def _shared_read(world: World):
     full = read_layer_tensors(src, 1)
     out = {}
     for dtype in (torch.bfloat16, torch.float32):
-        reader = _LayerReader(src, world, torch.device("cpu"), dtype)
+        reader = LayerReader(src, world, torch.device("cpu"), dtype)
         reader.shared = True
         model = build_skeleton(src, dtype)
         with LiveBytes() as trace:
@@ -216,7 +261,7 @@ def _shared_read(world: World):
     from quant.models.fp8 import write_fp8_release
 
     fp8 = resolve_model(str(write_fp8_release(src, Path(tempfile.mkdtemp()) / "fp8", (32, 32))))
-    reader = _LayerReader(fp8, world, torch.device("cpu"), torch.bfloat16)
+    reader = LayerReader(fp8, world, torch.device("cpu"), torch.bfloat16)
     reader.shared = True  # shares of the dense names, each rank dequantizing its own
     got, dense = reader.take(1), fp8.read_tensors([k for k in fp8.weight_map if k.startswith("model.layers.1.")])
     out["fp8"] = (sorted(got) == sorted(dense) and all(torch.equal(got[k], dense[k]) for k in dense), True, 0.0,

@@ -5,10 +5,12 @@ import torch
 
 import quant.engine.awq_layer as smooth
 from quant.calibration import build_calibration
+from quant.dist.world import World
+from quant.engine.budgets import expert_hessian_bytes
 from quant.engine.hessians import ExpertStats
 from quant.engine.layerwise import Layerwise
 from quant.engine.qstore import layer_file, read_layer, read_params
-from quant.engine.quantize import expert_hessian_bytes, quantize_model
+from quant.engine.quantize import quantize_model
 from quant.forecast.estimate import synthetic_profile
 from quant.models import resolve_model
 from quant.plan.bitplan import plan_bits
@@ -54,8 +56,9 @@ class _Recorder:
 
 def _awq(setup, out, **qkw) -> dict:
     src, calib, plan = setup
-    quantize_model(src, calib, plan, QuantizeSpec(algorithm="awq", min_tokens=40, **qkw),
-                   Layerwise(src, "bfloat16", qkw.get("device", "cpu"), 4), out)
+    quantize_model(src, calib, plan.quantized_specs(), plan.algorithm,
+                   QuantizeSpec(algorithm="awq", min_tokens=40, **qkw),
+                   Layerwise(src, "bfloat16", qkw.get("device", "cpu"), 4, World()), out)
     stored = {}
     for layer in range(src.n_layers):
         stored |= {n: (qw.q, qw.scale, qw.zero) for n, qw in read_layer(layer_file(out, layer)).items()}

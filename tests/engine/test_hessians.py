@@ -6,11 +6,18 @@ import pytest
 import torch
 from torch import nn
 
+from quant.dist.relay import Relay
+from quant.dist.world import World
 from quant.engine.hessians import ExpertStats, linear_stats
 from quant.engine.routing import load_buckets
 from quant.models.experts import ExpertsView, fused_view
 
 E, D, I, K, T = 8, 32, 16, 2, 300
+
+
+def _alone() -> Relay:
+    """The relay of a process alone (a world of one): every payload is consumed as it is put."""
+    return Relay(World())
 
 
 def _skewed_routing(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +67,7 @@ def _reference(view: ExpertsView, x, idx, w, gate_weighted: bool, all_experts: b
 def test_expert_hessians_equal_fp64_reference_under_skewed_routing(experts, gate_weighted, all_experts):
     idx, w = _skewed_routing()
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(1))
-    stats = ExpertStats(experts, gate_weighted, all_experts)
+    stats = ExpertStats(experts, gate_weighted, all_experts, relay=_alone())
     with torch.no_grad():
         for s in range(0, T, 100):  # several calibration batches
             experts.module(x[s : s + 100], idx[s : s + 100], w[s : s + 100])
@@ -77,7 +84,8 @@ def test_expert_hessians_equal_fp64_reference_under_skewed_routing(experts, gate
 def test_expert_hessians_of_a_chunk_equal_the_full_pass(experts):
     idx, w = _skewed_routing(3)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(4))
-    full, part = ExpertStats(experts, False, False), ExpertStats(experts, False, False, first=2, count=3)
+    full = ExpertStats(experts, False, False, relay=_alone())
+    part = ExpertStats(experts, False, False, first=2, count=3, relay=_alone())
     with torch.no_grad():
         experts.module(x, idx, w)
     full.remove(), part.remove()
@@ -92,7 +100,7 @@ def test_hessians_are_the_sums_normalized_in_place_without_a_copy(experts):
 
     idx, w = _skewed_routing(8)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(9))
-    stats = ExpertStats(experts, True, False)
+    stats = ExpertStats(experts, True, False, relay=_alone())
     with torch.no_grad():
         experts.module(x, idx, w)
     stats.remove()
@@ -112,7 +120,8 @@ def test_totals_without_hessians_equal_the_full_statistics(experts):
     the same sums as a pass that also accumulates them."""
     idx, w = _skewed_routing(6)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(7))
-    full, totals = ExpertStats(experts, False, False), ExpertStats(experts, False, False, hessians=False)
+    full = ExpertStats(experts, False, False, relay=_alone())
+    totals = ExpertStats(experts, False, False, hessians=False, relay=_alone())
     with torch.no_grad():
         experts.module(x, idx, w)
     full.remove(), totals.remove()
@@ -159,7 +168,7 @@ def test_linear_stats_share_one_sum_for_one_input_and_match_separate_sums():
     torch.manual_seed(0)
     attn = _Attn()
     mods = {"q": attn.q, "k": attn.k, "v": attn.v, "o": attn.o}
-    stats = linear_stats(mods)
+    stats = linear_stats(mods, _alone())
     xs = [torch.randn(5, 7, D) for _ in range(3)]
     inputs: dict[str, list] = {n: [] for n in mods}
     hooks = [m.register_forward_pre_hook(lambda _m, a, n=n: inputs[n].append(a[0].reshape(-1, D))) for n, m in mods.items()]
@@ -180,7 +189,7 @@ def test_linear_stats_share_one_sum_for_one_input_and_match_separate_sums():
 
 def test_linear_stats_refuse_inputs_shared_on_some_calls_only():
     a, b = nn.Linear(D, D), nn.Linear(D, D)
-    stats = linear_stats({"a": a, "b": b})
+    stats = linear_stats({"a": a, "b": b}, _alone())
     x = torch.randn(4, D)
     with torch.no_grad():
         a(x), b(x)  # b follows a
@@ -216,7 +225,8 @@ def test_gpu_bf16_expert_hessians_equal_fp64_under_skewed_routing(experts, gate_
     view = fused_view(mod)
     idx, w = (t.cuda() for t in _skewed_routing(7))
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(8)).to("cuda", torch.bfloat16)
-    full, part = ExpertStats(view, gate_weighted, False), ExpertStats(view, gate_weighted, False, first=2, count=3)
+    full = ExpertStats(view, gate_weighted, False, relay=_alone())
+    part = ExpertStats(view, gate_weighted, False, first=2, count=3, relay=_alone())
     with torch.no_grad():
         for s in range(0, T, 100):
             mod(x[s : s + 100], idx[s : s + 100], w[s : s + 100].to(torch.bfloat16))
@@ -240,7 +250,7 @@ def test_gpu_bf16_expert_hessians_equal_fp64_under_skewed_routing(experts, gate_
 @pytest.mark.gpu
 def test_gpu_linear_stats_of_bf16_inputs_equal_fp64():
     lin = nn.Linear(D, D, bias=False).to("cuda", torch.bfloat16)
-    stats = linear_stats({"a": lin})
+    stats = linear_stats({"a": lin}, _alone())
     xs = [torch.randn(5, 7, D, device="cuda").to(torch.bfloat16) for _ in range(3)]
     with torch.no_grad():
         for x in xs:

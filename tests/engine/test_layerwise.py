@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from quant.dist.world import SINGLE
-from quant.engine.layerwise import _LayerReader
+from quant.dist.world import World
+from quant.engine.layerwise import LayerReader
 from quant.io.staging import copy_into
 from quant.models import resolve_model
 from quant.models.layers import read_layer_tensors
@@ -35,7 +35,7 @@ def test_read_ahead_is_page_locked_exact_and_alternates_two_staging_buffers():
     equal a direct read on the host and after the upload, dtypes and shapes kept, each 64-byte aligned inside its
     buffer, the buffers reused (not reallocated) from layer 2 on. Over the budget the read-ahead stays as read."""
     src = resolve_model("builtin:qwen3-moe-tiny")
-    reader = _LayerReader(src, SINGLE, torch.device("cuda"))
+    reader = LayerReader(src, World(), torch.device("cuda"))
     seen = []
     for idx in range(src.n_layers):  # layer 0 is read by take itself, each later one ahead
         got = reader.take(idx)

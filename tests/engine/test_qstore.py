@@ -138,3 +138,27 @@ def test_background_writer_lets_the_codes_go_before_the_disk_write(tmp_path, mon
     assert alive_at_write == [0]
     back = read_layer(tmp_path / "l.safetensors")
     assert all(torch.equal(back[n].q, q) for n, q in expected.items())
+
+
+def test_a_stored_layer_is_reusable_only_while_its_bytes_are_the_recorded_ones(tmp_path):
+    """write_layer records the file's SHA-256 beside it; a flipped byte, a truncated file or a missing record make
+    the layer not reusable, each with its reason."""
+    from quant.engine.qstore import digest_file, remove_layer, stored_layer_problem
+
+    path = tmp_path / "layer_00000.safetensors"
+    write_layer(path, _results())
+    assert digest_file(path).is_file() and stored_layer_problem(path) is None
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # a code byte in the data section: the file still parses
+    path.write_bytes(bytes(data))
+    assert "damaged" in stored_layer_problem(path)
+    write_layer(path, _results())
+    assert stored_layer_problem(path) is None
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    assert "damaged" in stored_layer_problem(path)
+    write_layer(path, _results())
+    digest_file(path).unlink()
+    assert "without a recorded digest" in stored_layer_problem(path)
+    remove_layer(path)
+    assert stored_layer_problem(path) == "missing" and not digest_file(path).exists()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from quant.calibration import build_calibration
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.engine.qstore import layer_file, read_layer
 from quant.engine.quantize import quantize_model
@@ -20,7 +21,7 @@ def setup():
 
     src = resolve_model("builtin:deepseek-v3-tiny")
     calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 8, 64, 0)
-    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4))
+    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4, world=World()))
     return src, calib, prof
 
 
@@ -29,7 +30,8 @@ def _quantize(setup, tmp_path, name, plan_spec=None, **qkw):
     plan = plan_bits(prof, src.modules, plan_spec or PlanSpec(group_size=32), qkw.pop("algorithm", "gptq"), src.n_layers)
     out = tmp_path / name
     device = qkw.get("device", "cpu")
-    reports = quantize_model(src, calib, plan, QuantizeSpec(**qkw), Layerwise(src, "bfloat16", device, 4), out)
+    reports = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(**qkw),
+                             Layerwise(src, "bfloat16", device, 4, World()), out)
     return plan, out, reports
 
 
@@ -117,7 +119,7 @@ def test_each_statistics_chunk_is_freed_before_the_next_is_allocated(setup, tmp_
     import gc
     import weakref
 
-    import quant.engine.quantize as q
+    import quant.engine.hessians as q
 
     alive, most = [], [0]
     orig = q.ExpertStats.__init__
@@ -142,13 +144,37 @@ def test_resumed_layers_report_what_was_measured(setup, tmp_path):
     fallbacks and repairs, not zeros and empty names."""
     src, calib, prof = setup
     plan, out, first = _quantize(setup, tmp_path, "resume", min_tokens=10**6)
-    again = quantize_model(src, calib, plan, QuantizeSpec(min_tokens=10**6), Layerwise(src, "bfloat16", "cpu", 4), out)
+    again = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(min_tokens=10**6),
+                           Layerwise(src, "bfloat16", "cpu", 4, World()), out)
     assert all(r.resumed for r in again) and not any(r.resumed for r in first)
     for a, b in zip(first, again, strict=True):
         assert b.worst_module == a.worst_module and b.worst_rel_error == a.worst_rel_error
         assert b.rtn_fallbacks == a.rtn_fallbacks and b.repairs == a.repairs and b.solve_seconds == a.solve_seconds
     assert any(r.worst_rel_error > 0 and r.worst_module for r in again)
     assert any(r.rtn_fallbacks for r in again)
+
+
+def test_a_damaged_stored_layer_is_recomputed_not_reused(setup, tmp_path, caplog):
+    """A resumed quantize over a store whose layer 0 has a flipped byte and layer 1 is truncated recomputes both
+    (one warning each) and ends with the codes an uninterrupted run stores; the intact layers are reused."""
+    src, calib, prof = setup
+    plan, out, _ = _quantize(setup, tmp_path, "store")
+    clean = {n: (qw.q.clone(), qw.scale.clone()) for n, qw in _stored(out, src).items()}  # not views of the files
+    first, second = layer_file(out, 0), layer_file(out, 1)
+    data = bytearray(first.read_bytes())
+    data[-3] ^= 0x10
+    first.write_bytes(bytes(data))
+    with open(second, "r+b") as f:
+        f.truncate(second.stat().st_size - 100)
+    with caplog.at_level("WARNING", logger="quant.engine.quantize"):
+        again = quantize_model(src, calib, plan, QuantizeSpec(), Layerwise(src, "bfloat16", "cpu", 4), out)
+    assert [r.resumed for r in again] == [False, False] + [True] * (src.n_layers - 2)
+    warnings = [r.getMessage() for r in caplog.records if "recomputing the layer" in r.getMessage()]
+    assert len(warnings) == 2 and "layer 0" in warnings[0] and "damaged" in warnings[0], warnings
+    stored = _stored(out, src)
+    assert stored.keys() == clean.keys()
+    for n, (q, scale) in clean.items():
+        assert torch.equal(stored[n].q, q) and torch.equal(stored[n].scale, scale), n
 
 
 def _expert_forward_calls(monkeypatch) -> list[int]:
@@ -198,14 +224,14 @@ def test_statistics_passes_skip_the_routed_experts_and_change_nothing(model, alg
                         else None)
     tok = AutoTokenizer.from_pretrained(src.path, trust_remote_code=model == "per-expert")
     calib = build_calibration("calibration/bundled.yaml", tok, 8, 32, 0)
-    plan = plan_bits(profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4)), src.modules,
+    plan = plan_bits(profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4, world=World())), src.modules,
                      PlanSpec(group_size=32, symmetric=algorithm != "awq"), algorithm, src.n_layers)
     budget = {"hessian_budget_gb": 2e-5} if algorithm == "gptq" else {}  # several passes per layer
 
     def run(name):
         out = tmp_path / name
-        quantize_model(src, calib, plan, QuantizeSpec(algorithm=algorithm, **budget),
-                       Layerwise(src, "bfloat16", "cpu", 4), out)
+        quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(algorithm=algorithm, **budget),
+                       Layerwise(src, "bfloat16", "cpu", 4, world=World()), out)
         return {**{f"{i}:{n}": (q.q, q.scale, q.zero) for i in range(src.n_layers)
                    for n, q in read_layer(layer_file(out, i)).items()},
                 **{f"{i}:param:{n}": t for i, n_t in enumerate(read_params(layer_file(out, i))
@@ -235,10 +261,10 @@ def test_host_reads_do_not_grow_with_the_modules(setup, tmp_path, monkeypatch):
     from collections import Counter
 
     from quant.diag.hostsync import HostSyncs
-    from quant.engine import quantize as qz
+    from quant.engine.results import LayerResults
 
     calls = Counter()
-    record = qz._LayerJob.record
+    record = LayerResults.record
 
     def counted(self, *a, **kw):
         calls["record"] += 1
@@ -252,7 +278,7 @@ def test_host_reads_do_not_grow_with_the_modules(setup, tmp_path, monkeypatch):
         calls["gptq"] += 1
         return solve(*a, **kw)
 
-    monkeypatch.setattr(qz._LayerJob, "record", counted)
+    monkeypatch.setattr(LayerResults, "record", counted)
     monkeypatch.setattr(gq, "gptq", counted_solve)
     with HostSyncs() as s:
         _, _, reports = _quantize(setup, tmp_path, "reads")
@@ -286,7 +312,7 @@ def test_a_diverged_solve_names_the_module(setup, tmp_path, monkeypatch):
 def test_slice_sums_equal_direct_sums_per_module():
     """record's one-read checks: each (batch element, row slice)'s sum from one cumulative sum equals summing the
     slice directly (float64); a NaN row spoils only sums over its own batch element's later rows."""
-    from quant.engine.quantize import _slice_sums
+    from quant.engine.results import _slice_sums
 
     g = torch.Generator().manual_seed(0)
     v = torch.rand(3, 4, 10, generator=g, dtype=torch.float64)
@@ -325,3 +351,34 @@ def test_codes_wait_for_the_writer_two_a_byte(setup, tmp_path, monkeypatch):
             codes = unpack_codes(qw.q, qw.spec) if qw.q.dtype == torch.uint8 else qw.q
             assert torch.equal(codes, stored[module].q), module
     assert bits == {4, 8}
+
+
+@pytest.mark.parametrize("min_tokens", [0, 1])
+def test_experts_without_tokens_are_not_said_to_fall_below_a_token_floor_the_recipe_did_not_set(caplog, min_tokens):
+    from quant.engine.quantize import LayerReport, _log_layer
+
+    caplog.set_level("INFO", logger="quant")
+    _log_layer(LayerReport(3, rtn_fallbacks=["layers.3.experts.5.gate", "layers.3.experts.5.up"]), 4, min_tokens)
+    text = caplog.text
+    assert "token floor" not in text and "min_tokens" not in text and "WARNING" not in text
+    assert "2 expert projections of experts routed no calibration token were rounded to nearest" in text
+
+
+def test_a_token_floor_the_recipe_set_is_named_when_experts_fall_below_it(caplog):
+    from quant.engine.quantize import LayerReport, _log_layer
+
+    _log_layer(LayerReport(3, rtn_fallbacks=["layers.3.experts.5.down"]), 4, 16)
+    (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "routed fewer than 16 calibration tokens (quantize.min_tokens) fell back to RTN" in record.getMessage()
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq", "awq"])
+def test_worst_error_is_over_every_quantized_module_for_every_algorithm(setup, tmp_path, algorithm):
+    """2-bit experts beside 8-bit attention: the worst relative weight error of each layer is an expert's, whatever
+    the algorithm (AWQ's experts were left out, so its worst module was an 8-bit attention projection)."""
+    src = setup[0]
+    spec = PlanSpec(policy="uniform", low_bits=2, high_bits=2, group_size=32)
+    _, _, reports = _quantize(setup, tmp_path, algorithm, spec, algorithm=algorithm)
+    for r in reports:
+        if r.layer in src.moe_layers():
+            assert ".experts." in r.worst_module and r.worst_rel_error > 0.2, (r.layer, r.worst_module)

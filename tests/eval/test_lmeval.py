@@ -16,6 +16,7 @@ from quant.errors import CheckpointError, RecipeError
 from quant.eval.humaneval import load_problems
 from quant.eval.lmeval import TaskScore, default_tasks_dir, run_lm_eval, scores_from_results
 from quant.progress import Step
+from tests.conftest import run_without_namespaces
 
 REPO = Path(__file__).resolve().parents[2]
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
@@ -182,6 +183,39 @@ def test_quant_humaneval_metric_runs_completions_in_the_sandbox() -> None:
     assert task.pass_at_1([problem.task_id], ["    import os\n    os.system('true')\n"]) == {"pass@1": 0.0}
     assert task.truncate_responses([["    return 1\ndef extra():\n"]], [{}]) == [["    return 1"]]
     assert len(task.load_dataset()["test"]) == 164
+
+
+def test_quant_humaneval_is_refused_before_loading_where_the_sandbox_lacks_namespaces(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    script = f"""
+import json, sys
+from quant.errors import SandboxUnavailable
+from quant.eval.lmeval import check_sandboxed_tasks, run_lm_eval
+check_sandboxed_tasks(["quant_mmlu"], "require")  # no generated code: nothing to refuse
+check_sandboxed_tasks(["quant_humaneval"], "allow_weak")  # the explicit opt-out
+try:
+    run_lm_eval({str(tmp_path)!r}, ["quant_mmlu", "quant_humaneval"])
+except SandboxUnavailable as exc:
+    print(json.dumps({{"refused": str(exc), "lm_eval_loaded": "lm_eval" in sys.modules}}))
+"""
+    proc = run_without_namespaces("-c", script)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert "lacks namespaces" in out["refused"] and "eval.humaneval_sandbox: allow_weak" in out["refused"]
+    assert not out["lm_eval_loaded"]
+
+
+def test_a_run_with_quant_humaneval_is_refused_before_any_stage_where_the_sandbox_lacks_namespaces(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_without_namespaces("-m", "quant.cli", "run", str(REPO / "recipes" / "mixed_int8_int4.yaml"),
+                                  "--set", "eval.tasks=[quant_humaneval]", "-o", str(run_dir))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "lacks namespaces" in lines[0] and "eval.humaneval_sandbox: allow_weak" in lines[0]
+    assert not (run_dir / "calibration.safetensors").exists() and not (run_dir / "manifest.json").exists()
 
 
 @needs_lm_eval

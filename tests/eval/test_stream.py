@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant.dist.world import SINGLE as SINGLE_WORLD
+from quant.dist.world import World
 from quant.engine import layerwise
 from quant.errors import CheckpointError, RecipeError
 from quant.eval import stream as evalstream
@@ -183,7 +183,7 @@ def test_streamed_eval_holds_one_decoder_layer_at_a_time(exported, monkeypatch):
     src = resolve_model(MODEL)
     shipped = ShippedCheckpoint(exported / "checkpoint", src, torch.bfloat16)
     tokens = torch.randint(0, 1000, (3, 32), generator=torch.Generator().manual_seed(0))
-    streamed_proxies(src, shipped, tokens, "bfloat16", "cpu", 2)
+    streamed_proxies(src, shipped, tokens, "bfloat16", "cpu", 2, World())
     shapes = src.shapes()
     head = math.prod(shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"])) * 2
     model_bytes = sum(math.prod(s) for s in shapes.values()) * 2
@@ -201,7 +201,7 @@ def test_streamed_eval_reports_progress_layer_by_layer(exported, caplog):
     shipped = ShippedCheckpoint(exported / "checkpoint", src, torch.bfloat16)
     tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     with caplog.at_level(logging.INFO, logger="quant.eval.stream"):
-        streamed_proxies(src, shipped, tokens, "bfloat16", "cpu", 2)
+        streamed_proxies(src, shipped, tokens, "bfloat16", "cpu", 2, World())
     steps = [(r.progress.stage, r.progress.done, r.progress.total, r.getMessage()) for r in caplog.records
              if hasattr(r, "progress")]
     n = src.n_layers
@@ -241,7 +241,7 @@ def test_two_ranks_give_the_numbers_of_one(exported, tmp_path):
     """torchrun --nproc-per-node 2 (gloo): each rank streams its share of 5 samples; every rank reports the
     single-process numbers."""
     overrides = ("eval.mode=streamed", *FAST[2:])
-    single = evaluate_run(_recipe("eval.mode=streamed"), resolve_model(MODEL), exported)
+    single = evaluate_run(_recipe("eval.mode=streamed"), resolve_model(MODEL), exported, World())
     env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REPO / "tests" / "fixtures" / "eval_worker.py"), str(exported), MODEL, str(tmp_path), *overrides]
@@ -260,7 +260,7 @@ def test_two_gpus_read_shares_of_each_layer_and_give_the_numbers_of_one(exported
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (the nvidia-h200-x2 kind)")
     overrides = ("eval.mode=streamed", *FAST[2:])
-    single = evaluate_run(_recipe("eval.mode=streamed"), resolve_model(MODEL), exported)
+    single = evaluate_run(_recipe("eval.mode=streamed"), resolve_model(MODEL), exported, World())
     env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "QUANT_TEST_WORLD_DEVICE": "cuda",
            "CUDA_VISIBLE_DEVICES": "0,1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -296,7 +296,7 @@ def test_more_gpus_than_visible_is_refused_before_any_work(exported):
     with pytest.raises(RecipeError, match=f"eval.gpus is {n} but {visible} CUDA GPU"):
         task_gpus(recipe.eval, 10**9)
     with pytest.raises(RecipeError, match=f"eval.gpus is {n}"):
-        evaluate_run(recipe, resolve_model(MODEL), exported)
+        evaluate_run(recipe, resolve_model(MODEL), exported, World())
     if visible <= 1:
         assert task_gpus(_recipe().eval, 10**12) == 1  # auto with at most one GPU: one device
 
@@ -304,10 +304,9 @@ def test_more_gpus_than_visible_is_refused_before_any_work(exported):
 def test_layer_walks_share_reads_only_where_the_backend_can_carry_them():
     """NCCL moves GPU tensors only: an NCCL job evaluating on CPUs walks the layers per rank (each reading whole
     layers); gloo and NCCL-on-GPU jobs walk them as a world (shares read and broadcast under NCCL)."""
-    from quant.dist.world import World
-
-    nccl, gloo = World(0, 2, 0, "nccl"), World(0, 2, 0, "gloo")
-    assert evalstream.layer_world(nccl, "cpu") is SINGLE_WORLD
+    nccl, gloo, one = World(0, 2, 0, "nccl"), World(0, 2, 0, "gloo"), World()
+    alone = evalstream.layer_world(nccl, "cpu")
+    assert not alone.distributed and alone.stop is nccl.stop  # this rank by itself, under the run's stop flag
     assert evalstream.layer_world(nccl, torch.device("cuda", 0)) is nccl
     assert evalstream.layer_world(gloo, "cpu") is gloo
-    assert evalstream.layer_world(SINGLE_WORLD, "cpu") is SINGLE_WORLD
+    assert evalstream.layer_world(one, "cpu") is one

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,12 @@ import yaml
 
 from quant.export.card import render_card
 from quant.models import ModelSource, resolve_model
+from quant.plan.bitplan import Headline
 from quant.recipe import parse_recipe
 
-HEADLINE = {"avg_bits_experts": 4.812, "avg_bits_all": 6.137, "size_gb": 12.3456,
-            "expert_pct_by_bits": {4: 81.25, 8: 18.75}, "traffic_share_by_bits": {4: 0.3541, 8: 0.6459},
-            "traffic_weighted_bits": 6.583}
+HEADLINE = Headline(avg_bits_experts=4.812, avg_bits_all=6.137, size_gb=12.3456,
+                    expert_pct_by_bits={4: 81.25, 8: 18.75}, traffic_share_by_bits={4: 0.3541, 8: 0.6459},
+                    traffic_weighted_bits=6.583)
 ALL_OK = {"vllm": [], "sglang": [], "transformers": [], "gptqmodel": []}
 
 
@@ -79,7 +81,7 @@ def _copy_source(src: ModelSource, dst: Path, readme: str | None = None, config_
 
 def test_front_matter_for_a_hub_model(builtin_source, tmp_path):
     src = _copy_source(builtin_source, tmp_path / "m", readme="---\nlicense: apache-2.0\nlanguage: [en]\n---\n# Tiny\n")
-    meta, body = _split(render_card(_recipe(), src, {"headline": HEADLINE}, _eval(), ALL_OK, "0.1.0"))
+    meta, body = _split(render_card(_recipe(), src, HEADLINE, _eval(), ALL_OK, "0.1.0"))
     assert meta == {"base_model": "acme/Tiny-MoE-A1B", "base_model_relation": "quantized", "license": "apache-2.0",
                     "library_name": "transformers",
                     "tags": ["quantized", "mixture-of-experts", "compressed-tensors", "moe-quant"]}
@@ -101,7 +103,7 @@ def test_license_from_config_and_omitted_fields(builtin_source, tmp_path):
 def test_what_and_plan_numbers_match_the_inputs(builtin_source):
     recipe = _recipe("acme/Tiny-MoE-A1B", "quantize.algorithm=gptq", "plan.granularity=per_layer",
                      "plan.symmetric=false")
-    _, body = _split(render_card(recipe, builtin_source, {"headline": HEADLINE, "per_layer": []}, None, ALL_OK, "0.1.0"))
+    _, body = _split(render_card(recipe, builtin_source, HEADLINE, None, ALL_OK, "0.1.0"))
     what = _section(body, "What this is")
     assert "`mixed_int8_int4`" in what and "`gptq`" in what and "`top_fraction`" in what and "`per_layer`" in what
     assert "group size 32" in what and "asymmetric" in what and "20%" in what
@@ -110,8 +112,8 @@ def test_what_and_plan_numbers_match_the_inputs(builtin_source):
     rows = {r[0]: r[1:] for r in (ln.strip("|").split("|") for ln in plan.splitlines() if ln.startswith("| "))}
     rows = {k.strip(): [c.strip() for c in v] for k, v in rows.items()}
     assert rows["4"] == ["81.25%", "35.4%"] and rows["8"] == ["18.75%", "64.6%"]
-    # a summary that went through JSON (string keys) renders the same table
-    as_json = json.loads(json.dumps({"headline": HEADLINE}))
+    # a headline that went through JSON (plan.json: string keys) renders the same table
+    as_json = Headline.from_json(json.loads(json.dumps(asdict(HEADLINE))))
     assert _section(_split(render_card(recipe, builtin_source, as_json, None, ALL_OK, "0.1.0"))[1], "Plan") == plan
 
 
@@ -191,8 +193,10 @@ def test_runtime_notes_and_backend_are_rendered(builtin_source):
 
 
 def test_cards_of_a_per_expert_mixtral_run(tmp_path):
-    """Real plan, both formats: the CT card warns in bold that vLLM and transformers would load it silently wrong,
-    the GPTQ card says vLLM refuses it; nothing points Mixtral users to GPTQModel; no library can serve it."""
+    """Real plan, both formats: the CT card says stock vLLM refuses it by name (``moe-quant-mixed``) and warns in
+    bold not to load it with transformers (it leaves the weights uninitialised), the GPTQ card says vLLM fails to
+    load it: what vLLM 0.26.0 and transformers 5.17 did with such checkpoints. The tiny model is too narrow for the
+    plugin's kernel, and the card says so; nothing points Mixtral users to GPTQModel; no library can serve it."""
     from quant.export import write_cards
     from quant.run.pipeline import run
 
@@ -204,13 +208,15 @@ def test_cards_of_a_per_expert_mixtral_run(tmp_path):
     meta, body = _split((tmp_path / "checkpoint" / "README.md").read_text())
     serving = _section(body, "Serving")
     vllm = _section(serving, "vLLM", "###")
-    assert "**vLLM may load this checkpoint without an error and serve wrong outputs**" in vllm
+    assert "Stock vLLM refuses this checkpoint by name" in vllm and "serves it (above)" not in vllm
     assert "gptqmodel" not in vllm.lower() and "not servable" in vllm
-    assert "**transformers 5.x loads this checkpoint without an error" in _section(serving, "transformers", "###")
+    assert "hidden size 64" in _section(serving, "vLLM with quant's plugin", "###")
+    assert "**Do not load this checkpoint with transformers**" in _section(serving, "transformers", "###")
     assert "library_name" not in meta
     _, body = _split((tmp_path / "checkpoint-gptq" / "README.md").read_text())
     serving = _section(body, "Serving")
-    assert "vLLM refuses this checkpoint at load" in _section(serving, "vLLM", "###")
+    assert "vLLM fails to load this checkpoint" in _section(serving, "vLLM", "###")
+    assert "serves the compressed-tensors export" in _section(serving, "vLLM with quant's plugin", "###")
     assert "not servable" in _section(serving, "GPTQModel", "###") and "serve Mixtral with vllm" in serving
 
 
@@ -241,3 +247,36 @@ def test_serving_names_the_best_servable_plan_when_vllm_cannot_serve(builtin_sou
     _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0",
                                  serving=dict(SERVING, best_servable=None, damage_measured=False)))
     assert "layer_sensitivity" not in _section(body, "Serving")
+
+
+def test_the_plugins_snippet_is_what_the_serving_tests_ran(builtin_source):
+    """A per-expert checkpoint the plugin serves: install line and ``vllm serve`` (tests/serve/test_vllm.py);
+    a plain compressed-tensors checkpoint stock vLLM cannot serve is named to the plugin explicitly."""
+    problems = dict(ALL_OK, **{"vllm-quant": [], "vllm": ["vllm applies one quantization scheme to all experts"]})
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0", repo_id="me/x"))
+    plugin = _section(_section(body, "Serving"), "vLLM with quant's plugin", "###")
+    assert "pip install vllm==0.26.0 && pip install --no-deps moe-quant" in plugin
+    assert "vllm serve me/x --quantization moe-quant-mixed" in plugin and 'quantization="moe-quant-mixed"' in plugin
+    problems = dict(ALL_OK, **{"vllm-quant": []})
+    _, body = _split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0", repo_id="me/x"))
+    plugin = _section(_section(body, "Serving"), "vLLM with quant's plugin", "###")
+    assert "vllm serve me/x\n" in plugin and "--quantization" not in plugin
+
+
+def test_the_card_lists_the_schemes_config_json_holds(tmp_path):
+    """The recipe asks for group 128; the tiny model's widths resolve it to 32 and 64: the card says what the
+    checkpoint holds, not what the recipe asked for."""
+    from quant.export import write_cards
+    from quant.run.pipeline import run
+
+    recipe = parse_recipe({"name": "headline"}, overrides=("calibration.n_samples=4", "calibration.seq_len=32"))
+    run(recipe, tmp_path, until="export")
+    write_cards(recipe, resolve_model(recipe.model.path), tmp_path)
+    groups = json.loads((tmp_path / "checkpoint" / "config.json").read_text())["quantization_config"]["config_groups"]
+    held = {f"W{g['weights']['num_bits']} g{g['weights']['group_size']} "
+            f"{'sym' if g['weights']['symmetric'] else 'asym'}" for g in groups.values()}
+    _, body = _split((tmp_path / "checkpoint" / "README.md").read_text())
+    (line,) = [x for x in _section(body, "What this is").splitlines() if x.startswith("- schemes")]
+    listed = set(re.findall(r"W\d+ g\d+ a?sym", line.split("(recipe:")[0]))
+    assert listed == held and len(held) > 1 and "g128" not in line.split("(recipe:")[0], line
+    assert "experts W4 g32 sym ×" in line and "attention W8 g64 sym ×" in line

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from quant.dist.world import World
 from quant.export.shards import Planned, plan_shards, plan_tensors, shard_owners
 from quant.models.headers import read_safetensors_header
 
@@ -31,6 +32,24 @@ def test_shards_hold_every_tensor_once_in_order_each_file_filled_up_to_the_limit
     names = [s.file for s in shards]
     assert names == (["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors"
                                                            for i in range(1, n + 1)])
+
+
+@pytest.mark.parametrize("limit", [1, 50, 120, 1000])
+def test_a_modules_parts_share_one_file(limit):
+    """Codes, scale and zero point of a quantized module are never split over files, whatever the limit (a loader
+    finds a module's parts in the file of its codes); other tensors still fill files up to the limit."""
+    tensors = []
+    for m in range(6):
+        tensors += [Planned(f"m{m}.{part}", (n,), "U8", f"m{m}.weight", 0, f"layers.0.m{m}", part)
+                    for part, n in (("weight_packed", 40), ("weight_scale", 30), ("weight_zero_point", 10))]
+        tensors.append(Planned(f"norm{m}", (25,), "U8", f"norm{m}", 0))
+    shards = plan_shards(tensors, limit)
+    assert [t for s in shards for t in s.tensors] == tensors
+    home = {t.module: {s.file for s in shards for u in s.tensors if u.module == t.module} for t in tensors if t.module}
+    assert all(len(files) == 1 for files in home.values()), home
+    for s in shards:
+        units = {t.module or t.name for t in s.tensors}
+        assert s.nbytes <= limit or len(units) == 1
 
 
 def test_no_tensors_is_one_empty_file_and_small_models_one_file():
@@ -66,11 +85,12 @@ def store(tmp_path_factory):
 
     src = resolve_model("builtin:qwen3-moe-tiny")
     calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 8, 32, 0)
-    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8))
+    prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8, world=World()))
     plan = plan_bits(prof, src.modules, PlanSpec(group_size=32, low_bits=2, high_bits=8, symmetric=False), "awq",
                      src.n_layers, ("compressed-tensors", "gptq"))
     qdir = tmp_path_factory.mktemp("store") / "quantized"
-    quantize_model(src, calib, plan, QuantizeSpec(algorithm="awq"), Layerwise(src, "bfloat16", "cpu", 8), qdir)
+    quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(algorithm="awq"),
+                   Layerwise(src, "bfloat16", "cpu", 8, World()), qdir)
     return src, plan, qdir
 
 
@@ -84,7 +104,7 @@ def test_every_file_holds_exactly_the_planned_tensors(store, tmp_path, fmt):
                    else (lambda qw: gptq_tensors(qw, True), write_gptq))
     limit = 150_000
     shards = plan_shards(plan_tensors(src, plan, qdir, make), limit)
-    write(src, plan, qdir, tmp_path / "ckpt", limit)
+    write(src, plan, qdir, tmp_path / "ckpt", limit, World())
     assert len(shards) >= 3
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors")) == [s.file for s in shards]
     for s in shards:

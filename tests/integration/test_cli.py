@@ -83,7 +83,8 @@ def test_validate_prints_resolved_recipe():
 
 def test_different_finished_run_is_not_overwritten(tmp_path):
     out = tmp_path / "r"
-    assert run_cli("plan", HEADLINE, "-o", str(out), *FAST).returncode == 0
+    p = run_cli("plan", HEADLINE, "-o", str(out), *FAST)
+    assert p.returncode == 0 and "\nplan: 4.75 bits per expert weight (" in p.stdout  # the plan's typed headline
     before = (out / "plan.json").read_bytes()
     p = run_cli("plan", HEADLINE, "-o", str(out), "--model", "builtin:olmoe-tiny", *FAST)
     _one_line_error(p, 1, "holds a different run")
@@ -146,7 +147,7 @@ def test_resume_after_sigkill_during_quantize(tmp_path):
     time.sleep(1.1)
     p = run_cli("run", HEADLINE, "-o", str(out), *FAST)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "ran quantize, export, eval, report; up to date: calibrate, profile, plan" in p.stdout
+    assert "ran quantize, export, eval, card, report; up to date: calibrate, profile, plan" in p.stdout
     m = json.loads((out / "manifest.json").read_text())
     assert {s: m["stages"][s]["updated"] for s in before} == before
     assert m["stages"]["quantize"]["status"] == "done" and m["stages"]["quantize"]["resumed_layers"] >= 1
@@ -159,10 +160,10 @@ def test_rerun_skips_everything_and_force_redoes_from_stage(tmp_path):
     p = run_cli("run", HEADLINE, "-o", str(out), *FAST)
     assert "ran nothing" in p.stdout
     p = run_cli("run", HEADLINE, "-o", str(out), "--force", "export", *FAST)
-    assert "ran export, eval, report; up to date: calibrate, profile, plan, quantize" in p.stdout
+    assert "ran export, eval, card, report; up to date: calibrate, profile, plan, quantize" in p.stdout
     # same recipe and model, one knob changed: the run is redone from the first stage that reads it
     p = run_cli("run", HEADLINE, "-o", str(out), "--set", "plan.top_fraction=0.3", *FAST)
-    assert p.returncode == 0 and "ran plan, quantize, export, eval, report; up to date: calibrate, profile" in p.stdout
+    assert p.returncode == 0 and "ran plan, quantize, export, eval, card, report; up to date: calibrate, profile" in p.stdout
 
 
 def test_inspect_matches_plan(tmp_path):

@@ -57,6 +57,21 @@ def test_usage_error_through_the_console_entry_point():
     assert p.returncode == 2 and "No such option: --no-such-option" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_a_bad_launcher_variable_is_one_error_line_before_any_work(tmp_path, monkeypatch, capsys):
+    """LOCAL_WORLD_SIZE is read where the process group is set up (once, before any stage): a value that is not a
+    number of processes is one line, exit 1, and no run directory is made."""
+    from quant.cli import cli_exit_code
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+    assert cli_exit_code(["run", HEADLINE, "-o", str(tmp_path / "r"), *FAST]) == 1
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert lines == ["error: LOCAL_WORLD_SIZE is 'eight': it must be a whole number of processes on this node "
+                     "(torchrun sets it; unset it outside a launcher)"], err
+    assert "Traceback" not in err and not (tmp_path / "r").exists()
+
+
 def test_help_exits_0(capsys):
     from quant.cli import cli_exit_code
 
@@ -115,7 +130,7 @@ def test_ctrl_c_exits_130_and_records_interruption(tmp_path):
         d.mkdir(parents=True)
         (d / "model.safetensors").write_text("big")
     p = run_cli("run", HEADLINE, "-o", str(out), *FAST, env={"TMPDIR": str(tmp)})
-    assert p.returncode == 0 and "ran quantize, export, eval, report" in p.stdout, p.stderr[-2000:]
+    assert p.returncode == 0 and "ran quantize, export, eval, card, report" in p.stdout, p.stderr[-2000:]
     assert json.loads((out / "eval.json").read_text())["loader"] == "compressed-tensors-dequantize"
     assert not dead.exists() and live.exists() and sorted(tmp.glob("quant-dense-*")) == [live]
 
@@ -166,7 +181,7 @@ def test_disk_full_is_one_line_and_resumable(tmp_path):
     assert ".tmp" not in p.stderr  # the ls: no temporary left
     p = run_cli("report", HEADLINE, "-o", str(tmp_path / "copy"), *FAST)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "ran report; up to date: calibrate, profile, plan, quantize, export, eval" in p.stdout
+    assert "ran report; up to date: calibrate, profile, plan, quantize, export, eval, card" in p.stdout
 
 
 def test_stop_handlers_are_the_runs_alone(tmp_path, capsys):
@@ -195,3 +210,182 @@ def test_a_bad_statistics_mode_is_one_line(value):
     """``quantize.statistics`` takes auto, ordered or reduce; anything else is one line naming the key, exit 1."""
     p = run_cli("validate", HEADLINE, "--set", f"quantize.statistics={value}")
     _one_error_line(p, 1, "quantize.statistics")
+
+
+def test_a_resumed_quantize_recomputes_damaged_partial_layers(tmp_path):
+    """Killed after two layers were stored; then one stored layer gets a flipped byte and the other is truncated. The
+    rerun recomputes both (one warning line each) and exports the checkpoint an uninterrupted run exports."""
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    kill = ("import os, quant.engine.qstore as q\n"
+            "orig = q.write_layer\n"
+            "def write_then_die(path, *a, **k):\n    orig(path, *a, **k)\n"
+            "    if path.name == 'layer_00001.safetensors':\n        os._exit(137)\n"
+            "q.write_layer = write_then_die\n")
+    assert _patched(kill, "export", HEADLINE, "-o", str(killed), *FAST).returncode == 137
+    partial = killed / "quantize.partial"
+    first, second = partial / "layer_00000.safetensors", partial / "layer_00001.safetensors"
+    data = bytearray(first.read_bytes())
+    data[-2] ^= 0x04
+    first.write_bytes(bytes(data))
+    with open(second, "r+b") as f:
+        f.truncate(second.stat().st_size // 3)
+    p = run_cli("export", HEADLINE, "-o", str(killed), *FAST)
+    assert p.returncode == 0, p.stderr[-3000:]
+    warned = [ln for ln in p.stderr.splitlines() if "recomputing the layer" in ln]
+    assert len(warned) == 2 and "damaged" in warned[0] and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert json.loads((killed / "manifest.json").read_text())["stages"]["quantize"]["resumed_layers"] == 0
+    assert run_cli("export", HEADLINE, "-o", str(clean), *FAST).returncode == 0
+    ckpt = "checkpoint/model.safetensors"
+    assert (killed / ckpt).read_bytes() == (clean / ckpt).read_bytes()
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("export.formats=[gptq,gptq]", "export.formats names a format twice"),
+    ("export.formats=[compressed-tensors,gptq,compressed-tensors]", "export.formats names a format twice"),
+    (".".join(["a"] * 5000) + "=1", "5000 levels deep, recipe keys have at most 4"),
+    ("export.max_shard_gb=1e-6", "YAML reads 1e-6 as text: write 1.0e-6"),
+])
+def test_recipe_mistakes_found_by_validate_are_one_line(override, pattern):
+    _one_error_line(run_cli("validate", HEADLINE, "--set", override), 1, pattern)
+
+
+def test_shards_smaller_than_a_module_still_evaluate(tmp_path):
+    """export.max_shard_gb far below one module's size: every module in a file of its own, its parts together, and
+    eval reads the checkpoint (a file holding only another module's scale was an internal error in eval)."""
+    out = tmp_path / "tiny-shards"
+    p = run_cli("eval", HEADLINE, "-o", str(out), *FAST, "--set", "export.max_shard_gb=0.000001")
+    assert p.returncode == 0, p.stderr[-3000:]
+    index = json.loads((out / "checkpoint" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 100
+    assert index["model.layers.0.mlp.experts.0.up_proj.weight_scale"] == \
+        index["model.layers.0.mlp.experts.0.up_proj.weight_packed"]
+
+
+def test_a_gptq_only_export_is_evaluated_from_its_gptq_files(tmp_path):
+    """export.formats: [gptq] alone (a documented format) runs to the report: eval reads the GPTQ files back (it
+    failed in eval, after every other stage, looking for a compressed-tensors checkpoint)."""
+    out = tmp_path / "gptq"
+    p = run_cli("run", HEADLINE, "-o", str(out), *FAST, "--set", "export.formats=[gptq]", "--set", "plan.group_size=32")
+    assert p.returncode == 0, p.stderr[-3000:]
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["loader"] == "gptq-dequantize" and ev["passed"] is True
+    assert json.loads((out / "checkpoint" / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory) -> Path:
+    """A run directory finished up to eval (copied by the tests that edit it)."""
+    out = tmp_path_factory.mktemp("evaluated") / "run"
+    p = run_cli("eval", HEADLINE, "-o", str(out), *FAST)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out
+
+
+def _edit_manifest(how: str, m: dict) -> bytes:
+    if how == "list":
+        return json.dumps([m]).encode()
+    if how == "binary":
+        return b"\x89PNG\r\n\x1a\n\x00\xff\xfe" + bytes(range(256))
+    if how == "stage-as-string":
+        m["stages"]["calibrate"] = "done"
+    elif how == "failed-gates-7":
+        m["stages"]["eval"].update(passed=False, failed_gates=7)
+    return json.dumps(m).encode()
+
+
+@pytest.mark.parametrize("how", ["list", "binary", "stage-as-string", "failed-gates-7"])
+@pytest.mark.parametrize("command", ["run", "publish"])
+def test_a_hand_edited_run_manifest_is_one_line(evaluated_run, tmp_path, how, command):
+    d = tmp_path / "edited"
+    shutil.copytree(evaluated_run, d)
+    path = d / "manifest.json"
+    path.write_bytes(_edit_manifest(how, json.loads(path.read_text())))
+    argv = ["run", HEADLINE, "-o", str(d), *FAST] if command == "run" else ["publish", str(d), "--repo-id", "me/x"]
+    line = _one_error_line(run_cli(*argv), 1, "manifest.json")
+    assert ("damaged or was edited" if command == "run" else "not ") in line
+
+
+@pytest.mark.parametrize("name", ["quantized", "quantize.partial", "checkpoint"])
+def test_a_symlink_in_place_of_a_run_directory_entry_is_one_line(evaluated_run, tmp_path, name):
+    """quant replaces and removes its own entries (rmtree of a link failed inside the quantize stage); a link is
+    refused before any stage, and what it points to is left alone."""
+    d, elsewhere = tmp_path / "linked", tmp_path / "elsewhere"
+    shutil.copytree(evaluated_run, d)
+    if (d / name).exists():
+        shutil.move(d / name, elsewhere)
+    else:
+        elsewhere.mkdir()
+    (d / name).symlink_to(elsewhere, target_is_directory=True)
+    before = sorted(p.name for p in elsewhere.iterdir())
+    line = _one_error_line(run_cli("run", HEADLINE, "-o", str(d), *FAST, "--force", "quantize"), 1, "symbolic link")
+    assert name in line
+    assert sorted(p.name for p in elsewhere.iterdir()) == before
+
+
+@pytest.mark.parametrize("key", ["calibration.dataset", "eval.perplexity.dataset"])
+def test_infinite_calibration_weights_are_one_line_before_any_stage(tmp_path, key):
+    """A manifest weight of .inf (calibration or held-out set) is refused before any stage runs: the held-out set
+    was read only in the eval stage, after every other stage."""
+    shutil.copytree(REPO / "calibration" / "data", tmp_path / "data")
+    text = (REPO / "calibration" / "bundled.yaml").read_text().replace("weight: 0.2", "weight: .inf")
+    (tmp_path / "inf.yaml").write_text(text)
+    out = tmp_path / "run"
+    p = run_cli("run", HEADLINE, "-o", str(out), *FAST, "--set", f"{key}={tmp_path / 'inf.yaml'}")
+    _one_error_line(p, 1, "weight: Input should be a finite number")
+    stages = json.loads((out / "manifest.json").read_text())["stages"] if (out / "manifest.json").is_file() else {}
+    assert all(s["status"] != "done" for s in stages.values()), stages
+
+
+def _builtin_copy(dst: Path) -> Path:
+    from quant.models.builtin import builtin_path
+
+    return Path(shutil.copytree(builtin_path("qwen3-moe-tiny"), dst))
+
+
+def test_a_model_folder_without_tokenizer_files_is_blamed_on_the_tokenizer(tmp_path):
+    model = _builtin_copy(tmp_path / "no-tokenizer")
+    for f in model.glob("tokenizer*"):
+        f.unlink()
+    line = _one_error_line(run_cli("run", HEADLINE, "-o", str(tmp_path / "r"), *FAST, "--model", str(model)), 1,
+                           "has no tokenizer files")
+    assert "0 tokens" not in line and "calibration" not in line
+
+
+def test_token_ids_beyond_the_models_vocabulary_are_one_line_at_calibrate(tmp_path):
+    """A tokenizer that gives ids the embedding has no rows for (here 'the' renumbered 1500 of 1024) is refused when
+    the calibration set is tokenized (an IndexError in the profile stage before)."""
+    model = _builtin_copy(tmp_path / "big-ids")
+    tok = json.loads((model / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["the"] = 1500
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    p = run_cli("run", HEADLINE, "-o", str(tmp_path / "r"), *FAST, "--model", str(model))
+    _one_error_line(p, 1, "gives token id 1500")
+    stages = json.loads((tmp_path / "r" / "manifest.json").read_text())["stages"]
+    assert stages["calibrate"]["status"] == "failed" and "profile" not in stages
+
+
+def test_a_changed_tokenizer_redoes_the_stages_that_read_it(tmp_path):
+    """The model fingerprint covers weights and config; the calibration tokens (and the checkpoint's copy of the
+    tokenizer) depend on the tokenizer files too, so a rerun after they changed tokenizes again."""
+    model = _builtin_copy(tmp_path / "model")
+    args = ("calibrate", HEADLINE, "-o", str(tmp_path / "r"), *FAST, "--model", str(model))
+    assert run_cli(*args).returncode == 0
+    tok = json.loads((model / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["the"], vocab["and"] = vocab["and"], vocab["the"]
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    p = run_cli(*args)
+    assert p.returncode == 0 and "calibrate: ran calibrate" in p.stdout, p.stdout + p.stderr[-2000:]
+
+
+def test_a_claim_stopped_by_a_full_disk_is_resumed_once_there_is_space(tmp_path):
+    """The disk fills up while the run directory is claimed: one line, a directory holding only the lock; once space
+    is freed the same command runs (it was refused: "exists and is not a quant run directory")."""
+    args = f"calibrate {HEADLINE} -o $FS/run {' '.join(FAST)}"
+    script = (f"dd if=/dev/zero of=$FS/filler bs=4k 2>/dev/null; QUANT {args}; echo rc=$? >&2; ls -A $FS/run >&2; "
+              f"rm $FS/filler; QUANT {args} >&2; echo rc=$? >&2")
+    p = _in_small_fs(tmp_path, "size=1m", script)
+    first, _, second = p.stderr.partition("rc=1")
+    assert "no space left on" in first and second.split("\n")[1] == ".lock", p.stderr[-3000:]
+    assert "calibrate: ran calibrate" in second and second.rstrip().endswith("rc=0"), p.stderr[-3000:]
+    assert "not a quant run directory" not in p.stderr

@@ -92,7 +92,7 @@ def test_two_ranks_give_the_one_process_checkpoint_with_awq_in_expert_chunks(tmp
     experts' Hessians): every pass's relay hands both ranks every batch, each rank searches every expert, and the
     checkpoint is the one process's byte for byte (deepseek-v3-tiny: its dense first layer takes the unrouted
     path, its shared expert reuses the routed experts' s)."""
-    from quant.engine.quantize import expert_hessian_bytes
+    from quant.engine.budgets import expert_hessian_bytes
     from quant.models import resolve_model
 
     budget = 1.3e-4
@@ -391,3 +391,16 @@ def test_a_rank_that_cannot_write_its_shards_ends_every_rank_with_one_error_line
     assert not (d / "checkpoint").exists() and not (d / "checkpoint-gptq").exists() and not _temporaries(d)
     p = run_cli("export", HEADLINE, "-o", str(d), *BOTH_FORMATS, env=ONE_THREAD)
     assert p.returncode == 0 and "ran export;" in p.stdout, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("timeout", ["nan", "0", "-5"])
+def test_a_bad_collective_timeout_is_named_by_every_rank_before_joining(tmp_path, timeout):
+    """Under torchrun a timeout of nan, 0 or -5 s made every rank blame "another rank" (or crash); each rank now names
+    the variable, before the process group is joined, and nothing is written."""
+    t0 = time.time()
+    p = subprocess.run(torchrun(2, "plan", HEADLINE, "-o", str(tmp_path / "r")), capture_output=True, text=True,
+                       env=_env(QUANT_DIST_TIMEOUT_S=timeout), timeout=300, cwd=REPO)
+    lines = _error_lines(p.stderr)
+    assert p.returncode == 1 and len(lines) == 2 and time.time() - t0 < 120, p.stderr[-3000:]
+    assert all(ln.startswith(f"error: QUANT_DIST_TIMEOUT_S='{timeout}'") for ln in lines), lines
+    assert "another rank" not in p.stderr and not (tmp_path / "r").exists()

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from quant.errors import GateFailed
+from quant.eval.sandbox import probe
 from quant.recipe import load_recipe
 from quant.run.pipeline import run
 
@@ -28,6 +29,7 @@ def test_tasks_run_offline_with_deltas_and_gates(tmp_path):
         assert t["n"] == 3 and 0.0 <= t["base"] <= 1.0 and 0.0 <= t["quantized"] <= 1.0
         assert t["delta"] == pytest.approx(t["quantized"] - t["base"])
     assert ev["tasks"]["quant_mmlu"]["metric"] == "acc" and ev["tasks"]["quant_humaneval"]["metric"] == "pass@1"
+    assert ev["sandbox"] == {"policy": "require", "layers": list(probe().layers), "missing": []}
     assert [g["name"] for g in ev["gates"]] == ["perplexity", "mmlu"] and ev["passed"]
     assert "quant_mmlu (acc, n=3)" in (result.run_dir / "report.md").read_text()
     # a gate that cannot pass: the same run (base scores cached) exits with GateFailed (CLI exit code 3)
@@ -35,3 +37,53 @@ def test_tasks_run_offline_with_deltas_and_gates(tmp_path):
                          overrides=FAST + ("eval.gates.mmlu={max_drop: -101}",))
     with pytest.raises(GateFailed, match="mmlu"):
         run(strict, tmp_path / "t", force="eval")
+
+
+def test_a_damaged_base_score_cache_is_scored_again(tmp_path):
+    """A corrupt or hand-edited entry of $QUANT_CACHE/eval/ (base-model scores) is a cache miss with one warning,
+    and rewritten; it used to fail every later eval of that model and those settings."""
+    from quant.eval.evaluate import base_scores_path
+    from quant.models import resolve_model
+    from tests.conftest import run_cli
+
+    overrides = FAST[:4] + ("eval.tasks=[quant_mmlu]", "eval.limit=2", "eval.num_fewshot=1")
+    recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", overrides=overrides)
+    entry = base_scores_path(resolve_model(recipe.model.path), recipe)
+    args = ["eval", str(REPO / "recipes" / "mixed_int8_int4.yaml"), "-o", str(tmp_path / "r")]
+    args += [a for o in overrides for a in ("--set", o)]
+    p = run_cli(*args)
+    assert p.returncode == 0 and entry.is_file(), p.stderr[-3000:]
+    assert "Running loglikelihood requests" not in p.stderr and "it/s]" not in p.stderr  # lm-eval's bars kept out
+    good = json.loads(entry.read_text())
+    for damage in (b"\x00\xff not json", json.dumps({"quant_mmlu": {"value": "high"}}).encode()):
+        entry.write_bytes(damage)
+        p = run_cli(*args, "--force", "eval")
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert len([ln for ln in p.stderr.splitlines() if "cached base-model scores" in ln]) == 1, p.stderr[-3000:]
+        assert json.loads(entry.read_text()) == good
+
+
+@pytest.mark.parametrize("tasks,pattern", [
+    ("[mmlu]", "cais/mmlu of lm-eval's tasks are not in the local cache"),
+    ("[quant_mmlu,humaneval]", "would run generated code outside quant's sandbox"),
+])
+def test_tasks_that_cannot_run_are_refused_before_any_stage(tmp_path, tasks, pattern):
+    """lm-eval's mmlu offline (its dataset not cached: a ConnectionError) and lm-eval's humaneval (unsandboxed code)
+    failed in the eval stage, after every other stage; now one line before the run directory is made."""
+    from tests.conftest import run_cli
+
+    p = run_cli("run", str(REPO / "recipes" / "mixed_int8_int4.yaml"), "-o", str(tmp_path / "r"), "--set",
+                f"eval.tasks={tasks}", env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 1 and len(lines) == 1 and pattern in lines[0], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and not (tmp_path / "r").exists()
+def test_lm_eval_s_own_results_are_kept_in_the_run_directory_and_linked_from_the_report(tmp_path):
+    overrides = tuple(o for o in FAST if not o.startswith("eval.tasks")) + ("eval.tasks=[quant_mmlu]", "eval.limit=2")
+    result = run(load_recipe(REPO / "recipes" / "mixed_int8_int4_rtn.yaml", overrides=overrides), tmp_path / "r")
+    for which in ("base", "quantized"):
+        raw = json.loads((result.run_dir / f"lm_eval_{which}.json").read_text())
+        assert {"results", "configs", "versions", "n-shot", "n-samples"} <= raw.keys(), raw.keys()
+        assert "quant_mmlu" in raw["results"] and "samples" not in raw
+        assert f"[lm_eval_{which}.json](lm_eval_{which}.json)" in (result.run_dir / "report.md").read_text()
+    assert run(load_recipe(REPO / "recipes" / "mixed_int8_int4_rtn.yaml", overrides=overrides),
+               tmp_path / "r").ran == []  # the new outputs count toward the eval stage's freshness

@@ -57,7 +57,10 @@ def test_headline_with_both_formats_exports_on_every_builtin(tmp_path, name):
 @pytest.mark.parametrize("name", list(BUILTINS))
 def test_headline_per_layer_for_vllm_plans_on_every_builtin(tmp_path, name):
     """Used to be refused ('layer 0 mixes W4 g32 sym, W4 g64 sym; set plan.granularity: per_layer')."""
-    result = _run(tmp_path / name, name, "plan.granularity=per_layer", "plan.target_runtime=vllm", until="plan")
+    # vLLM serves Mixtral's experts (w1/w3/w2 on disk) from the GPTQ export: see the test below
+    formats = ("export.formats=[compressed-tensors,gptq]",) if name == "mixtral-tiny" else ()
+    result = _run(tmp_path / name, name, "plan.granularity=per_layer", "plan.target_runtime=vllm", *formats,
+                  until="plan")
     source = resolve_model(f"builtin:{name}")
     plan = BitPlan.load(result.run_dir / "plan.json")
     _one_group_per_unit(plan, source)
@@ -94,6 +97,14 @@ def test_per_layer_mix_message_names_the_rule_not_granularity(tmp_path):
                       "plan.protect.super_experts=keep", "plan.protect.super_expert_ratio=1.01")
     assert "plan.granularity is per_layer, but plan.protect.super_experts gives single experts" in msg
     assert "set plan.granularity: per_layer" not in msg
+
+
+def test_vllm_is_not_promised_mixtrals_compressed_tensors_experts(tmp_path):
+    """vLLM 0.26 looks a fused MoE layer's compressed-tensors scheme up as experts.0.gate_proj whatever the
+    checkpoint names them; Mixtral's w1/w3/w2 experts then load unquantized and fail (served on the H200:
+    AttributeError 'RoutedExperts' object has no attribute 'w13_weight_packed')."""
+    msg = _plan_error(tmp_path, "mixtral-tiny", "plan.granularity=per_layer", "plan.target_runtime=vllm")
+    assert "names them w1/w3/w2" in msg and "add gptq to export.formats" in msg and "moe-quant-mixed" in msg
 
 
 def test_mixtral_is_never_pointed_to_gptqmodel(tmp_path):

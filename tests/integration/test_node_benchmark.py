@@ -1,5 +1,5 @@
-"""benchmarks/node.py, the 8-GPU issue's one command, at CPU scale: 2 gloo ranks, a tiny model's one saved layer
-tiled to 3 for the depth run, the CLI for the breadth run. What the GPU run relies on: the depth run quantizes
+"""benchmarks/node.py (one node's full-depth run in one command) at CPU scale: 2 gloo ranks, a tiny model's one
+saved layer tiled to 3 for the depth run, the CLI for the breadth run. What the GPU run relies on: the depth run quantizes
 every virtual layer yet keeps only the saved layers' files, the breadth run passes every stage with streamed eval
 over both ranks, the calibration text is random tokens through quant's own calibration path, and the projection
 adds up what was measured."""
@@ -36,7 +36,7 @@ def test_node_benchmark_runs_the_whole_pipeline_to_depth_and_keeps_only_the_save
     plan = json.loads((work / "run-depth" / "plan.json").read_text())
     assert any(name.startswith("layers.2.") for name in json.dumps(plan).split('"'))
 
-    assert list(breadth["stages"]) == ["calibrate", "profile", "plan", "quantize", "export", "eval", "report"]
+    assert list(breadth["stages"]) == ["calibrate", "profile", "plan", "quantize", "export", "eval", "card", "report"]
     assert breadth["eval"]["proxy_mode"] == "streamed" and breadth["eval"]["world_size"] == 2
     ppl = breadth["eval"]["proxies"]["perplexity"]
     assert math.isfinite(ppl["base"]) and math.isfinite(ppl["quantized"]) and ppl["base"] > 1
@@ -54,4 +54,5 @@ def test_node_benchmark_runs_the_whole_pipeline_to_depth_and_keeps_only_the_save
     assert math.isclose(parts["export"], breadth["stages"]["export"]["wall_s"] * 6)
     assert math.isclose(parts["fingerprint"], out["fingerprint_s"] * 6) and out["fingerprint_s"] > 0
     assert math.isclose(parts["report"], breadth["stages"]["report"]["wall_s"])
+    assert math.isclose(parts["card"], breadth["stages"]["card"]["wall_s"])
     assert "projection, 6 layers on 2 rank(s)" in p.stdout

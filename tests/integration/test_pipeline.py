@@ -1,12 +1,15 @@
 """The whole pipeline on every builtin family: artifacts, checkpoint exactness, loading, generation."""
 
+import gc
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from quant.dist.world import World
 from quant.engine.qstore import dequantize_2d, layer_file, load_into_layer, read_layer
+from quant.errors import StopRequested
 from quant.models import BUILTINS, resolve_model
 from quant.recipe import load_recipe
 from quant.run.pipeline import STAGES, run
@@ -19,6 +22,21 @@ FAST = ("calibration.n_samples=8", "calibration.seq_len=64", "eval.perplexity.n_
 def _run(tmp_path, name, *overrides, until="report"):
     recipe = load_recipe(HEADLINE, overrides=FAST + overrides, model=f"builtin:{name}")
     return recipe, run(recipe, tmp_path / name, until=until)
+
+
+def test_a_stop_request_ends_with_the_run_that_took_it(tmp_path):
+    """A stop file stops the run in hand after its stage, and only that run: the next run in the same process has a
+    stop flag of its own (one flag shared by every in-process run made each later run stop at once)."""
+    recipe = load_recipe(HEADLINE, overrides=FAST, model="builtin:qwen3-moe-tiny")
+    d = tmp_path / "r"
+    run(recipe, d, until="calibrate")
+    (d / "STOP").touch()
+    with pytest.raises(StopRequested, match="stop file"):
+        run(recipe, d, until="profile", force="calibrate")
+    assert not (d / "STOP").exists()
+    gc.collect()  # the stopped run's directory lock goes with its objects (the CLI's process ends instead)
+    again = run(recipe, d, until="profile", force="calibrate")
+    assert again.ran == ["calibrate", "profile"]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +65,7 @@ def test_run_completes_with_every_artifact(family_runs, name):
     assert m["versions"]["torch"] and m["versions"]["transformers"]
     calib = json.loads((d / "calibration.json").read_text())
     assert calib["seed"] == 0 and len(calib["sample_ids"]) == 8
+    assert f"Recipe description (as written in the recipe file): {recipe.description}" in (d / "report.md").read_text()
 
 
 @pytest.mark.parametrize("name", list(BUILTINS))
@@ -93,6 +112,9 @@ def test_per_layer_plan_loads_in_transformers_and_matches_fake_quant(tmp_path, n
     assert out.shape == (1, 11)
     bits = {p["bits"] for p in json.loads((d / "plan.json").read_text())["modules"].values() if p["bits"]}
     assert bits == {4, 8}  # attention 8-bit, experts 4-bit: mixed bits in one checkpoint
+    # one expert scheme per layer: plain compressed-tensors, which every runtime reads
+    assert json.loads((d / "checkpoint" / "config.json").read_text())["quantization_config"]["quant_method"] == \
+        "compressed-tensors"
 
 
 def _apply_dequantized(model, src, qdir: Path) -> None:
@@ -101,25 +123,27 @@ def _apply_dequantized(model, src, qdir: Path) -> None:
         load_into_layer(src, model.model.layers[layer], layer, layer_file(qdir, layer))
 
 
-def test_transformers_cannot_serve_mixed_expert_bits(family_runs):
-    """Why eval dequantizes mixed plans first: transformers 5 loads other-bit experts as garbage."""
+def test_a_per_expert_checkpoint_names_the_method_only_quant_serves(family_runs):
+    """Experts of one layer at different bits: config.json names ``moe-quant-mixed`` (quant's vLLM plugin), not
+    compressed-tensors, so no runtime loads it as one scheme per layer. transformers does not know the name: it skips
+    the quantization config and leaves every packed weight unloaded (randomly initialised, with a load report),
+    which is why eval dequantizes mixed plans first and the card says not to load such a checkpoint there."""
     from transformers import AutoModelForCausalLM
 
     _, result = family_runs["qwen3-moe-tiny"]
     d = result.run_dir
-    src = resolve_model("builtin:qwen3-moe-tiny")
+    qcfg = json.loads((d / "checkpoint" / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "moe-quant-mixed" and qcfg["format"] == "pack-quantized"
     plan = json.loads((d / "plan.json").read_text())["modules"]
     model = AutoModelForCausalLM.from_pretrained(d / "checkpoint", dtype=torch.bfloat16)
     gu = model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
     stored = read_layer(layer_file(d / "quantized", 0))
-    hi = [c for c, p in plan.items() if c.startswith("layers.0.experts.") and c.endswith(".up") and p["bits"] == 8]
-    lo = [c for c, p in plan.items() if c.startswith("layers.0.experts.") and c.endswith(".up") and p["bits"] == 4]
+    ups = [c for c, p in plan.items() if c.startswith("layers.0.experts.") and c.endswith(".up")]
+    assert {plan[c]["bits"] for c in ups} == {4, 8}
     half = gu.shape[1] // 2
-    exact = lambda c: torch.equal(gu[int(c.split(".")[3]), half:], dequantize_2d(stored[c]))  # noqa: E731
-    assert all(exact(c) for c in lo) and not any(exact(c) for c in hi)
+    assert not any(torch.equal(gu[int(c.split(".")[3]), half:], dequantize_2d(stored[c])) for c in ups)
     ev = json.loads((d / "eval.json").read_text())
     assert ev["loader"] == "compressed-tensors-dequantize"
-    assert src.family.name == "qwen3_moe"
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
@@ -185,7 +209,7 @@ def test_streamed_eval_equals_whole_model_eval_on_a_mixed_plan(family_runs, name
     assert ev["proxy_mode"] == "whole" and ev["proxy_mode_reason"].startswith("auto")
     assert ev["loader"] == "compressed-tensors-dequantize"
     recipe = load_recipe(HEADLINE, overrides=FAST + ("eval.mode=streamed",), model=f"builtin:{name}")
-    streamed = evaluate_run(recipe, resolve_model(f"builtin:{name}"), result.run_dir)
+    streamed = evaluate_run(recipe, resolve_model(f"builtin:{name}"), result.run_dir, World())
     assert streamed["proxy_mode"] == "streamed" and streamed["loader"] == "compressed-tensors-per-layer"
     _proxies_close(ev["proxies"], streamed["proxies"])
 
@@ -202,6 +226,53 @@ def test_streamed_eval_equals_transformers_loading_the_checkpoint(tmp_path, name
     out = {}
     for mode in ("whole", "streamed"):
         recipe = load_recipe(HEADLINE, overrides=FAST + overrides + (f"eval.mode={mode}",), model=f"builtin:{name}")
-        out[mode] = evaluate_run(recipe, src, result.run_dir)
+        out[mode] = evaluate_run(recipe, src, result.run_dir, World())
     assert out["whole"]["loader"] == "transformers"
     _proxies_close(out["whole"]["proxies"], out["streamed"]["proxies"])
+
+
+def test_a_plan_of_an_older_schema_is_redone_not_loaded(tmp_path):
+    """A run directory made by a quant whose plan.json had another schema (headline in ``notes``): the plan stage
+    is redone and quantize reads the new plan; the plan is typed and frozen."""
+    import dataclasses
+
+    from quant.io.rundir import hash_path
+    from quant.plan.bitplan import SCHEMA_VERSION, BitPlan
+
+    recipe, _ = _run(tmp_path, "qwen3-moe-tiny", until="plan")
+    d = tmp_path / "qwen3-moe-tiny"
+    new = json.loads((d / "plan.json").read_text())
+    old = {k: v for k, v in new.items() if k != "headline"} | {"schema_version": SCHEMA_VERSION - 1,
+                                                               "notes": [json.dumps(new["headline"])]}
+    (d / "plan.json").write_text(json.dumps(old, indent=1))
+    m = json.loads((d / "manifest.json").read_text())
+    m["stages"]["plan"]["outputs"]["plan.json"] = hash_path(d / "plan.json")  # as the older quant recorded it
+    (d / "manifest.json").write_text(json.dumps(m))
+    result = run(recipe, d, until="quantize")
+    assert result.ran == ["plan", "quantize"] and result.skipped == ["calibrate", "profile"]
+    plan = BitPlan.load(d / "plan.json")
+    assert plan.schema_version == SCHEMA_VERSION and "notes" not in json.loads((d / "plan.json").read_text())
+    assert plan.headline.avg_bits_experts == new["headline"]["avg_bits_experts"]
+    assert plan.headline.expert_pct_by_bits == {int(b): v for b, v in new["headline"]["expert_pct_by_bits"].items()}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.serving = {}
+
+
+def test_the_card_stage_alone_writes_the_model_card_after_eval(tmp_path):
+    """export writes a checkpoint without a card; the card stage writes it once, with eval's numbers, and adds it
+    to the checkpoint's manifest; the report stage leaves the checkpoint alone."""
+    recipe, result = _run(tmp_path, "qwen3-moe-tiny", until="eval")
+    ckpt = result.run_dir / "checkpoint"
+    manifest = json.loads((ckpt / "quant_manifest.json").read_text())
+    assert not (ckpt / "README.md").exists() and "README.md" not in manifest["files"]
+    result = run(recipe, result.run_dir, until="card")
+    assert result.ran == ["card"]
+    card = (ckpt / "README.md").read_text()
+    ppl = json.loads((result.run_dir / "eval.json").read_text())["proxies"]["perplexity"]["quantized"]
+    assert f"{ppl:.4f}" in card and "All quality gates passed." in card
+    files = json.loads((ckpt / "quant_manifest.json").read_text())["files"]
+    assert files == dict(sorted({**manifest["files"], "README.md": files["README.md"]}.items()))
+    stamps = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    result = run(recipe, result.run_dir, force="report")
+    assert result.ran == ["report"] and (result.run_dir / "report.md").is_file()
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == stamps

@@ -168,7 +168,7 @@ def _checkpoint(run_dir: Path) -> dict:
 def _finished(run_dir: Path) -> dict:
     m = json.loads((run_dir / "manifest.json").read_text())
     assert all(m["stages"][s]["status"] == "done" for s in ("calibrate", "profile", "plan", "quantize", "export",
-                                                            "eval", "report")), m["stages"]
+                                                            "eval", "card", "report")), m["stages"]
     assert m["stages"]["quantize"]["ranks"] == 2
     return m
 

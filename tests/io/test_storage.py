@@ -5,8 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from quant.io import storage
-from quant.io.storage import file_sha256, remove_stale, temp_pid
+from quant.io.storage import cache_root, file_sha256, remove_stale, temp_pid
 
 
 def _dead_pid() -> int:
@@ -90,3 +92,12 @@ def test_a_digest_from_another_process_is_kept_only_for_the_file_it_saw(tmp_path
     g.write_bytes(b"changed since")
     remember_sha256(g, "b" * 64, stamp)
     assert file_sha256(g) == hashlib.sha256(b"changed since").hexdigest() and reads == [g]
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_quant_cache_set_but_empty_is_the_default_not_the_current_directory(monkeypatch, tmp_path, value):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("QUANT_CACHE", value)
+    assert cache_root() == tmp_path / "home" / ".cache" / "quant"
+    monkeypatch.setenv("QUANT_CACHE", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.measure.layer_damage import STAGE, measure_layer_damage, pass_cost, spread_rows
 from quant.models import resolve_model
@@ -38,7 +39,7 @@ def _reference_kl(source, tokens: torch.Tensor, layer: int, bits: int, group: in
 
 def test_matches_whole_model_reference(source):
     tokens = torch.randint(0, source.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
-    damage = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), SCHEMES, "exact").damage
+    damage = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2, World()), SCHEMES, "exact").damage
     moe = source.moe_layers()
     assert set(damage) == set(SCHEMES) and all(d.shape == (len(moe),) for d in damage.values())
     for row in (0, len(moe) - 1):
@@ -55,8 +56,8 @@ def test_branches_do_not_leak_into_each_other(source):
     original weights and the clean stream runs on them)."""
     tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     for method in ("exact", "bounded"):
-        alone = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), ("w4g32",), method)
-        mixed = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2),
+        alone = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2, World()), ("w4g32",), method)
+        mixed = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2, World()),
                                      ("w2g32", "w4g32", "w8g32"), method)
         if method == "exact":
             assert torch.allclose(alone.damage["w4g32"], mixed.damage["w4g32"], rtol=1e-5, atol=0)
@@ -81,7 +82,7 @@ def test_a_layer_s_expert_weights_are_gone_before_the_next_layer_loads(monkeypat
     for method, loads in (("exact", src.n_layers), ("bounded", 3 * src.n_layers - 2 * first - 1)):
         alive = expert_weights_alive_at_each_load(
             monkeypatch, layer_damage,
-            lambda method=method: measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2), ("w4g32",),
+            lambda method=method: measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2, World()), ("w4g32",),
                                                        method))
         assert alive == [0] * loads, method
         monkeypatch.undo()
@@ -91,8 +92,8 @@ def test_bounded_pass_carried_to_the_output_is_the_exact_pass(source):
     """Carried through every later layer, each bounded branch reaches the output and gets its exact KL: the same
     numbers as the exact pass (the gradients and flip laws are then unused)."""
     tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
-    exact = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), SCHEMES, "exact")
-    carried = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2), SCHEMES, "bounded",
+    exact = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2, World()), SCHEMES, "exact")
+    carried = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cpu", 2, World()), SCHEMES, "bounded",
                                    carry=source.n_layers)
     for name in SCHEMES:
         assert torch.allclose(carried.damage[name], exact.damage[name], rtol=1e-6, atol=1e-12), name
@@ -107,7 +108,7 @@ def test_pass_cost_counts_what_the_pass_runs_and_progress_reports_it(model, meth
     src = resolve_model(model)
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     caplog.set_level(logging.INFO, logger="quant")
-    got = measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2), ("w4g32", "w8g32"), method,
+    got = measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2, World()), ("w4g32", "w8g32"), method,
                                carry, draws)
     layers = [(1.0, i in src.moe_layers()) for i in range(src.n_layers)]
     cost = pass_cost(layers, 2, tokens.numel(), method, carry, draws)

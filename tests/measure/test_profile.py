@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from quant.calibration import build_calibration
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.engine.routing import expert_intermediate, expert_output, load_buckets, with_zero_row
 from quant.measure.profile import PROBE_TOKENS, RoutingProfile, profile_routing
@@ -22,7 +23,7 @@ def profiles():
     for name in BUILTINS:
         src = resolve_model(f"builtin:{name}")
         calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 16, 128, 0)
-        out[name] = (src, calib, profile_routing(src, calib, Layerwise(src, "float32", "cpu", 4)))
+        out[name] = (src, calib, profile_routing(src, calib, Layerwise(src, "float32", "cpu", 4, world=World())))
     return out
 
 
@@ -195,8 +196,8 @@ def test_probe_subset_ranks_experts_like_the_full_probe_on_the_reference_moe():
 
     src = resolve_model("builtin:reference-moe")
     calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 32, 256, 0)
-    full = profile_routing(src, calib, Layerwise(src, "float32", "cpu", 8), probe_tokens=None)
-    subset = profile_routing(src, calib, Layerwise(src, "float32", "cpu", 8))
+    full = profile_routing(src, calib, Layerwise(src, "float32", "cpu", 8, world=World()), probe_tokens=None)
+    subset = profile_routing(src, calib, Layerwise(src, "float32", "cpu", 8, world=World()))
     assert (full.counts / 4 > 4 * PROBE_TOKENS).any()  # the busiest experts are probed on a small fraction
     rho = [_spearman(full.sensitivity[r], subset.sensitivity[r]) for r in range(len(full.layers))]
     assert min(rho) >= 0.95, rho
@@ -305,7 +306,7 @@ def test_profile_reads_the_host_once_per_batch_and_layer():
     src = resolve_model("builtin:qwen3-moe-tiny")
     calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 16, 64, 0)
     with HostSyncs() as s:
-        prof = profile_routing(src, calib, Layerwise(src, "float32", "cpu", 4))
+        prof = profile_routing(src, calib, Layerwise(src, "float32", "cpu", 4, world=World()))
     per_batch = {site: n for site, n in s.sites.items()
                  if site.split(" ")[1] in ("batch", "_grouped", "sort_by_expert", "load_buckets", "__call__", "_inputs")}
     batches = 16 // 4
@@ -329,7 +330,7 @@ def test_each_layers_probe_weights_are_freed_with_the_layer():
     gc.disable()
     try:
         with LiveBytes(step=1) as m:  # the sites at the exact peak
-            prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4))
+            prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 4, world=World()))
             left = sum(n for n, site in m._live.values() if "_rtn_probe" in site)
     finally:
         gc.enable()
@@ -378,5 +379,29 @@ def test_a_layer_s_expert_weights_are_gone_before_the_next_layer_loads(monkeypat
     tokens = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(0))
     calib = CalibrationSet(tokens, tuple(map(str, range(4))), ("x",) * 4, 0, "random")
     alive = expert_weights_alive_at_each_load(
-        monkeypatch, profile_mod, lambda: profile_routing(src, calib, Layerwise(src, "float32", "cpu", 2)))
+        monkeypatch, profile_mod, lambda: profile_routing(src, calib, Layerwise(src, "float32", "cpu", 2, World())))
     assert alive == [0] * src.n_layers
+
+
+def test_the_log_lines_and_the_report_count_cold_experts_and_usage_ratios_alike(caplog):
+    """One definition each: a cold expert is one routed fewer than profile.min_tokens tokens; the usage ratio is
+    the most used expert's tokens over the least used one's (inf when one is unused)."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from quant.report import _routing_lines
+
+    src = resolve_model("builtin:qwen3-moe-tiny")
+    calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 2, 32, 0)
+    caplog.set_level("INFO", logger="quant")
+    prof = profile_routing(src, calib, Layerwise(src, "float32", "cpu", 2), min_tokens=8)
+    logged = [re.search(r"profile layer (\d+): \d+ experts, most/least used (.+?), (\d+) cold \(fewer than 8 ",
+                        r.getMessage()) for r in caplog.records if "profile layer" in r.getMessage()]
+    assert len(logged) == len(prof.layers) and all(logged)
+    report = "\n".join(_routing_lines(prof, 8))
+    n_cold = sum(int(m[3]) for m in logged)
+    assert n_cold > 0 and f"cold experts (fewer than 8 routed tokens, profile.min_tokens): {n_cold}" in report
+    for m in logged:
+        assert f"layer {m[1]}: {m[2]}" in report
+    assert "{" not in report.split("rank stability")[0] and "[(" not in report

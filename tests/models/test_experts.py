@@ -10,10 +10,12 @@ import torch
 from torch import nn
 
 from quant.calibration import build_calibration
-from quant.engine.awq_layer import run_awq
+from quant.dist.world import World
+from quant.engine.algorithms import ALGORITHMS
+from quant.engine.layer_job import LayerJob
 from quant.engine.layerwise import Layerwise
 from quant.engine.qstore import layer_file, read_layer
-from quant.engine.quantize import _LayerJob, quantize_model
+from quant.engine.quantize import quantize_model
 from quant.errors import ModelError
 from quant.measure.profile import profile_routing
 from quant.models import resolve_model
@@ -37,11 +39,11 @@ def calib(sources):
 
 @pytest.fixture(scope="module")
 def profiles(sources, calib):
-    return tuple(profile_routing(s, calib, Layerwise(s, "float32", "cpu", 4)) for s in sources)
+    return tuple(profile_routing(s, calib, Layerwise(s, "float32", "cpu", 4, world=World())) for s in sources)
 
 
 def _layerwise_logits(src, tokens):
-    return Layerwise(src, "float32", "cpu", batch_size=2).logits(tokens)
+    return Layerwise(src, "float32", "cpu", batch_size=2, world=World()).logits(tokens)
 
 
 def test_remote_code_needs_the_recipe_flag(per_expert_model):
@@ -72,7 +74,7 @@ def test_expert_linears_are_views_of_the_fused_storage_and_routing_is_the_native
     tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(2))
     seen = {}
     for name, src in (("pe", pe), ("nat", nat)):
-        lw = Layerwise(src, "float32", "cpu", batch_size=2)
+        lw = Layerwise(src, "float32", "cpu", batch_size=2, world=World())
         hidden = lw.embed(tokens)
         with lw.layer(1) as layer:
             view = experts_of(src, layer, 1)
@@ -115,7 +117,8 @@ def test_quantize_writes_the_native_codes(sources, calib, profiles, algorithm, t
     stored = {}
     for name, src in (("pe", pe), ("nat", nat)):
         out = tmp_path / name
-        quantize_model(src, calib, plan, QuantizeSpec(), Layerwise(src, "float32", "cpu", 4), out)
+        quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(),
+                       Layerwise(src, "float32", "cpu", 4, World()), out)
         stored[name] = {n: q for i in range(src.n_layers) for n, q in read_layer(layer_file(out, i)).items()}
     a, b = stored["pe"], stored["nat"]
     assert a.keys() == b.keys() == plan.quantized().keys()
@@ -142,11 +145,13 @@ def test_awq_on_one_layer_matches_native(sources, calib, profiles):
     plan = plan_bits(profiles[1], sources[1].modules, PlanSpec(group_size=32), "awq", sources[1].n_layers)
     out = {}
     for name, src in zip(("pe", "nat"), sources, strict=True):
-        lw = Layerwise(src, "float32", "cpu", 4)
+        lw = Layerwise(src, "float32", "cpu", 4, world=World())
         hidden = lw.embed(calib.tokens[:8])
+        awq = ALGORITHMS["awq"]
         with lw.layer(0) as layer:
-            job = _LayerJob(src, plan, QuantizeSpec(), 0, layer)
-            out[name] = (run_awq(job, lw, hidden), job.results)
+            job = LayerJob(src, 0, layer, plan.quantized_specs(), QuantizeSpec(), World(), awq.solve)
+            awq.run_layer(job, lw, hidden)
+            out[name] = (job.results.params, job.results.codes)
     (p_pe, r_pe), (p_nat, r_nat) = out["pe"], out["nat"]
     assert p_pe.keys() == p_nat.keys() and "mlp.gate.weight" in p_pe
     assert all(torch.equal(p_pe[k], p_nat[k]) for k in p_pe)

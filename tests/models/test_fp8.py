@@ -109,8 +109,8 @@ def test_reads_into_a_staging_buffer_in_chunks(release, monkeypatch):
     monkeypatch.setattr(dequant, "DEQUANT_CHUNK_BYTES", 2048)
     src = resolve_model(str(release))
     calls = []
-    real = src._dense
-    src._dense = lambda raw, keys: calls.append(len(keys)) or real(raw, keys)
+    real = src.dequantize
+    src.dequantize = lambda raw, keys: calls.append(len(keys)) or real(raw, keys)
     keys = [k for k in src.weight_map if k.startswith("model.layers.1.")]
     bufs: list[torch.Tensor] = []
     got = src.read_tensors(keys, "cpu", into=lambda n: bufs.append(torch.empty(n, dtype=torch.uint8)) or bufs[-1])
@@ -237,7 +237,7 @@ def test_gpu_reads_share_one_page_locked_buffer_safely(release):
     from concurrent.futures import ThreadPoolExecutor
 
     src = resolve_model(str(release))
-    assert src._work_device().type == "cuda"
+    assert src.work_device().type == "cuda"
     cpu = Fp8BlockSource(release, device="cpu")
     layers = [sorted(k for k in src.weight_map if k.startswith(f"model.layers.{i}.")) for i in range(src.n_layers)]
     want = [cpu.read_tensors(keys) for keys in layers]
@@ -245,4 +245,4 @@ def test_gpu_reads_share_one_page_locked_buffer_safely(release):
         got = list(pool.map(src.read_tensors, layers * 3))
     for i, g in enumerate(got):
         assert all(torch.equal(g[k], want[i % len(layers)][k]) for k in layers[i % len(layers)]), i
-    assert src._raw_staging.bufs[0] is not None
+    assert src.stored_staging.bufs[0] is not None

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.errors import ModelError
 from quant.models import BUILTINS, resolve_model
@@ -15,7 +16,7 @@ def test_layerwise_equals_full_model(name):
 
     src = resolve_model(f"builtin:{name}")
     tokens = torch.randint(0, 1000, (3, 20), generator=torch.Generator().manual_seed(1))
-    logits = Layerwise(src, "float32", "cpu", batch_size=2).logits(tokens)
+    logits = Layerwise(src, "float32", "cpu", batch_size=2, world=World()).logits(tokens)
     full = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32)
     with torch.no_grad():
         ref = full(tokens).logits

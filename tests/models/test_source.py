@@ -111,10 +111,15 @@ def test_inspect_on_a_damaged_checkpoint(model, tmp_path):
 
 
 def _pad(model: Path) -> None:
-    """Make the shard large enough (> 2 MiB past its header) that its middle is far from both ends."""
+    """Make the shard large enough (> 2 MiB past its header) that its middle is far from both ends: a vocabulary
+    grown by rows the tokenizer never produces (a tensor the config does not describe would be refused)."""
     tensors = load_file(str(_shard(model)))
-    tensors["zz_unused.pad"] = torch.ones(4 << 20, dtype=torch.bfloat16)
+    extra = 16 << 10
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[key] = torch.cat([tensors[key], torch.ones(extra, tensors[key].shape[1], dtype=tensors[key].dtype)])
     save_file(tensors, str(_shard(model)), metadata={"format": "pt"})
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | {"vocab_size": cfg["vocab_size"] + extra}))
 
 
 def _flip_low_mantissa_bit_mid_file(p: Path) -> None:
@@ -301,3 +306,60 @@ def test_a_model_with_a_prediction_layer_runs_end_to_end_without_it(tmp_path, qu
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(ckpt)
+
+
+def _index_pointing_at(model: Path, shard: str) -> None:
+    """The split model's second shard named as ``shard`` in its index (the file moved there first)."""
+    index = _split_into_two_shards(model)
+    index["weight_map"] = {k: (shard if f.startswith("model-00002") else f) for k, f in index["weight_map"].items()}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent", "nested parent"])
+def test_an_index_naming_a_shard_outside_the_folder_is_refused(model, tmp_path, where):
+    """Before: the shard was read, quantized and shipped in the checkpoint."""
+    from quant.models.headers import load_headers
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    names = {"absolute": str(outside / "x.safetensors"), "parent": "../elsewhere/x.safetensors",
+             "nested parent": "sub/../../elsewhere/x.safetensors"}
+    _index_pointing_at(model, names[where])
+    (model / "sub").mkdir()
+    (model / "model-00002-of-00002.safetensors").rename(outside / "x.safetensors")
+    for open_model in (ModelSource, resolve_model, load_headers):
+        with pytest.raises(ModelError, match="which is not a file inside .*no absolute paths, no '..'"):
+            open_model(str(model) if open_model is not ModelSource else model)
+    proc = run_cli("plan", "recipes/mixed_int8_int4.yaml", "--model", str(model), "-o", str(tmp_path / "r"))
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(lines) == 1 and "not a file inside" in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "r" / "calibration.safetensors").exists()
+
+
+def test_a_shard_symlinked_out_of_the_folder_is_refused(model, tmp_path):
+    from quant.models.headers import load_headers
+
+    _split_into_two_shards(model)
+    shard = model / "model-00002-of-00002.safetensors"
+    shard.rename(tmp_path / "x.safetensors")
+    shard.symlink_to(tmp_path / "x.safetensors")
+    for open_model in (resolve_model, load_headers):
+        with pytest.raises(ModelError, match="names 'model-00002-of-00002.safetensors', which is not a file inside"):
+            open_model(str(model))
+    single = tmp_path / "single"
+    shutil.copytree(builtin_path("qwen3-moe-tiny"), single)
+    (single / "model.safetensors").rename(tmp_path / "y.safetensors")
+    (single / "model.safetensors").symlink_to(tmp_path / "y.safetensors")
+    for open_model in (resolve_model, load_headers):
+        with pytest.raises(ModelError, match="names 'model.safetensors', which is not a file inside"):
+            open_model(str(single))
+
+
+def test_symlinks_inside_the_folder_and_a_symlinked_folder_are_fine(model, tmp_path):
+    _split_into_two_shards(model)
+    (model / "shards").mkdir()
+    (model / "model-00002-of-00002.safetensors").rename(model / "shards" / "two.safetensors")
+    (model / "model-00002-of-00002.safetensors").symlink_to(model / "shards" / "two.safetensors")
+    link = tmp_path / "link"
+    link.symlink_to(model)
+    assert resolve_model(str(link)).shapes() == resolve_model(str(model)).shapes()

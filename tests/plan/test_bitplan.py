@@ -1,12 +1,14 @@
 """Policies on hand-made profiles: boundaries, ties, budgets, projections, protections."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from quant.errors import PlanError
 from quant.measure.profile import RoutingProfile
 from quant.models import ModuleInfo
-from quant.plan.bitplan import BitPlan, plan_bits
+from quant.plan.bitplan import BitPlan, Headline, plan_bits
 from quant.recipe import PlanSpec
 
 E, LAYERS = 10, [0, 1, 2]
@@ -123,9 +125,9 @@ def test_protections_win_over_scores():
 
 def test_super_experts_protected():
     counts = [list(range(1, 11))] * 3
-    prof = _profile(counts)
-    prof.down_out_absmax = torch.ones(3, E)
-    prof.down_out_absmax[1, 4] = 500.0
+    absmax = torch.ones(3, E)
+    absmax[1, 4] = 500.0
+    prof = replace(_profile(counts), down_out_absmax=absmax)
     plan = plan_bits(prof, _modules(), _spec(protect={"super_experts": "keep"}), "rtn", 3)
     assert plan.modules["layers.1.experts.4.down"].keep
     assert not plan.modules["layers.1.experts.5.down"].keep
@@ -182,10 +184,14 @@ def test_group_size_per_channel_and_kept_modules():
 
 def test_plan_roundtrip(tmp_path):
     plan = plan_bits(_profile([list(range(10))] * 3), _modules(), _spec(), "gptq", 3)
+    assert plan.headline is None  # the plan stage adds it
+    headline = Headline(avg_bits_experts=4.8, avg_bits_all=6.1, size_gb=0.0012, expert_pct_by_bits={4: 80.0, 8: 20.0},
+                        traffic_share_by_bits={4: 0.35, 8: 0.65}, traffic_weighted_bits=6.6)
+    plan = replace(plan, headline=headline, serving={"predicted_kl": 0.01})
     plan.save(tmp_path / "plan.json")
     again = BitPlan.load(tmp_path / "plan.json")
-    assert again.modules == plan.modules and again.algorithm == "gptq"
-    assert again.group_rule == plan.group_rule != ""
+    assert again == plan and again.headline.expert_pct_by_bits == {4: 80.0, 8: 20.0}  # int keys back from JSON
+    assert again.group_rule == plan.group_rule != "" and again.algorithm == "gptq"
 
 
 def test_budget_gb_below_every_expert_at_low_bits_is_refused():
@@ -195,3 +201,24 @@ def test_budget_gb_below_every_expert_at_low_bits_is_refused():
         plan_bits(_profile(counts), _modules(), _spec(policy="budget", budget_gb=expert_gb * 0.9), "rtn", 3)
     plan = plan_bits(_profile(counts), _modules(), _spec(policy="budget", budget_gb=expert_gb * 1.01), "rtn", 3)
     assert _avg_expert_bits(plan, _modules()) == 4.0
+
+
+def test_layer_schemes_pin_every_expert_of_a_layer_whatever_the_policy():
+    counts = [list(range(10))] * 3
+    spec = PlanSpec(group_size=32, layer_schemes={"0": "w8g32", "2": "w4g32"})
+    plan = plan_bits(_profile(counts), _modules(), spec, "rtn", 3)
+    for e in range(E):
+        for p in ("gate", "up", "down"):
+            assert (plan.modules[f"layers.0.experts.{e}.{p}"].bits, plan.modules[f"layers.0.experts.{e}.{p}"].group_size) == (8, 32)
+            assert (plan.modules[f"layers.2.experts.{e}.{p}"].bits, plan.modules[f"layers.2.experts.{e}.{p}"].group_size) == (4, 32)
+    assert _high(plan, 1) == {8, 9}  # the policy decides the layers not pinned (top 20 % at 8 bits)
+    assert plan.modules["layers.0.attn.q"].bits == 8  # protection rules still decide attention
+
+
+def test_layer_schemes_must_name_moe_layers_and_schemes():
+    counts = [list(range(10))] * 3
+    with pytest.raises(PlanError, match="layer 5, which has no routed experts"):
+        plan_bits(_profile(counts), _modules(), PlanSpec(group_size=32, layer_schemes={"5": "w4g32"}), "rtn", 3)
+    for bad in ({"0": "w4"}, {"0": "w5g32"}, {"-1": "w4g32"}, {"x": "w4g32"}, {"0": "w4g48"}):
+        with pytest.raises(ValueError, match="layer_schemes"):
+            PlanSpec(group_size=32, layer_schemes=bad)

@@ -2,6 +2,7 @@
 MoE layer, group sizes paid from the budget, equal average bits)."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -147,8 +148,7 @@ def test_equal_average_bits_to_the_per_expert_plan():
 
 def test_layer_sensitivity_needs_measured_damage_and_base_schemes():
     mods = _modules()
-    prof = _profile(DAMAGE)
-    prof.layer_damage = None
+    prof = replace(_profile(DAMAGE), layer_damage=None)
     with pytest.raises(PlanError, match="profile.layer_sensitivity"):
         plan_bits(prof, mods, _spec(), "rtn", 4)
     with pytest.raises(PlanError, match="lacks w8g128"):

@@ -96,3 +96,29 @@ def test_best_servable_alternative_of_a_per_expert_plan(source):
     bare = _profile(damage=None)
     summary = serving_summary(per_expert, source, bare, ("compressed-tensors",))
     assert summary["best_servable"] is None and summary["predicted_kl"] is None and not summary["damage_measured"]
+
+
+def test_quants_vllm_plugin_serves_per_expert_plans_vllm_refuses(source):
+    """``vllm-quant``: vLLM with quant's plugin. Experts of one layer may differ, within what the Marlin MoE kernel
+    runs (4 and 8 bits, 8 bits symmetric, groups 32/64/128, widths it tiles); from the compressed-tensors export."""
+    from quant.plan.runtimes import PLUGIN_NEEDS_CT
+
+    per_expert = plan_bits(_profile(), source.modules, PlanSpec(top_fraction=0.2), "rtn", L)
+    assert problems_for(per_expert, source, "vllm")  # stock vLLM: one scheme per fused layer
+    assert problems_for(per_expert, source, "vllm-quant") == []
+    assert problems_for(per_expert, source, "vllm-quant", ("compressed-tensors", "gptq")) == []
+    assert problems_for(per_expert, source, "vllm-quant", ("gptq",)) == [PLUGIN_NEEDS_CT]
+    asym8 = plan_bits(_profile(), source.modules, PlanSpec(top_fraction=0.2, symmetric=False), "rtn", L)
+    assert "symmetric int8" in problems_for(asym8, source, "vllm-quant")[0]
+    per_layer = plan_bits(_profile(), source.modules, PlanSpec(**LAYER, layer_group_sizes=(32, 64)), "rtn", L)
+    assert problems_for(per_layer, source, "vllm-quant") == problems_for(per_layer, source, "vllm") == []
+
+
+def test_the_plugin_refuses_widths_its_kernel_cannot_tile(quant_cache):
+    tiny = resolve_model("builtin:qwen3-moe-tiny")  # hidden 64: below the Marlin MoE tile
+    counts = torch.ones(tiny.n_layers, 16, dtype=torch.float64)
+    counts[:, :3] = 10.0
+    z = torch.zeros_like(counts)
+    prof = RoutingProfile("fp", "m", list(range(tiny.n_layers)), 16, 4, 1000, [], counts, counts, z, z, z)
+    plan = plan_bits(prof, tiny.modules, PlanSpec(top_fraction=0.2, group_size=32), "rtn", tiny.n_layers)
+    assert "hidden size 64" in problems_for(plan, tiny, "vllm-quant")[0]

@@ -1,15 +1,13 @@
-"""The servable study's arithmetic (benchmarks/study_servable.py): the share of the per-expert plan's KL gain over
-uniform INT4 that a plan keeps, per seed then averaged, and tables over sizes that ran only some configurations."""
+"""The servable study's arithmetic (quant.study.servable, run by benchmarks/study_servable.py): the share of the
+per-expert plan's KL gain over uniform INT4 that a plan keeps, per seed then averaged, and tables over sizes that
+ran only some configurations."""
 
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import study_servable as ss  # noqa: E402
+from quant.study import servable as ss
 
 BASE, REF, LAYER = (f"{n}|gptq" for n in (ss.BASELINE, ss.REFERENCE, "layer_sensitivity W4/W8 g128"))
 
@@ -33,16 +31,16 @@ def data() -> dict:
 
 
 def test_gain_kept_is_per_seed_against_that_seeds_baseline_and_reference(data):
-    kept = ss._recovered(data, "1x", LAYER)
+    kept = ss.recovered(data, "1x", LAYER)
     assert kept == pytest.approx([(0.040 - 0.010) / (0.040 - 0.020), (0.036 - 0.031) / (0.036 - 0.026)])
     row = next(r for r in ss.table_1x(data).splitlines() if r.startswith("| layer_sensitivity W4/W8 g128 |"))
     spread = 100 * statistics.stdev(kept)
     assert f"| {100 * statistics.fmean(kept):.0f} ± {spread:.0f} % |" in row and "| 20.50 ± 14.85 |" in row  # KL x1e3
-    assert ss._recovered(data, "1x", BASE) == [0.0, 0.0] and ss._recovered(data, "1x", REF) == [1.0, 1.0]
+    assert ss.recovered(data, "1x", BASE) == [0.0, 0.0] and ss.recovered(data, "1x", REF) == [1.0, 1.0]
 
 
 def test_a_size_that_did_not_run_a_configuration_shows_a_dash(data):
-    assert ss._recovered(data, "16x", LAYER) == [] and ss._keys(data) == [BASE, REF, LAYER]
+    assert ss.recovered(data, "16x", LAYER) == [] and ss.keys_run(data) == [BASE, REF, LAYER]
     rows = {r.split(" | ")[0][2:]: r for r in ss.table_scaling(data).splitlines()[2:]}
     assert rows["layer_sensitivity W4/W8 g128"].endswith("| 20.50 ± 14.85 | — | 100 ± 71 % | — | — |")
     assert rows[ss.REFERENCE].endswith("| 23.00 ± 4.24 | 19.00 ± 1.41 | 100 ± 0 % | 100 ± 0 % | 35.019 ± 0.001 |")

@@ -1,0 +1,35 @@
+"""vLLM's entry point into quant (``vllm.general_plugins``): registers the ``moe-quant-mixed`` quantization method."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quant.serve.names import PLUGIN_NAME, PLUGIN_TARGET, QUANT_METHOD
+
+_registered = False
+
+
+def register() -> None:
+    """Make vLLM serve ``moe-quant-mixed`` checkpoints. vLLM calls this once in each of its processes."""
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from quant.serve.vllm_mixed import MixedExpertsConfig
+
+    register_quantization_config(QUANT_METHOD)(MixedExpertsConfig)
+    _registered = True
+
+
+def checkout_entry_point(folder: Path) -> Path:
+    """A folder that, on vLLM's ``PYTHONPATH`` beside a quant checkout, registers the plugin as ``pip install``
+    does (a dist-info holding the ``vllm.general_plugins`` entry point pyproject.toml declares): for serving from a
+    checkout that is not installed, e.g. on a GPU node without network. Returns ``folder``."""
+    from quant import version
+
+    info = Path(folder) / "moe_quant_serve-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: moe-quant-serve\nVersion: {version()}\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN_NAME} = {PLUGIN_TARGET}\n")
+    return Path(folder)

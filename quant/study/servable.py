@@ -1,0 +1,174 @@
+"""The servable study's design and its tables (STUDY.md, ``benchmarks/study_servable.py`` runs it).
+
+At equal average expert bits on builtin:reference-moe: the per-expert top-20 % plan (not servable by vLLM/SGLang)
+against servable plans (one scheme per MoE layer), each with GPTQ and RTN, at several calibration sizes and seeds.
+A task (seed, size) gives ``{"seed", "size", "damage", "results": {"<configuration>|<algorithm>": metrics}}``;
+``collect`` gathers the finished ones into ``servable.json``, the tables and ``report`` read that. The share of the
+per-expert plan's KL gain a plan keeps (``recovered``) is per seed, against that seed's own baseline and reference.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+SIZES = {"1x": 32, "4x": 128, "16x": 512}  # calibration windows of 256 tokens
+SEQ_LEN = 256
+BUDGET_BITS = 4.75  # the per-expert plan's average: 6 of 32 experts per layer at 8 bits, at group 128
+SCHEMES = ("w4g128", "w4g64", "w4g32", "w8g128")
+DAMAGE_SAMPLES = 16
+LAYER = dict(policy="layer_sensitivity", granularity="per_layer", budget_avg_bits=BUDGET_BITS)
+CONFIGS = {  # name -> PlanSpec kwargs (attention 8-bit g128, router/embeddings/lm_head bf16 everywhere)
+    "uniform W4 g128": dict(policy="uniform", low_bits=4, high_bits=4),
+    "per-expert top-20%": dict(top_fraction=0.2, high_bits=8, low_bits=4),
+    "per-layer projection of top-20%": dict(top_fraction=0.2, ranking="global", granularity="per_layer"),
+    "layer_sensitivity W4/W8 g128": dict(LAYER),
+    "layer_sensitivity + g32/g64": dict(LAYER, layer_group_sizes=(32, 64)),
+    "uniform W4 g32": dict(policy="uniform", low_bits=4, high_bits=4, group_size=32),
+}
+REFERENCE, BASELINE = "per-expert top-20%", "uniform W4 g128"
+AT_SIZE = {"16x": (BASELINE, REFERENCE, "layer_sensitivity + g32/g64")}  # size -> configurations run (default: all)
+ALGORITHMS = ("gptq", "rtn")
+
+
+def collect(seeds: list[int], out: Path, sizes: dict[str, int], **meta) -> dict:
+    """servable.json from the finished tasks in ``out/tasks`` (``--report-only`` on a stopped run: the tasks
+    finished so far, the others listed under ``missing``)."""
+    done_dir = out / "tasks"
+    names = [f"{seed}-{size}" for size in sizes for seed in seeds]
+    results = [json.loads((done_dir / f"{n}.json").read_text()) for n in names if (done_dir / f"{n}.json").is_file()]
+    data = {"seeds": seeds, "sizes": sizes, "seq_len": SEQ_LEN, "budget_bits": BUDGET_BITS, "schemes": SCHEMES,
+            "damage_samples": DAMAGE_SAMPLES, "at_size": AT_SIZE,
+            "task_cpu_seconds": sum(t["cpu_seconds"] for t in results), **meta,
+            "missing": [n for n in names if not (done_dir / f"{n}.json").is_file()], "tasks": results}
+    (out / "servable.json").write_text(json.dumps(data, indent=1))
+    return data
+
+
+def values(data: dict, size: str, key: str, metric: str) -> list[float]:
+    """Per seed (ascending), where that size ran the configuration and measured the metric."""
+    return [t["results"][key][metric] for t in sorted(data["tasks"], key=lambda t: t["seed"])
+            if t["size"] == size and metric in t["results"].get(key, {})]
+
+
+def recovered(data: dict, size: str, key: str) -> list[float]:
+    """Per seed: share of the per-expert plan's KL gain over uniform W4 g128 (same algorithm) this one keeps."""
+    algo = key.split("|")[1]
+    base, ref = values(data, size, f"{BASELINE}|{algo}", "kl"), values(data, size, f"{REFERENCE}|{algo}", "kl")
+    mine = values(data, size, key, "kl")
+    if not mine:
+        return []
+    return [(b - m) / (b - r) for b, r, m in zip(base, ref, mine, strict=True)]
+
+
+def _ms(xs: list[float], digits: int, scale: float = 1.0, unit: str = "") -> str:
+    """Mean ± standard deviation over seeds (a dash when none measured it)."""
+    if not xs:
+        return "—"
+    m = statistics.fmean(xs) * scale
+    s = (statistics.stdev(xs) if len(xs) > 1 else 0.0) * scale
+    return f"{m:.{digits}f} ± {s:.{digits}f}{unit}"
+
+
+def keys_run(data: dict) -> list[str]:
+    """Every configuration|algorithm any task ran, in CONFIGS order."""
+    ran = {k for t in data["tasks"] for k in t["results"]}
+    return [f"{n}|{a}" for n in CONFIGS for a in ALGORITHMS if f"{n}|{a}" in ran]
+
+
+def table_1x(data: dict) -> str:
+    rows = ["| configuration | algorithm | vLLM/SGLang | avg expert bits | stored bits/weight | perplexity | "
+            "KL(bf16‖q) ×1e3 | top-1 agreement | next-line EM | per-expert KL gain kept |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for key in keys_run(data):
+        name, algo = key.split("|")
+        v = lambda m, key=key: values(data, "1x", key, m)  # noqa: E731
+        rows.append(f"| {name} | {algo.upper()} | {'yes' if v('servable')[0] else 'no'} | {_ms(v('bits'), 2)} | "
+                    f"{_ms(v('storage_bits'), 3)} | {_ms(v('ppl'), 3)} | {_ms(v('kl'), 2, 1e3)} | {_ms(v('top1'), 4)} | "
+                    f"{_ms(v('nextline_em'), 3)} | {_ms(recovered(data, '1x', key), 0, 100, ' %')} |")
+    return "\n".join(rows)
+
+
+def table_scaling(data: dict) -> str:
+    sizes = list(data["sizes"])
+    head = " | ".join(f"KL ×1e3 {s}" for s in sizes) + " | " + " | ".join(f"gain kept {s}" for s in sizes)
+    rows = [f"| configuration | algorithm | {head} | perplexity {sizes[-1]} |", "|---|---|" + "---|" * (2 * len(sizes) + 1)]
+    for key in keys_run(data):
+        name, algo = key.split("|")
+        kl = " | ".join(_ms(values(data, s, key, "kl"), 2, 1e3) for s in sizes)
+        kept = " | ".join(_ms(recovered(data, s, key), 0, 100, " %") for s in sizes)
+        rows.append(f"| {name} | {algo.upper()} | {kl} | {kept} | {_ms(values(data, sizes[-1], key, 'ppl'), 3)} |")
+    return "\n".join(rows)
+
+
+def table_estimator(data: dict) -> str:
+    """Predicted KL (sum of single-layer calibration KLs, RTN) against the held-out KL of the RTN checkpoints."""
+    rows = ["| configuration (RTN) | predicted KL ×1e3 (calibration, sum of layers) | held-out KL ×1e3 | ratio |",
+            "|---|---|---|---|"]
+    for key in (k for k in keys_run(data) if k.endswith("|rtn")):
+        pred = [t["results"][key]["predicted_kl"] for t in data["tasks"] if t["size"] == "1x"]
+        meas = values(data, "1x", key, "kl")
+        if any(p is None for p in pred):
+            continue
+        ratio = [p / m for p, m in zip(pred, meas, strict=True)]
+        rows.append(f"| {key.split('|')[0]} | {_ms(pred, 2, 1e3)} | {_ms(meas, 2, 1e3)} | {_ms(ratio, 2)} |")
+    return "\n".join(rows)
+
+
+def table_layers(data: dict) -> str:
+    """Which scheme each MoE layer got, per configuration and calibration set (GPTQ plans)."""
+    rows = ["| configuration | size | seed | layer schemes (0..7) |", "|---|---|---|---|"]
+    for key in (k for k in keys_run(data) if k.endswith("|gptq") and "layer" in k):
+        for t in sorted(data["tasks"], key=lambda t: (list(data["sizes"]).index(t["size"]), t["seed"])):
+            if key not in t["results"]:
+                continue
+            layers = t["results"][key]["layers"]
+            rows.append(f"| {key.split('|')[0]} | {t['size']} | {t['seed']} | "
+                        f"{' '.join(layers[k] for k in sorted(layers, key=int))} |")
+    return "\n".join(rows)
+
+
+def damage_table(data: dict) -> str:
+    rows = ["| scheme | " + " | ".join(f"layer {i}" for i in range(len(data["tasks"][0]["damage"][SCHEMES[0]])))
+            + " | sum |", "|---|" + "---|" * (len(data["tasks"][0]["damage"][SCHEMES[0]]) + 1)]
+    first = [t for t in data["tasks"] if t["size"] == "1x"]
+    for s in data["schemes"]:
+        per = list(zip(*[t["damage"][s] for t in first], strict=True))
+        rows.append(f"| {s} | " + " | ".join(f"{1e3 * statistics.fmean(v):.2f}" for v in per)
+                    + f" | {1e3 * sum(statistics.fmean(v) for v in per):.2f} |")
+    return "\n".join(rows)
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in keys_run(data) if k.endswith("|gptq")]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(data["sizes"])
+    for i, size in enumerate(data["sizes"]):
+        rows = [(j, [1e3 * x for x in values(data, size, k, "kl")]) for j, k in enumerate(keys)]
+        rows = [(j, v) for j, v in rows if v]  # configurations this size ran
+        ax.barh([j + i * width for j, _ in rows], [statistics.fmean(v) for _, v in rows], height=width,
+                xerr=[statistics.stdev(v) if len(v) > 1 else 0 for _, v in rows], label=f"{size} calibration", alpha=0.8)
+    ax.set_yticks([j + width for j in range(len(keys))], [k.split("|")[0] for k in keys], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("KL(bf16 ‖ quantized) per token ×1e3, GPTQ (mean ± std over calibration seeds)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(data: dict, out: Path) -> str:
+    missing = [f"**Partial: tasks (seed-size) not finished: {', '.join(data['missing'])}.**"] if data["missing"] else []
+    text = "\n\n".join(missing + [f"### 1x calibration ({data['sizes']['1x']} × {data['seq_len']} tokens)", table_1x(data),
+                        "### Calibration tokens: 1x, 4x, 16x", table_scaling(data),
+                        "### Per-layer damage measured in the profile (1x, mean over seeds), KL ×1e3",
+                        damage_table(data), "### Predicted vs measured KL", table_estimator(data),
+                        "### Layer schemes chosen", table_layers(data)])
+    (out / "servable_table.md").write_text(text + "\n")
+    plot(data, out / "servable_kl.png")
+    return text

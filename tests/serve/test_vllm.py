@@ -1,0 +1,251 @@
+"""Checkpoints served by vLLM (GPU tier, ``vllm`` marker): every form quant says vLLM serves is served by vLLM and
+agrees with vLLM serving its dequantized reference; what the runtime check says vLLM cannot serve fails loudly.
+
+Models are random-weight models of each family at the smallest widths vLLM's MoE kernels accept
+(``quant.models.synthetic`` ``serve-*`` shapes), quantized by ``quant export`` (RTN; the whole pipeline up to the
+checkpoint). The reference of a checkpoint is its compressed-tensors dequantization (compressed-tensors' own
+dequantizer); a GPTQ export is compared with the dequantization of the compressed-tensors export of the same run
+(both hold the same codes). vLLM runs where ``QUANT_VLLM_PYTHONPATH`` points (vLLM pins its own compressed-tensors,
+so it lives apart from quant's: ``benchmarks/vllm_wheels.sh`` and ``benchmarks/device.sh vllm-install``). quant's
+plugin reaches vLLM as an installed package registers it: its entry point in the ``vllm.general_plugins`` group
+(``quant.serve.vllm_plugin.checkout_entry_point`` writes it beside the checkout, as pip would).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from quant.serve.vllm_plugin import checkout_entry_point
+from tests.conftest import REPO, repo_pythonpath
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+
+N_PROMPTS, PROMPT_LEN, GREEDY = 32, 128, 32
+# top-1 over the 32 x 127 prompt positions; the greedy figure compares the free-running generations position by
+# position, so after the first flip the two continuations differ: on these random-weight models every form, stock
+# per-layer checkpoints included, measured 0.89-0.99 (1x H200, vLLM 0.26.0, 2026-12-01)
+MIN_TOP1, MIN_GREEDY = 0.98, 0.85
+# name -> (shape, decoder layers, plan keys, export formats)
+CASES = {
+    # one scheme per MoE layer: both bits and every group size vLLM's MoE kernels take, in both formats
+    "qwen3-layers": ("serve-qwen3-moe", 5, dict(policy="uniform", group_size=128, granularity="per_layer",
+                                                target_runtime="vllm",
+                                                layer_schemes={"0": "w8g128", "1": "w4g32", "2": "w4g64"}),
+                     ["compressed-tensors", "gptq"]),
+    "qwen3-w4-asym": ("serve-qwen3-moe", 2, dict(policy="uniform", group_size=128, symmetric=False,
+                                                 target_runtime="vllm",
+                                                 protect=dict(attention="keep", shared_experts="keep",
+                                                              dense_mlp="keep")), ["compressed-tensors"]),
+    "qwen3-w8": ("serve-qwen3-moe", 2, dict(policy="uniform", low_bits=8, high_bits=8, group_size=128,
+                                            target_runtime="vllm"), ["compressed-tensors"]),
+    "mixtral-layers": ("serve-mixtral", 3, dict(policy="uniform", group_size=64, granularity="per_layer",
+                                                target_runtime="vllm", layer_schemes={"0": "w8g128"}),
+                       ["compressed-tensors", "gptq"]),
+    "olmoe-layers": ("serve-olmoe", 3, dict(policy="uniform", group_size=128, granularity="per_layer",
+                                            target_runtime="vllm", layer_schemes={"1": "w8g64"}),
+                     ["compressed-tensors"]),
+    # MLA, a shared expert, a dense first layer
+    "deepseek-layers": ("serve-deepseek-v3", 3, dict(policy="uniform", group_size=128, granularity="per_layer",
+                                                     target_runtime="vllm", layer_schemes={"1": "w8g128"}),
+                        ["compressed-tensors", "gptq"]),
+    # the headline plan: the most used 20 % of each layer's experts at 8 bits, the rest at 4 (quant's plugin)
+    "qwen3-experts": ("serve-qwen3-moe", 3, dict(policy="top_fraction", top_fraction=0.25, group_size=128,
+                                                 target_runtime="vllm-quant"), ["compressed-tensors", "gptq"]),
+    "deepseek-experts": ("serve-deepseek-v3", 3, dict(policy="top_fraction", top_fraction=0.25, group_size=64,
+                                                      target_runtime="vllm-quant"), ["compressed-tensors"]),
+}
+
+
+def _vllm_path() -> str | None:
+    return os.environ.get("QUANT_VLLM_PYTHONPATH")
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (the GPU tier; see README 'Tests on a GPU')"
+    path = _vllm_path()
+    if not path:
+        return "set QUANT_VLLM_PYTHONPATH to a folder holding vLLM 0.26 (benchmarks/device.sh vllm-install)"
+    probe = subprocess.run([sys.executable, "-c", "import vllm"], env={**os.environ, "PYTHONPATH": path},
+                           capture_output=True, text=True)
+    if probe.returncode:
+        return f"vLLM does not import from QUANT_VLLM_PYTHONPATH ({(probe.stderr.strip().splitlines() or ['?'])[-1]})"
+    return None
+
+
+def _inputs(work: Path) -> tuple[Path, Path]:
+    """Random-word calibration and held-out text over the synthetic models' word-level vocabulary (ids 1..511)."""
+    from quant.models.synthetic import random_words
+
+    data = work / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    manifests = []
+    for name, seed in (("calibration", 0), ("heldout", 1)):
+        (data / f"{name}.txt").write_text(random_words(40 * 128, 512, seed))
+        (data / f"{name}.yaml").write_text(yaml.safe_dump(
+            {"name": f"random-{name}", "sources": [{"name": name, "kind": "text", "path": f"{name}.txt"}]}))
+        manifests.append(data / f"{name}.yaml")
+    return manifests[0], manifests[1]
+
+
+def _export(name: str, work: Path, models: dict[str, Path], calib: Path) -> Path:
+    shape, _, plan, formats = CASES[name]
+    recipe = {"name": name, "model": {"path": str(models[name]), "dtype": "bfloat16"},
+              "calibration": {"dataset": str(calib), "n_samples": 16, "seq_len": 128, "seed": 0},
+              "plan": plan, "quantize": {"algorithm": "rtn"}, "export": {"formats": formats}}
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    run_dir = work / f"run-{name}"
+    p = subprocess.run([sys.executable, "-m", "quant.cli", "export", str(path), "-o", str(run_dir)], cwd=REPO,
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": repo_pythonpath()},
+                       timeout=900)
+    assert p.returncode == 0, f"{name}: quant export failed\n{p.stderr[-3000:]}"
+    return run_dir
+
+
+def _dequantized(checkpoint: Path, out: Path) -> Path:
+    from compressed_tensors.entrypoints.convert import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+
+    convert_checkpoint(checkpoint, out, CompressedTensorsDequantizer(checkpoint), device="cpu")
+    return out
+
+
+def _top1(a: dict, b: dict) -> float:
+    pairs = [(x, y) for pa, pb in zip(a["top1"], b["top1"], strict=True) for x, y in zip(pa, pb, strict=True)]
+    assert len(pairs) >= 4000
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def _greedy(a: dict, b: dict) -> float:
+    pairs = [(x, y) for ga, gb in zip(a["greedy"], b["greedy"], strict=True) for x, y in zip(ga[:GREEDY], gb[:GREEDY], strict=True)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Every case exported, dequantized and served; ``{model name: vllm_check result}`` plus the run folders."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from quant.models.synthetic import build_model
+
+    work = tmp_path_factory.mktemp("vllm")
+    calib, _ = _inputs(work)
+    shapes = {(CASES[n][0], CASES[n][1]) for n in CASES}
+    folders = {key: work / f"model-{key[0]}-{key[1]}" for key in shapes}
+    for (shape, layers), folder in folders.items():
+        build_model(shape, layers, folder, seed=0, logit_scale=4.0)
+    models = {n: folders[(CASES[n][0], CASES[n][1])] for n in CASES}
+    def export_and_reference(name: str) -> Path:
+        run = _export(name, work, models, calib)
+        _dequantized(run / "checkpoint", work / f"ref-{name}")
+        return run
+
+    with ThreadPoolExecutor(6) as pool:
+        runs = dict(zip(CASES, pool.map(export_and_reference, CASES), strict=True))
+    spec_models = []
+    for name, run in runs.items():
+        spec_models.append({"name": f"{name}/ref", "path": str(work / f"ref-{name}")})
+        for fmt, folder in (("compressed-tensors", "checkpoint"), ("gptq", "checkpoint-gptq")):
+            if fmt in CASES[name][3]:
+                spec_models.append({"name": f"{name}/{fmt}", "path": str(run / folder)})
+    # stock vLLM (no plugin) must refuse the per-expert checkpoint by name, not load it with one scheme per layer
+    spec_models.append({"name": "qwen3-experts/stock", "path": str(runs["qwen3-experts"] / "checkpoint"),
+                        "env": {"VLLM_PLUGINS": ""}})
+    # Mixtral's experts are w1/w3/w2 on disk: the plugin looks them up by those names (--quantization moe-quant-mixed)
+    spec_models.append({"name": "mixtral-layers/plugin", "path": str(runs["mixtral-layers"] / "checkpoint"),
+                        "engine_args": {"quantization": "moe-quant-mixed"}})
+    # the plugin's forward inside CUDA graphs (the default serving mode), against the reference served the same way
+    spec_models.append({"name": "qwen3-experts/graphs", "path": str(runs["qwen3-experts"] / "checkpoint"),
+                        "enforce_eager": False})
+    spec_models.append({"name": "qwen3-experts/ref-graphs", "path": str(work / "ref-qwen3-experts"),
+                        "enforce_eager": False})
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, 512, (N_PROMPTS, PROMPT_LEN), generator=g).tolist()
+    spec = {"prompts": prompts, "max_model_len": 512, "greedy_tokens": GREEDY, "enforce_eager": True,
+            "kv_cache_memory_bytes": 1 << 30, "models": spec_models}
+    (work / "spec.json").write_text(json.dumps(spec))
+    path = os.pathsep.join([_vllm_path(), str(checkout_entry_point(work / "plugin")), str(REPO)])
+    p = subprocess.run([sys.executable, "-m", "quant.serve.vllm_check", str(work / "spec.json"),
+                        str(work / "served.json"), "--jobs", "8"], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": path}, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = json.loads((work / "served.json").read_text())
+    (Path(os.environ.get("QUANT_SERVE_REPORT", work / "report.json"))).write_text(json.dumps(_table(results), indent=1))
+    return results, runs, models
+
+
+def _table(results: dict) -> list[dict]:
+    rows = []
+    for name in CASES:
+        ref = results[f"{name}/ref"]
+        extra = {"qwen3-experts": ["graphs", "stock"], "mixtral-layers": ["plugin"]}.get(name, [])
+        for fmt in CASES[name][3] + extra:
+            r = results[f"{name}/{fmt}"]
+            row = {"case": name, "format": fmt, "quantization": r.get("quantization"), "error": r.get("error")}
+            if "error" not in r and "error" not in ref:
+                row |= {"top1": round(_top1(r, ref), 4), "greedy": round(_greedy(r, ref), 4)}
+            rows.append(row)
+    return rows
+
+
+# what the runtime check says vLLM cannot serve: the per-expert GPTQ export (vLLM's dynamic rules are per layer), and
+# Mixtral's compressed-tensors experts (vLLM 0.26 looks them up as gate_proj/up_proj/down_proj, not w1/w3/w2)
+REFUSED = {("qwen3-experts", "gptq"): "vllm", ("mixtral-layers", "compressed-tensors"): "vllm"}
+
+
+@pytest.mark.parametrize("name,fmt", [(n, f) for n in CASES for f in CASES[n][3] if (n, f) not in REFUSED])
+def test_served_checkpoint_agrees_with_its_dequantized_reference(served, name, fmt):
+    results, _, _ = served
+    ref, got = results[f"{name}/ref"], results[f"{name}/{fmt}"]
+    assert "error" not in ref, ref.get("traceback")
+    assert "error" not in got, got.get("traceback")
+    expected = {"compressed-tensors": ("moe-quant-mixed" if "experts" in name else "compressed-tensors"),
+                "gptq": None}[fmt]
+    if expected:
+        assert got["quantization"] == expected
+    assert _top1(got, ref) >= MIN_TOP1, (name, fmt, _top1(got, ref))
+    assert _greedy(got, ref) >= MIN_GREEDY, (name, fmt, _greedy(got, ref))
+
+
+def test_the_plugin_serves_inside_cuda_graphs(served):
+    results, _, _ = served
+    got, ref = results["qwen3-experts/graphs"], results["qwen3-experts/ref-graphs"]
+    assert "error" not in got, got.get("traceback")
+    assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
+
+
+def test_stock_vllm_refuses_a_per_expert_checkpoint_by_name(served):
+    results, _, _ = served
+    err = results["qwen3-experts/stock"].get("error", "")
+    assert "moe-quant-mixed" in err and "nknown quantization method" in err, err
+
+
+@pytest.mark.parametrize("name,fmt", list(REFUSED))
+def test_what_the_runtime_check_refuses_fails_loudly_in_vllm(served, name, fmt):
+    from quant.models import ModelSource
+    from quant.plan.bitplan import BitPlan
+    from quant.plan.runtimes import problems_for
+
+    results, runs, models = served
+    plan = BitPlan.load(runs[name] / "plan.json")
+    assert problems_for(plan, ModelSource(models[name]), REFUSED[(name, fmt)], (fmt,))
+    assert "error" in results[f"{name}/{fmt}"], "vLLM served a checkpoint it cannot serve right"
+
+
+def test_the_plugin_serves_mixtral_by_its_own_expert_names(served):
+    results, _, _ = served
+    got, ref = results["mixtral-layers/plugin"], results["mixtral-layers/ref"]
+    assert "error" not in got, got.get("traceback")
+    assert got["quantization"] == "moe-quant-mixed"
+    assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
