@@ -14,7 +14,7 @@ calibration texts come from ``benchmarks/reference_moe/build_corpus.py --calibra
 
 Runs (seed, size) tasks in ``--jobs`` worker processes of ``--threads`` threads each. Usage (repository root):
 
-    python benchmarks/study_servable.py --seeds 0 1 2 --out study
+    python benchmarks/study_servable.py --seeds 0 1 2 --out study    # --damage-method exact: the quadratic pass
 """
 
 from __future__ import annotations
@@ -105,8 +105,9 @@ def _plan_record(plan, src, prof) -> dict:
             "predicted_kl": predicted_kl(plan, src, prof), "layers": layers}
 
 
-def run_task(seed: int, size: str, manifest: str, work: Path) -> dict:
-    """One calibration set: profile + layer damage, then every configuration x algorithm quantized and evaluated."""
+def run_task(seed: int, size: str, manifest: str, work: Path, damage_method: str = "bounded") -> dict:
+    """One calibration set: profile + layer damage (``damage_method``: quant.measure.layer_damage's ``bounded`` or
+    ``exact``), then every configuration x algorithm quantized and evaluated."""
     from quant.calibration import build_calibration
     from quant.dist.world import World
     from quant.engine.layerwise import Layerwise
@@ -120,10 +121,12 @@ def run_task(seed: int, size: str, manifest: str, work: Path) -> dict:
     calib = build_calibration(manifest, _WORKER["tok"], SIZES[size], SEQ_LEN, seed)
     prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8, world=World()))
     n = calib.tokens.shape[0]
-    prof = replace(prof, layer_damage=measure_layer_damage(src, calib.tokens[spread_rows(n, DAMAGE_SAMPLES)],
-                                                           Layerwise(src, "float32", "cpu", 8, world=World()), SCHEMES))
+    damage = measure_layer_damage(src, calib.tokens[spread_rows(n, DAMAGE_SAMPLES)],
+                                  Layerwise(src, "float32", "cpu", 8, world=World()), SCHEMES, damage_method, seed=seed)
+    prof = replace(prof, layer_damage=damage.damage)
     one = type(calib)(calib.tokens[:1], calib.sample_ids[:1], calib.domains[:1], calib.seed, calib.manifest)
-    out = {"seed": seed, "size": size, "n_tokens": int(calib.tokens.numel()),
+    out = {"seed": seed, "size": size, "n_tokens": int(calib.tokens.numel()), "damage_method": damage_method,
+           "damage_layer_forwards": damage.layer_forwards,
            "damage": {k: v.tolist() for k, v in prof.layer_damage.items()}, "results": {}}
     for name, kw in ((n, kw) for n, kw in CONFIGS.items() if n in AT_SIZE.get(size, CONFIGS)):
         spec = PlanSpec(**{"group_size": 128, "seed": seed, **kw})
@@ -154,13 +157,14 @@ def _run_task(args: tuple) -> dict:
     return run_task(*args)
 
 
-def run(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, sizes: dict[str, int]) -> dict:
+def run(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, sizes: dict[str, int],
+        damage_method: str = "bounded") -> dict:
     import multiprocessing as mp
 
     work, done_dir = out / "work", out / "tasks"
     manifest = str(write_calibration_manifest(work / "calib"))
     done_dir.mkdir(parents=True, exist_ok=True)
-    tasks = [(seed, size, manifest, work) for size in sizes for seed in seeds  # 1x first: a stopped run has its table
+    tasks = [(seed, size, manifest, work, damage_method) for size in sizes for seed in seeds  # 1x first: a stopped run has its table
              if not (done_dir / f"{seed}-{size}.json").is_file()]  # a finished task is kept: rerun to resume
     t0, load0 = time.perf_counter(), os.getloadavg()
     with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(threads, n_lines)) as pool:
@@ -182,6 +186,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="worker processes")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), help="calibration sizes")
+    ap.add_argument("--damage-method", choices=("bounded", "exact"), default="bounded",
+                    help="the layer-damage pass (profile.layer_sensitivity.method)")
     ap.add_argument("--report-only", action="store_true",
                     help="tables of the tasks finished so far (a stopped run), without running any")
     a = ap.parse_args()
@@ -190,7 +196,7 @@ def main() -> None:
     if a.report_only:
         print(report(collect(seeds, out, {s: SIZES[s] for s in sizes}), out))
         return
-    data = run(seeds, out, jobs, threads, n_lines, {s: SIZES[s] for s in sizes})
+    data = run(seeds, out, jobs, threads, n_lines, {s: SIZES[s] for s in sizes}, a.damage_method)
     print(report(data, out))
     print(f"wall time {data['wall_seconds']:.0f} s (this invocation), tasks' CPU time {data['task_cpu_seconds']:.0f} s "
           f"({jobs} jobs x {threads} threads)")
