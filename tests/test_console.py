@@ -107,7 +107,7 @@ def test_batch_job_log_has_per_layer_progress_and_no_chatter(tmp_path):
     for stage in ("profile", "quantize"):
         lines = [ln for ln in err.splitlines() if re.search(rf"\[{stage} \d/4 layers, elapsed \d+:\d\d:\d\d, ETA ", ln)]
         assert len(lines) == 4, (stage, err[-3000:])
-    assert re.search(r"stage eval: running \[run 5/7 stages", err)
+    assert re.search(r"stage eval: running \[run 5/8 stages", err)
     for chatter in ("| INFO ", "| WARNING ", "Validating", "Converting", "torchao", "_pytree", "FutureWarning",
                     "it/s]"):
         assert chatter not in err, (chatter, err[-3000:])

@@ -358,7 +358,7 @@ def _shards(tensors: dict, out: Path, how: str) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def _cli(*argv: str) -> tuple[int, str, str, float]:
+def _in_process(*argv: str) -> tuple[int, str, str, float]:
     out, err = io.StringIO(), io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -401,11 +401,11 @@ def run_model_fuzz(n_examples: int, workdir: str) -> dict:
     @given(model_plans)
     def check(plan) -> None:
         model = make_folder(plan, root / "case")
-        code, _, err, s = _cli("estimate", recipe, "--model", str(model), "--host-memory-gb", "64")
+        code, _, err, s = _in_process("estimate", recipe, "--model", str(model), "--host-memory-gb", "64")
         seconds["estimate"].append(s)
         estimated = _one_error_line(code, err, ("estimate", plan))
         run_dir = root / "case" / "run"
-        code, _, err, s = _cli("run", recipe, "--model", str(model), "-o", str(run_dir), *FAST)
+        code, _, err, s = _in_process("run", recipe, "--model", str(model), "-o", str(run_dir), *FAST)
         seconds["run"].append(s)
         ran = _one_error_line(code, err, ("run", plan))
         if ran == "ok":

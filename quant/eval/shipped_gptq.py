@@ -101,7 +101,7 @@ class GptqCheckpoint(DequantizingSource):
         rows, n = raw[self.parts[key][0]].shape
         return n, rows * 32 // self.bits[key]
 
-    def _dense(self, raw: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
+    def dequantize(self, raw: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for k in keys:
             if k not in self.parts:

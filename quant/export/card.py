@@ -61,19 +61,18 @@ def _servable(runtime_problems: dict[str, list[str]], fmt: str, rt: str) -> bool
 
 
 def _front_matter(recipe: Recipe, source: ModelSource, fmt: str, runtime_problems: dict[str, list[str]]) -> str:
-    meta: dict = {}
+    """The hub's metadata block, made by ``huggingface_hub.ModelCardData`` (the fields the hub indexes: base model
+    and its relation, license, library, pipeline tag, tags; ``quantization``: the format, tool and algorithm)."""
+    from huggingface_hub import ModelCardData
+
     base = hub_id(recipe.model.path)
-    if base:
-        meta["base_model"] = base
-        meta["base_model_relation"] = "quantized"
-    lic = source_license(source)
-    if lic:
-        meta["license"] = lic
     library = next((lib for rt, lib in LIBRARY_FOR if _servable(runtime_problems, fmt, rt)), None)
-    if library:
-        meta["library_name"] = library
-    meta["tags"] = ["quantized", "mixture-of-experts", fmt, "moe-quant"]
-    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
+    data = ModelCardData(
+        base_model=base or None, base_model_relation="quantized" if base else None, license=source_license(source),
+        library_name=library, pipeline_tag="text-generation",
+        tags=["quantized", "mixture-of-experts", fmt, "moe-quant"],
+        quantization={"format": fmt, "tool": "moe-quant", "algorithm": recipe.quantize.algorithm})
+    return "---\n" + data.to_yaml() + "\n---\n"
 
 
 def _schemes_line(recipe: Recipe, schemes: dict[str, dict[str, int]] | None) -> str:

@@ -33,9 +33,13 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def cache_root() -> Path:
-    """``$QUANT_CACHE`` (default ``~/.cache/quant``; set but empty counts as unset, not as the current directory):
-    builtin models, base-model eval scores, file digests."""
-    return Path(os.environ.get("QUANT_CACHE", "").strip() or Path.home() / ".cache" / "quant")
+    """``$QUANT_CACHE``, else ``$XDG_CACHE_HOME/quant``, else ``~/.cache/quant`` (a variable set but empty counts as
+    unset, not as the current directory; a relative ``XDG_CACHE_HOME`` is ignored, as the XDG base directory
+    specification says): builtin models, base-model eval scores, file digests."""
+    if quant := os.environ.get("QUANT_CACHE", "").strip():
+        return Path(quant)
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache") / "quant"
 
 
 def _stat_key(path: Path) -> list[int]:

@@ -379,7 +379,7 @@ class Run:
 
 def preview(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None) -> Preview:
     """What ``run`` would do (``Run.preview``), reading the run directory only."""
-    return Run(recipe, run_dir).preview(until, force)
+    return Run(recipe, run_dir, World()).preview(until, force)
 
 
 def run(recipe: Recipe, run_dir: Path, until: str = "report", force: str | None = None,

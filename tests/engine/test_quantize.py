@@ -167,7 +167,8 @@ def test_a_damaged_stored_layer_is_recomputed_not_reused(setup, tmp_path, caplog
     with open(second, "r+b") as f:
         f.truncate(second.stat().st_size - 100)
     with caplog.at_level("WARNING", logger="quant.engine.quantize"):
-        again = quantize_model(src, calib, plan, QuantizeSpec(), Layerwise(src, "bfloat16", "cpu", 4), out)
+        again = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(),
+                               Layerwise(src, "bfloat16", "cpu", 4, World()), out)
     assert [r.resumed for r in again] == [False, False] + [True] * (src.n_layers - 2)
     warnings = [r.getMessage() for r in caplog.records if "recomputing the layer" in r.getMessage()]
     assert len(warnings) == 2 and "layer 0" in warnings[0] and "damaged" in warnings[0], warnings

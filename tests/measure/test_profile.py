@@ -395,7 +395,7 @@ def test_the_log_lines_and_the_report_count_cold_experts_and_usage_ratios_alike(
     src = resolve_model("builtin:qwen3-moe-tiny")
     calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 2, 32, 0)
     caplog.set_level("INFO", logger="quant")
-    prof = profile_routing(src, calib, Layerwise(src, "float32", "cpu", 2), min_tokens=8)
+    prof = profile_routing(src, calib, Layerwise(src, "float32", "cpu", 2, World()), min_tokens=8)
     logged = [re.search(r"profile layer (\d+): \d+ experts, most/least used (.+?), (\d+) cold \(fewer than 8 ",
                         r.getMessage()) for r in caplog.records if "profile layer" in r.getMessage()]
     assert len(logged) == len(prof.layers) and all(logged)

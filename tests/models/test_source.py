@@ -156,7 +156,7 @@ def test_profile_reruns_after_a_shard_is_damaged_in_the_middle(model, tmp_path):
     assert run(recipe, tmp_path / "r", until="profile").ran == ["calibrate", "profile"]
     assert run(recipe, tmp_path / "r", until="profile").ran == []
     _flip_low_mantissa_bit_mid_file(_shard(model))
-    with pytest.raises(RunDirError, match="changed since .* was made .* no longer match the recorded fingerprint"):
+    with pytest.raises(RunDirError, match="changed since .* was made: its files no longer match the recorded fingerprint"):
         run(recipe, tmp_path / "r", until="profile")
     assert run(recipe, tmp_path / "r", until="profile", force="all").ran == ["calibrate", "profile"]
 
@@ -188,7 +188,8 @@ def test_nan_in_a_kept_tensor_is_refused_at_export(model, tmp_path):
     tensors["model.layers.3.post_attention_layernorm.weight"][0] = float("inf")
     save_file(tensors, str(_shard(model)), metadata={"format": "pt"})
     recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model=str(model),
-                         overrides=("calibration.n_samples=4", "calibration.seq_len=32"))
+                         overrides=("calibration.n_samples=4", "calibration.seq_len=32",
+                                    "quantize.algorithm=rtn"))  # GPTQ's Hessians would meet the NaN first
     with pytest.raises(NumericalError, match="model.layers.3.post_attention_layernorm.weight holds NaN or infinite"):
         run(recipe, tmp_path / "r", until="export")
     assert json.loads((tmp_path / "r" / "manifest.json").read_text())["stages"]["export"]["status"] == "failed"

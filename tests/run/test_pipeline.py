@@ -30,7 +30,7 @@ def test_dry_run_names_the_changed_values_and_the_stages_to_redo_and_writes_noth
     assert cli_exit_code(["run", str(HEADLINE), "--dry-run", *_cli_args(finished, "quantize.algorithm=rtn")]) == 0
     line = capsys.readouterr().out.strip()
     assert line == (f"{finished}: recipe changed since the last run (quantize.algorithm: gptq -> rtn); will redo "
-                    "plan, quantize, export, eval, report (up to date: calibrate, profile)")
+                    "plan, quantize, export, eval, card, report (up to date: calibrate, profile)")
     assert (finished / "manifest.json").read_bytes() == manifest
     assert preview(load_recipe(HEADLINE, overrides=FAST), finished).line().endswith("up to date, nothing to redo")
 
@@ -38,7 +38,7 @@ def test_dry_run_names_the_changed_values_and_the_stages_to_redo_and_writes_noth
 def test_a_preview_knows_an_export_format_leaves_the_plan_s_modules_and_so_quantize_alone(finished):
     p = preview(load_recipe(HEADLINE, overrides=FAST + ("export.formats=[compressed-tensors,gptq]",)), finished)
     assert p.changed == ("export.formats: [compressed-tensors] -> [compressed-tensors, gptq]",)
-    assert p.redo == ("plan", "export", "eval", "report"), p.redo
+    assert p.redo == ("plan", "export", "eval", "card", "report"), p.redo
 
 
 def test_a_run_says_what_changed_before_any_work(finished, caplog):
@@ -46,7 +46,7 @@ def test_a_run_says_what_changed_before_any_work(finished, caplog):
     run(load_recipe(HEADLINE, overrides=FAST + ("report.plots=false",)), finished)
     first = next(r for r in caplog.records if r.name == "quant.run.pipeline")
     assert first.levelname == "WARNING" and "report.plots: true -> false" in first.getMessage()
-    assert first.getMessage().endswith("will redo report (up to date: calibrate, profile, plan, quantize, export, eval)")
+    assert first.getMessage().endswith("will redo report (up to date: calibrate, profile, plan, quantize, export, eval, card)")
 
 
 def test_another_export_format_or_shard_size_does_not_requantize(finished):
