@@ -106,6 +106,22 @@ def quant_cache(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """A test that runs the CLI in-process leaves its console handler on the root logger, writing to that test's
+    captured stderr, which is closed after it: later tests' log records then print "--- Logging error ---" dumps.
+    Handlers added to the root logger during a test are removed after it, and its level restored."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):  # pytest's own capture handlers come and go by phase: left to pytest
+        if h not in handlers and not type(h).__module__.startswith("_pytest"):
+            root.removeHandler(h)
+    root.setLevel(level)
+
+
 def expert_schemes_by_layer(plan) -> dict[int, set[tuple[int | None, int]]]:
     """Layer index -> the (bits, group size) its routed-expert projections got (one entry: one scheme per layer)."""
     out: dict[int, set] = {}
