@@ -395,15 +395,22 @@ def _estimate(branches: list[_Branch], moe: list[int], L: int,
     damage = {name: torch.zeros(len(moe), dtype=torch.float64) for name in parsed}
     for b in branches:
         if L in b.fisher:
-            damage[b.scheme][b.row] = b.fisher[L]
+            damage[b.scheme][b.row] = _stable(b.fisher[L])
             continue
         value, size = b.fisher[b.stop], b.size[b.stop]
         for j in (j for j in moe if j > b.stop):
             law = laws.get(j) or _nearest(laws, j)
             if law is not None and size > 0:
                 value += math.exp(law[0] + law[1] * math.log(size))
-        damage[b.scheme][b.row] = value
+        damage[b.scheme][b.row] = _stable(value)
     return damage
+
+
+def _stable(value: float) -> float:
+    """``value`` to 12 significant digits: the estimate is good to a few percent, and its last float digits move
+    with the kernels' summation order (thread count, launcher); rounded, a run gives the same figures, and so the
+    same plan.json, at any world size."""
+    return float(f"{value:.12g}")
 
 
 def _nearest(laws: dict[int, tuple[float, float]], j: int) -> tuple[float, float] | None:
