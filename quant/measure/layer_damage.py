@@ -42,6 +42,7 @@ import torch
 
 from quant.algos.grid import QuantSpec, quantize_weight, shared_group_size
 from quant.engine.layerwise import Layerwise
+from quant.errors import NumericalError
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, release
 from quant.progress import step
@@ -287,6 +288,10 @@ def _head_cotangents(lw: Layerwise, final: torch.Tensor, draws: int, seed: int, 
             x = final[rows].to(lw.device).requires_grad_()
             logp = torch.log_softmax(head(norm(x)).float(), dim=-1).flatten(0, 1)
             probs = logp.detach().exp()
+            if not bool(torch.isfinite(probs).all()):
+                raise NumericalError("layer damage: the model's own next-token distribution holds NaN or infinite "
+                                     "values (a weight of the model folder is not finite?); repair the model, or "
+                                     "turn profile.layer_sensitivity off")
             for r in range(draws):
                 y = torch.multinomial(probs, 1, generator=gen)
                 (g,) = torch.autograd.grad(logp.gather(1, y).sum(), x, retain_graph=r + 1 < draws)

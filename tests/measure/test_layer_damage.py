@@ -121,3 +121,24 @@ def test_pass_cost_counts_what_the_pass_runs_and_progress_reports_it(model, meth
     assert [s.done for s in steps] == sorted(s.done for s in steps)
     L, first = src.n_layers, src.moe_layers()[0]
     assert len(steps) == 1 + L + (0 if method == "exact" else (L - 1 - first) + (L - first))
+
+
+def test_a_model_whose_output_is_not_finite_is_one_numerical_error(source, tmp_path):
+    """An infinite weight in the folder made the bounded pass's label draws a RuntimeError (an internal error)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from quant.errors import NumericalError
+    from quant.models import ModelSource
+
+    folder = tmp_path / "m"
+    shutil.copytree(source.path, folder)
+    shard = next(folder.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    tensors["model.norm.weight"][0] = float("inf")
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    bad = ModelSource(folder)
+    tokens = torch.randint(0, bad.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NumericalError, match="next-token distribution holds NaN or infinite values"):
+        measure_layer_damage(bad, tokens, Layerwise(bad, "float32", "cpu", 2, World()), ("w4g32",))
