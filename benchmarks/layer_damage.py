@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from quant.models.names import parse
 from quant.recipe import load_recipe
 from quant.run.pipeline import run
 
@@ -56,9 +57,9 @@ def layer_schemes(modules: dict) -> list[str]:
     """The plan as one scheme per MoE layer (the first expert's gate of each layer)."""
     out = {}
     for name, (bits, group) in modules.items():
-        parts = name.split(".")
-        if len(parts) > 3 and parts[2] == "experts" and parts[3] == "0" and parts[-1] == "gate":
-            out[int(parts[1])] = f"w{bits}g{group}"
+        n = parse(name)
+        if n.block == "experts" and n.expert == 0 and n.leaf == "gate":
+            out[n.layer] = f"w{bits}g{group}"
     return [out[k] for k in sorted(out)]
 
 
