@@ -4,12 +4,16 @@
 and embeddings take compressed-tensors' own paths; a fused MoE layer whose experts all share one scheme takes vLLM's
 own compressed-tensors MoE method; a layer that mixes schemes takes ``MixedExpertsMethod``: one Marlin MoE weight
 set per scheme group (``quant.serve.layout``), one ``fused_marlin_moe`` call per group with an expert map that
-skips the other groups' experts, the outputs summed. Tensor parallelism splits each expert's intermediate dimension
+skips the other groups' experts, the outputs summed. With two or more groups on a GPU, every group after the first
+runs on a second CUDA stream beside the first group's call (joined before the sum, so CUDA graphs capture both):
+at small batches each Marlin call leaves most of the GPU idle. ``QUANT_MOE_OVERLAP=0`` runs the groups one after
+the other on vLLM's stream. Tensor parallelism splits each expert's intermediate dimension
 as vLLM does for every MoE layer; expert parallelism and EPLB are refused when the layer is built.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -107,6 +111,16 @@ class _Group:
     quant_type_id: int = 0
 
 
+_SIDE: dict = {}  # device -> (stream, Marlin workspace): one for every layer, since layers run one after another
+
+
+def _side_stream(dev: torch.device):
+    """The second stream overlapped group calls run on, with its own Marlin workspace (the kernels' locks)."""
+    if dev not in _SIDE:
+        _SIDE[dev] = (torch.cuda.Stream(device=dev), marlin_make_workspace_new(dev, 4))
+    return _SIDE[dev]
+
+
 class MixedExpertsMethod(FusedMoEMethodBase):
     """A fused MoE layer as one Marlin MoE weight set per scheme group, summed over groups in the forward."""
 
@@ -121,6 +135,8 @@ class MixedExpertsMethod(FusedMoEMethodBase):
         self.row = {e: (i, r) for i, g in enumerate(self.groups) for r, e in enumerate(g.group.experts)}
         self.tp_rank, self.tp_size = par.tp_rank, par.tp_size
         self.workspace = None
+        self.side = None  # the second stream of overlapped group calls (made after loading, before any capture)
+        self.side_workspace = None
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
@@ -180,20 +196,38 @@ class MixedExpertsMethod(FusedMoEMethodBase):
             g.quant_type_id = _QUANT_TYPES[(s.bits, s.symmetric)].id
         for name in [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]:
             delattr(layer, name)  # the routing parameters held nothing
-        self.workspace = marlin_make_workspace_new(self.groups[0].expert_map.device, 4)
+        dev = self.groups[0].expert_map.device
+        self.workspace = marlin_make_workspace_new(dev, 4)
+        if len(self.groups) > 1 and dev.type == "cuda" and os.environ.get("QUANT_MOE_OVERLAP", "1") != "0":
+            self.side, self.side_workspace = _side_stream(dev)
 
     def get_fused_moe_quant_config(self, layer):
         return None
 
+    def _group_moe(self, g: _Group, layer, x, topk_weights, topk_ids, workspace):
+        t = g.tensors
+        return fused_marlin_moe(
+            x, t["w13"], t["w2"], None, None, t["s13"], t["s2"], topk_weights, topk_ids,
+            quant_type_id=g.quant_type_id, apply_router_weight_on_input=layer.apply_router_weight_on_input,
+            global_num_experts=layer.global_num_experts, activation=layer.activation, expert_map=g.expert_map,
+            g_idx1=t["g13"], g_idx2=t["g2"], sort_indices1=t["i13"], sort_indices2=t["i2"],
+            w1_zeros=t["z13"], w2_zeros=t["z2"], workspace=workspace, is_k_full=True)
+
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        out = None
-        for g in self.groups:
-            t = g.tensors
-            y = fused_marlin_moe(
-                x, t["w13"], t["w2"], None, None, t["s13"], t["s2"], topk_weights, topk_ids,
-                quant_type_id=g.quant_type_id, apply_router_weight_on_input=layer.apply_router_weight_on_input,
-                global_num_experts=layer.global_num_experts, activation=layer.activation, expert_map=g.expert_map,
-                g_idx1=t["g13"], g_idx2=t["g2"], sort_indices1=t["i13"], sort_indices2=t["i2"],
-                w1_zeros=t["z13"], w2_zeros=t["z2"], workspace=self.workspace, is_k_full=True)
-            out = y if out is None else out.add_(y)
+        first, rest = self.groups[0], self.groups[1:]
+        if self.side is None or not rest:
+            out = self._group_moe(first, layer, x, topk_weights, topk_ids, self.workspace)
+            for g in rest:
+                out.add_(self._group_moe(g, layer, x, topk_weights, topk_ids, self.workspace))
+            return out
+        # the other groups on the side stream, after everything vLLM's stream has queued (x, the routing); vLLM's
+        # stream waits for them before the sum, so nothing either stream frees is reused while the other reads it
+        main = torch.cuda.current_stream(x.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            ys = [self._group_moe(g, layer, x, topk_weights, topk_ids, self.side_workspace) for g in rest]
+        out = self._group_moe(first, layer, x, topk_weights, topk_ids, self.workspace)
+        main.wait_stream(self.side)
+        for y in ys:
+            out.add_(y)
         return out
