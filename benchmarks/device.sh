@@ -18,6 +18,8 @@
 #              and upload (benchmarks/layer_read.py); keeps the model files for a profile-dsv3 after it
 #   dsv3       DeepSeek-V3 layer, 32 x 2048: GPTQ and AWQ, each with the allocator's history at its peak
 #   e2e48      48 virtual Qwen3-30B-A3B layers, 512 x 2048, profile + quantize + export end to end
+#   headline48 the headline recipe (GPTQ, its layer-sensitivity pass included) through quant.run.pipeline.Run on
+#              48 Qwen3-30B-A3B layers (2 saved, tiled) at 512 x 2048: calibrate, profile, plan, quantize (node.py depth)
 #   x2         (2 GPUs) 1 vs 2 ranks on both shapes (Qwen3: ordered and reduce statistics), llm-compressor's
 #              distributed oneshot on 2 GPUs
 #   x2-awq     (2 GPUs) AWQ at 1 vs 2 ranks on both shapes (its searches divided over ranks)
@@ -37,11 +39,12 @@
 #   serve-tests  the serving tests (tests/serve: every checkpoint form served by vLLM from /tmp/vsite against its
 #              dequantized reference, the plugin, the refusals); the agreement table lands in $OUT/serve-report.json
 #   serve-bench  benchmarks/serve.py: vLLM throughput of bf16, W8, W4, the per-layer mix and the per-expert mix on a
-#              5-layer Qwen3-30B-A3B-shaped model (results after each model in $OUT/serve.json)
+#              5-layer Qwen3-30B-A3B-shaped model (results after each model in $OUT/serve.json); SERVE_MODELS and
+#              SERVE_SHAPES pick models and prompt/generated shapes (one call runs ~4 models at one shape)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -127,6 +130,7 @@ for task in "$@"; do
     serve-tests) run serve-tests env QUANT_VLLM_PYTHONPATH=/tmp/vsite QUANT_SERVE_REPORT="$OUT/serve-report.json" \
                    python3 -m pytest -p no:cacheprovider tests/serve -v -rfEs --tb=short ;;
     serve-bench) run serve-bench python3 benchmarks/serve.py --vllm-path /tmp/vsite --layers "${SERVE_LAYERS:-5}" \
+                   --models ${SERVE_MODELS:-experts layers w4 bf16 w8} --shapes ${SERVE_SHAPES:-128/128 1024/128} \
                    --workdir "$W" --results "$OUT/serve.json" ;;
     suite) run suite env QUANT_TEST_FAILLOG="$OUT/faillog.txt" QUANT_TEST_PROGRESS="$OUT/progress.txt" python3 -m pytest -p no:cacheprovider -n 16 -q -rfE \
              --tb=short --durations=30 --junitxml="$OUT/junit.xml" ;;
@@ -152,6 +156,8 @@ for task in "$@"; do
            --error-samples 0 --no-export --fp8 --workdir "$W" ;;
     e2e48) run e2e48 python3 benchmarks/engine.py --shape qwen3-30b-a3b --layers 2 --virtual-layers 48 --samples 512 \
              --seqlen 2048 --algos gptq --error-samples 0 --workdir "$W" ;;
+    headline48) run headline48 python3 benchmarks/node.py --shape qwen3-30b-a3b --layers 2 --virtual-layers 48 \
+                  --samples 512 --seqlen 2048 --ranks 1 --layer-damage --part depth --workdir "$W" ;;
     x2)
       run x2 python3 benchmarks/distributed.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 \
         --ranks 1,2 --statistics ordered,reduce --error-samples 16 --llmcompressor 2 --workdir "$W"

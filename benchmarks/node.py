@@ -3,8 +3,8 @@
 Builds (once) the random-weight model of ``benchmarks/engine.py`` with ``--layers K`` saved layers, a word-level
 tokenizer over its vocabulary and two local text sets of seeded random words (calibration and held-out), writes a
 recipe (the headline recipe's plan: top 20 % of experts per layer at INT8, the rest INT4, g128; GPTQ; compressed-
-tensors; streamed eval proxies; no gates, no layer-sensitivity pass) and runs it twice under
-``torchrun --standalone --nproc-per-node N``:
+tensors; streamed eval proxies; no gates; the layer-sensitivity pass only with ``--layer-damage``) and runs it
+twice under ``torchrun --standalone --nproc-per-node N``:
 
 - **depth**: calibrate, profile, plan and quantize with the K saved layers tiled to ``--virtual-layers V``
   (engine.py's ``TiledSource``: layer i reads saved layer i mod K through the normal safetensors path), through
@@ -80,7 +80,8 @@ def write_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     recipe.update(name=f"node-{a.shape}", description="benchmarks/node.py: the headline plan with GPTQ, streamed eval")
     recipe["model"]["path"] = str(model_dir)
     recipe["calibration"].update(dataset=str(data / "calibration.yaml"), n_samples=a.samples, seq_len=a.seqlen)
-    recipe.pop("profile", None)  # the layer-sensitivity pass prices other plans; not part of this run
+    if not a.layer_damage:  # the layer-sensitivity pass prices the servable plan (the headline's default)
+        recipe.pop("profile", None)
     recipe["quantize"] = {"algorithm": "gptq", "batch_size": a.batch}
     recipe["eval"] = {"perplexity": {"dataset": str(data / "heldout.yaml"), "n_samples": a.eval_samples,
                                      "seq_len": a.seqlen}, "mode": "streamed", "batch_size": a.batch}
@@ -182,6 +183,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="")
     ap.add_argument("--keep", action="store_true", help="keep both run directories (default: delete each after use)")
     ap.add_argument("--depth-worker", action="store_true")
+    ap.add_argument("--layer-damage", action="store_true",
+                    help="keep the headline recipe's layer-sensitivity pass (profile.layer_sensitivity) in the runs")
     ap.add_argument("--recipe", default="")
     ap.add_argument("--run-dir", default="")
     ap.add_argument("--result", default="")

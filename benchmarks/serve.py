@@ -7,7 +7,8 @@ layers, as many as the disk takes beside the checkpoints), exports it with quant
 - ``layers``: one scheme per MoE layer at the headline's stored bits (the first fifth of the MoE layers W8 g128, the
   rest W4 g128: 4.8 bits per expert weight, what vLLM serves stock);
 - ``experts``: the headline plan, the most used 20 % of each layer's experts W8 g128 and the rest W4 g128 (served by
-  quant's vLLM plugin, ``quant_method: moe-quant-mixed``);
+  quant's vLLM plugin, ``quant_method: moe-quant-mixed``); ``experts-seq`` serves the same checkpoint with the
+  plugin's two scheme groups run one after the other (``QUANT_MOE_OVERLAP=0``) instead of on two CUDA streams;
 
 and serves each (and the bf16 model) with vLLM, CUDA graphs on, one process per model: for each of ``--concurrency``
 (requests in flight together) and ``--shapes`` (prompt/generated tokens), one warm-up then ``--repeats`` timed
@@ -36,6 +37,10 @@ PLANS = {
     "w4": dict(policy="uniform", group_size=128, target_runtime="vllm"),
     "experts": dict(policy="top_fraction", top_fraction=0.2, group_size=128, target_runtime="vllm-quant"),
 }
+
+
+VARIANTS = {"experts-seq": "experts"}  # served from another model's checkpoint, with VARIANT_ENV
+VARIANT_ENV = {"experts-seq": {"QUANT_MOE_OVERLAP": "0"}}
 
 
 def say(**kw) -> None:
@@ -80,8 +85,8 @@ def build(a: argparse.Namespace, work: Path) -> dict[str, Path]:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(4) as pool:  # the exports share the GPU
-        list(pool.map(export, [n for n in a.models if n != "bf16"]))
-    return out
+        list(pool.map(export, sorted({VARIANTS.get(n, n) for n in a.models} - {"bf16"})))
+    return out | {v: out[c] for v, c in VARIANTS.items() if c in out}
 
 
 def _bits(run: Path) -> dict:
@@ -142,7 +147,7 @@ def serve(a: argparse.Namespace, models: dict[str, Path]) -> dict[str, list[dict
                "--vocab", str(SHAPES[a.shape]["vocab_size"]),
                "--concurrency", *map(str, a.concurrency), "--shapes", *[f"{i}/{o}" for i, o in a.shapes],
                "--repeats", str(a.repeats)]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        p = subprocess.run(cmd, env=env | VARIANT_ENV.get(name, {}), capture_output=True, text=True)
         if p.returncode or not out.is_file():
             say(model=name, error=(p.stderr.strip().splitlines() or ["?"])[-1])
             continue
@@ -187,7 +192,7 @@ def main() -> None:
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     models = build(a, work) if a.part != "serve" else (
-        {"bf16": work / "bf16"} | {n: work / f"run-{n}" / "checkpoint" for n in a.models if n != "bf16"})
+        {"bf16": work / "bf16"} | {n: work / f"run-{VARIANTS.get(n, n)}" / "checkpoint" for n in a.models if n != "bf16"})
     if a.part == "build":
         return
     results = serve(a, {n: models[n] for n in a.models if n in models})
