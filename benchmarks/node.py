@@ -91,15 +91,16 @@ def write_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
 
 
 def _prune(store: list[Path], keep: int, n_layers: int, done: threading.Event) -> None:
-    """Delete the store's files of layers ``keep .. n_layers - 1`` as they land (written atomically: only whole
-    files carry the final name), until ``done``; one last sweep after it."""
-    from quant.engine.qstore import layer_file, remove_layer
+    """Delete the store's files of layers ``keep .. n_layers - 1`` once written (their recorded digest, the writer's
+    last step, is there), until ``done``; one last sweep after it."""
+    from quant.engine.qstore import digest_file, layer_file, remove_layer
 
     while True:
         last = done.wait(0.5)
         for folder in store:
             for idx in range(keep, n_layers):
-                remove_layer(layer_file(folder, idx))
+                if last or digest_file(layer_file(folder, idx)).is_file():
+                    remove_layer(layer_file(folder, idx))
         if last:
             return
 

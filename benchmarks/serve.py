@@ -7,8 +7,9 @@ layers, as many as the disk takes beside the checkpoints), exports it with quant
 - ``layers``: one scheme per MoE layer at the headline's stored bits (the first fifth of the MoE layers W8 g128, the
   rest W4 g128: 4.8 bits per expert weight, what vLLM serves stock);
 - ``experts``: the headline plan, the most used 20 % of each layer's experts W8 g128 and the rest W4 g128 (served by
-  quant's vLLM plugin, ``quant_method: moe-quant-mixed``); ``experts-seq`` serves the same checkpoint with the
-  plugin's two scheme groups run one after the other (``QUANT_MOE_OVERLAP=0``) instead of on two CUDA streams;
+  quant's vLLM plugin, ``quant_method: moe-quant-mixed``); ``experts-seq`` and ``experts-overlap`` serve the same
+  checkpoint with the plugin's two scheme groups one after the other (``QUANT_MOE_OVERLAP=0``) and on two CUDA
+  streams (``=1``) at every batch, where ``experts`` overlaps them at decode-sized batches only;
 
 and serves each (and the bf16 model) with vLLM, CUDA graphs on, one process per model: for each of ``--concurrency``
 (requests in flight together) and ``--shapes`` (prompt/generated tokens), one warm-up then ``--repeats`` timed
@@ -39,8 +40,8 @@ PLANS = {
 }
 
 
-VARIANTS = {"experts-seq": "experts"}  # served from another model's checkpoint, with VARIANT_ENV
-VARIANT_ENV = {"experts-seq": {"QUANT_MOE_OVERLAP": "0"}}
+VARIANTS = {"experts-seq": "experts", "experts-overlap": "experts"}  # another model's checkpoint, with VARIANT_ENV
+VARIANT_ENV = {"experts-seq": {"QUANT_MOE_OVERLAP": "0"}, "experts-overlap": {"QUANT_MOE_OVERLAP": "1"}}
 
 
 def say(**kw) -> None:

@@ -170,9 +170,11 @@ def served(tmp_path_factory):
                         "enforce_eager": False})
     spec_models.append({"name": "qwen3-experts/ref-graphs", "path": str(work / "ref-qwen3-experts"),
                         "enforce_eager": False})
-    # the plugin's scheme groups one after another on vLLM's stream (by default they overlap on two streams)
-    spec_models.append({"name": "qwen3-experts/sequential", "path": str(runs["qwen3-experts"] / "checkpoint"),
-                        "env": {"QUANT_MOE_OVERLAP": "0"}})
+    # the plugin's scheme groups one after another on vLLM's stream at every batch, and on two streams at every batch
+    # (by default they overlap at decode-sized batches only)
+    for variant, mode in (("sequential", "0"), ("overlapped", "1")):
+        spec_models.append({"name": f"qwen3-experts/{variant}", "path": str(runs["qwen3-experts"] / "checkpoint"),
+                            "env": {"QUANT_MOE_OVERLAP": mode}})
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, 512, (N_PROMPTS, PROMPT_LEN), generator=g).tolist()
     spec = {"prompts": prompts, "max_model_len": 512, "greedy_tokens": GREEDY, "enforce_eager": True,
@@ -192,7 +194,7 @@ def _table(results: dict) -> list[dict]:
     rows = []
     for name in CASES:
         ref = results[f"{name}/ref"]
-        extra = {"qwen3-experts": ["graphs", "sequential", "stock"], "mixtral-layers": ["plugin"]}.get(name, [])
+        extra = {"qwen3-experts": ["graphs", "sequential", "overlapped", "stock"], "mixtral-layers": ["plugin"]}.get(name, [])
         for fmt in CASES[name][3] + extra:
             r = results[f"{name}/{fmt}"]
             row = {"case": name, "format": fmt, "quantization": r.get("quantization"), "error": r.get("error")}
@@ -228,14 +230,15 @@ def test_the_plugin_serves_inside_cuda_graphs(served):
     assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
 
 
-def test_the_plugin_serves_its_scheme_groups_one_after_another_too(served):
+def test_the_plugin_serves_its_scheme_groups_one_after_another_and_side_by_side(served):
     results, _, _ = served
-    got, ref = results["qwen3-experts/sequential"], results["qwen3-experts/ref"]
-    overlapped = results["qwen3-experts/compressed-tensors"]
-    assert "error" not in got, got.get("traceback")
-    assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
+    ref = results["qwen3-experts/ref"]
+    sequential, overlapped = results["qwen3-experts/sequential"], results["qwen3-experts/overlapped"]
+    for got in (sequential, overlapped):
+        assert "error" not in got, got.get("traceback")
+        assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
     # the same kernels on the same inputs: the streams change when they run, not what they compute
-    assert _top1(got, overlapped) >= 0.999, _top1(got, overlapped)
+    assert _top1(sequential, overlapped) >= 0.999, _top1(sequential, overlapped)
 
 
 def test_stock_vllm_refuses_a_per_expert_checkpoint_by_name(served):
