@@ -12,7 +12,7 @@ import torch
 from quant.io.rundir import atomic_write_text
 from quant.measure.profile import RoutingProfile, ratio_text
 from quant.models import ModelSource
-from quant.plan.bitplan import KEEP_BITS, BitPlan
+from quant.plan.bitplan import KEEP_BITS, BitPlan, by_bits
 from quant.plan.summary import BITS_TERMS, PlanSummary, summarize
 from quant.recipe import Recipe
 
@@ -134,12 +134,16 @@ def _eval_lines(ev: dict) -> list[str]:
 
 def _plan_lines(summary: PlanSummary) -> list[str]:
     h = summary.headline
-    lines = [f"- average bits, expert weights: **{h.avg_bits_experts}**; all weights: {h.avg_bits_all}",
+    terms = ("expert bits", "bits over all weights", "traffic-weighted expert bits")
+    lines = [f"- expert bits: **{h.avg_bits_experts}**; bits over all weights: {h.avg_bits_all}; traffic-weighted "
+             f"expert bits: {h.traffic_weighted_bits}",
              f"- checkpoint size estimate: {h.size_gb * 1000:.2f} MB",
-             f"- expert projections by bits (%): {h.expert_pct_by_bits}",
-             f"- routed traffic by bits: {h.traffic_share_by_bits}; traffic-weighted bits: {h.traffic_weighted_bits}",
-             "", "| layer | modules by bits | traffic share by bits | traffic-weighted bits |", "|---|---|---|---|"]
-    lines += [f"| {r['layer']} | {r['modules_by_bits']} | {r['traffic_share_by_bits']} | {r['traffic_weighted_bits']} |"
+             f"- expert projections by bits: {h.experts_by_bits()}",
+             f"- routed traffic by bits: {h.traffic_by_bits()}",
+             "", "; ".join(f"{t.capitalize() if i == 0 else t}: {BITS_TERMS[t]}" for i, t in enumerate(terms)) + ".",
+             "", "| layer | modules by bits | traffic share by bits | traffic-weighted expert bits |", "|---|---|---|---|"]
+    lines += [f"| {r['layer']} | {by_bits(r['modules_by_bits'])} | "
+              f"{by_bits(r['traffic_share_by_bits'], lambda v: f'{100 * v:.1f}%')} | {r['traffic_weighted_bits']} |"
               for r in summary.per_layer]
     return lines
 
