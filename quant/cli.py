@@ -171,10 +171,11 @@ def publish(run_dir: Annotated[Path, typer.Argument(help="a finished run directo
             fmt: Annotated[str | None, typer.Option("--format", help="the export format to upload (default: the "
                                                     "first one a runtime on its card serves)")] = None) -> None:
     """Upload the run's checkpoint (refused unless the run passed its gates and some runtime serves it)."""
-    from quant.publish import check_publishable, publish_run
+    from quant.publish import check_publishable, hub_api, publish_run
 
+    api = hub_api()
     folder = check_publishable(run_dir, fmt)
-    url = publish_run(run_dir, repo_id, private=private, fmt=fmt)
+    url = publish_run(run_dir, repo_id, private=private, fmt=fmt, api=api)
     typer.echo(f"published {folder} -> {url}")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from quant.errors import CheckpointError, PublishError, RunDirError
+from quant.errors import CheckpointError, MissingDependency, PublishError, RunDirError
 from quant.export.writer import CARD, checkpoint_digest, read_manifest, verify_manifest
 from quant.io.rundir import MANIFEST, manifest_problem
 
@@ -87,17 +87,23 @@ def check_publishable(run_dir: Path, fmt: str | None = None) -> Path:
     return run_dir / folder
 
 
+def hub_api():
+    """The hub client (``huggingface_hub.HfApi``); MissingDependency naming the pip command when it is not
+    installed, raised before any check reads the checkpoint."""
+    try:
+        from huggingface_hub import HfApi
+    except ImportError:
+        raise MissingDependency("publishing needs huggingface_hub, which is not installed: "
+                           "pip install 'moe-quant[publish]'") from None
+    return HfApi()
+
+
 def publish_run(run_dir: Path, repo_id: str, *, private: bool = False, api=None, fmt: str | None = None) -> str:
     run_dir = Path(run_dir)
+    api = hub_api() if api is None else api
     ckpt = check_publishable(run_dir, fmt)
     if "/" not in repo_id:
         raise RunDirError(f"--repo-id must look like ORG/NAME, got '{repo_id}'")
-    if api is None:
-        try:
-            from huggingface_hub import HfApi
-        except ImportError:
-            raise PublishError("publishing needs huggingface_hub: pip install 'moe-quant[publish]'") from None
-        api = HfApi()
     m = _run_manifest(run_dir)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)

@@ -12,7 +12,7 @@ import torch
 from quant.io.rundir import atomic_write_text
 from quant.measure.profile import RoutingProfile, ratio_text
 from quant.models import ModelSource
-from quant.plan.bitplan import KEEP_BITS, BitPlan
+from quant.plan.bitplan import KEEP_BITS, BitPlan, by_bits
 from quant.plan.summary import BITS_TERMS, PlanSummary, summarize
 from quant.recipe import Recipe
 
@@ -134,12 +134,16 @@ def _eval_lines(ev: dict) -> list[str]:
 
 def _plan_lines(summary: PlanSummary) -> list[str]:
     h = summary.headline
-    lines = [f"- average bits, expert weights: **{h.avg_bits_experts}**; all weights: {h.avg_bits_all}",
+    terms = ("expert bits", "bits over all weights", "traffic-weighted expert bits")
+    lines = [f"- expert bits: **{h.avg_bits_experts}**; bits over all weights: {h.avg_bits_all}; traffic-weighted "
+             f"expert bits: {h.traffic_weighted_bits}",
              f"- checkpoint size estimate: {h.size_gb * 1000:.2f} MB",
-             f"- expert projections by bits (%): {h.expert_pct_by_bits}",
-             f"- routed traffic by bits: {h.traffic_share_by_bits}; traffic-weighted bits: {h.traffic_weighted_bits}",
-             "", "| layer | modules by bits | traffic share by bits | traffic-weighted bits |", "|---|---|---|---|"]
-    lines += [f"| {r['layer']} | {r['modules_by_bits']} | {r['traffic_share_by_bits']} | {r['traffic_weighted_bits']} |"
+             f"- expert projections by bits: {h.experts_by_bits()}",
+             f"- routed traffic by bits: {h.traffic_by_bits()}",
+             "", "; ".join(f"{t.capitalize() if i == 0 else t}: {BITS_TERMS[t]}" for i, t in enumerate(terms)) + ".",
+             "", "| layer | modules by bits | traffic share by bits | traffic-weighted expert bits |", "|---|---|---|---|"]
+    lines += [f"| {r['layer']} | {by_bits(r['modules_by_bits'])} | "
+              f"{by_bits(r['traffic_share_by_bits'], lambda v: f'{100 * v:.1f}%')} | {r['traffic_weighted_bits']} |"
               for r in summary.per_layer]
     return lines
 
@@ -161,16 +165,23 @@ def _quantize_lines(layers: list[dict]) -> list[str]:
     return lines + (["", f"Numerical repairs: {len(repairs)}"] + [f"- {x}" for x in repairs[:20]] if repairs else [])
 
 
+def _experts_text(experts: list[tuple[int, int]], most: int = 12) -> str:
+    """``layer 1 expert 3, layer 2 expert 0, …``: (layer, expert) pairs as text, the first ``most`` of them."""
+    return ", ".join(f"layer {layer} expert {e}" for layer, e in experts[:most]) + (", …" if len(experts) > most else "")
+
+
 def _routing_lines(profile: RoutingProfile, min_tokens: int) -> list[str]:
-    cold = profile.cold_experts(min_tokens)
-    where = ", ".join(f"layer {layer} expert {e}" for layer, e in cold[:12]) + (", …" if len(cold) > 12 else "")
+    cold, supers = profile.cold_experts(min_tokens), profile.super_experts(50.0)
     ratios = ", ".join(f"layer {layer}: {ratio_text(r)}" for layer, r in zip(profile.layers,
                                                                             profile.max_min_ratio().tolist(), strict=True))
-    lines = [f"- routing entropy per MoE layer (1 = uniform): {[round(x, 3) for x in profile.entropy().tolist()]}",
+    entropy = ", ".join(f"layer {layer}: {x:.3f}" for layer, x in zip(profile.layers, profile.entropy().tolist(),
+                                                                      strict=True))
+    lines = [f"- routing entropy per MoE layer (1 = uniform): {entropy}",
              f"- most / least used expert (routed tokens) per MoE layer: {ratios}",
              f"- cold experts (fewer than {max(min_tokens, 1)} routed tokens, profile.min_tokens): {len(cold)}"
-             + (f" ({where})" if cold else ""),
-             f"- super-expert candidates (max down-proj output > 50 × median): {profile.super_experts(50.0)[:12]}"]
+             + (f" ({_experts_text(cold)})" if cold else ""),
+             "- super-expert candidates (max down-proj output > 50 × median): "
+             + (f"{len(supers)} ({_experts_text(supers)})" if supers else "none")]
     stability = profile.rank_stability()
     if stability:
         lines.append("- rank stability between calibration domains (mean over layers): " + "; ".join(

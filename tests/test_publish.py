@@ -4,6 +4,7 @@ byte for byte, through an injected hub client; failures are one ``error:`` line,
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,13 @@ def test_published_means_servable(runs, tmp_path):
     p = run_cli("publish", str(runs["experts"]), "--repo-id", "acme/x", "--format", "compressed-tensors",
                 env={"HF_HUB_OFFLINE": "1"})
     assert p.returncode == 1 and p.stderr.count("error:") == 1 and "no runtime serves" in p.stderr
+
+
+def test_publish_without_huggingface_hub_names_the_pip_command_before_any_check(capsys, monkeypatch, tmp_path):
+    from quant.cli import cli_exit_code
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # as where the publish extra is not installed
+    code = cli_exit_code(["publish", str(tmp_path), "--repo-id", "acme/x"])  # not even a run directory
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1, (code, err)
+    assert err.startswith("error: ") and "pip install 'moe-quant[publish]'" in err, err

@@ -1,5 +1,7 @@
 """The report's serving section: servable or not, the best plan vLLM/SGLang serve, and its predicted price."""
 
+import re
+
 from quant.report import serving_lines
 
 PER_EXPERT = {"problems": {"vllm": ["vllm applies one quantization scheme to all experts of a fused MoE layer"],
@@ -44,3 +46,25 @@ def test_bit_map_names_each_scheme_of_the_plan(tmp_path):
             p = plan.modules[name]
             assert labels[grid[prof.row(m.layer), m.expert]] == f"W{p.bits} g{p.group_size}", name
     assert "bit_map.png" in plot_all(plan, src, prof, tmp_path) and (tmp_path / "bit_map.png").stat().st_size > 0
+
+
+def test_the_bits_figures_have_one_name_each_in_the_log_line_the_report_and_the_card():
+    """The terminal line, report.md and the model card name the plan's bits figures as ``BITS_TERMS`` does, each
+    mapping by bits as text (``4: 39, 8: 9``), never a Python dict."""
+    from quant.export.card import _plan
+    from quant.plan.bitplan import Headline
+    from quant.plan.summary import BITS_TERMS, PlanSummary
+    from quant.report import _plan_lines
+
+    h = Headline(avg_bits_experts=4.75, avg_bits_all=7.66, size_gb=0.0006, expert_pct_by_bits={8: 18.75, 4: 81.25},
+                 traffic_share_by_bits={4: 0.4766, 8: 0.5234}, traffic_weighted_bits=6.094)
+    layer = {"layer": 0, "modules_by_bits": {4: 39, 8: 9}, "traffic_share_by_bits": {4: 0.4819, 8: 0.5181},
+             "traffic_weighted_bits": 6.072}
+    outputs = {"line": h.line(), "report": "\n".join(_plan_lines(PlanSummary(h, [layer]))), "card": "\n".join(_plan(h))}
+    named = {"expert bits": "4.75", "bits over all weights": "7.66", "traffic-weighted expert bits": "6.094"}
+    for where, text in outputs.items():
+        for term, value in named.items():
+            assert term in BITS_TERMS and re.search(rf"{term}( \(.*?\))?:? \**{re.escape(value)}", text), (where, term, text)
+        assert not re.search(r"average bits|bits per expert weight|traffic-weighted bits|\{\d", text), (where, text)
+    assert "expert projections by bits 4: 81.25%, 8: 18.75%; routed traffic by bits 4: 47.7%, 8: 52.3%" in outputs["line"]
+    assert "| 0 | 4: 39, 8: 9 | 4: 48.2%, 8: 51.8% | 6.072 |" in outputs["report"]

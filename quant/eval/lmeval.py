@@ -521,6 +521,15 @@ def scores_from_results(results: Mapping[str, Any], tasks: Sequence[str]) -> dic
     return scores
 
 
+def task_records(results: Mapping[str, Any], tasks: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """What the model card lists per task, read from lm-eval's own results JSON (``save_results``): task ->
+    ``{"version", "n_shot", "n", "metric", "value"}`` (version and n-shot None where lm-eval records none, as for a
+    group). Raises ValueError as `scores_from_results` does."""
+    scores = scores_from_results(results, tasks)
+    return {name: {"version": results.get("versions", {}).get(name), "n_shot": results.get("n-shot", {}).get(name),
+                   "n": s.n, "metric": s.metric, "value": s.value} for name, s in scores.items()}
+
+
 def _pick_metric(name: str, row: Mapping[str, Any]) -> tuple[str, str]:
     """(metric, filter) of the headline number in one lm-eval results row."""
     keys = [k.split(",", 1) for k in row if "," in k and "_stderr" not in k]

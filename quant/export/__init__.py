@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from quant.dist.world import World
-from quant.export.writer import CARD, add_to_manifest, checkpoint_digest
+from quant.export.writer import CARD, LM_EVAL_FILES, add_to_manifest, checkpoint_digest
 from quant.models import ModelSource
 from quant.plan.bitplan import BitPlan
 from quant.recipe import Recipe
 
-__all__ = ["CARD", "check_formats", "checkpoint_digest", "checkpoint_dirs", "export_all", "runtime_notes", "served_by",
+__all__ = ["CARD", "LM_EVAL_FILES", "check_formats", "checkpoint_digest", "checkpoint_dirs", "export_all", "runtime_notes", "served_by",
            "write_cards"]
 
 
@@ -53,14 +53,42 @@ def served_by(plan: BitPlan, source: ModelSource, recipe: Recipe) -> dict[str, l
             for fmt, folder in checkpoint_dirs(recipe).items()}
 
 
+def lm_eval_results(run_dir: Path, ev: dict | None) -> dict[str, Path]:
+    """``base`` / ``quantized`` -> lm-eval's own results JSON in the run directory, where the eval stage ran lm-eval
+    tasks (none when eval.json records no task: a file left by an earlier run with tasks is not current)."""
+    from quant.eval.evaluate import LM_EVAL_RESULTS
+
+    if not (ev or {}).get("tasks"):
+        return {}
+    return {which: run_dir / name for which, name in LM_EVAL_RESULTS.items() if (run_dir / name).is_file()}
+
+
+def copy_lm_eval_results(results: dict[str, Path], checkpoint: Path) -> None:
+    """lm-eval's results into the checkpoint (``LM_EVAL_FILES``), each added to its manifest; those of models
+    not evaluated with tasks now are removed, file and entry, so a checkpoint never carries stale results."""
+    import shutil
+
+    from quant.export.writer import remove_from_checkpoint
+
+    for which, name in LM_EVAL_FILES.items():
+        if which in results:
+            shutil.copyfile(results[which], checkpoint / name)
+            add_to_manifest(checkpoint, name)
+        else:
+            remove_from_checkpoint(checkpoint, name)
+
+
 def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     """The model card (README.md) of every exported checkpoint, from the recipe, the plan's headline, eval.json
-    and the runtime checks; its SHA-256 is added to the checkpoint's manifest, so what is published is what was
-    written. The card stage's body, after eval: the only writer of the card and of its manifest entry (export
-    writes a checkpoint without one; its identity, ``checkpoint_digest``, leaves the card out)."""
+    and the runtime checks, beside lm-eval's own results when eval ran tasks (``LM_EVAL_FILES``, the card's
+    per-task table read from them); each file's SHA-256 is added to the checkpoint's manifest, so what is
+    published is what was written. The card stage's body, after eval: the only writer of these files and of their
+    manifest entries (export writes a checkpoint without them; its identity, ``checkpoint_digest``, leaves them
+    out)."""
     import json
 
     from quant import version
+    from quant.eval.lmeval import task_records
     from quant.export.card import RUNTIMES, render_card
     from quant.io.rundir import atomic_write_text
     from quant.plan.runtimes import gptqmodel_kernel_problem, problems_for
@@ -68,12 +96,16 @@ def write_cards(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
 
     plan = BitPlan.load(run_dir / "plan.json")
     ev = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").is_file() else None
+    results = lm_eval_results(run_dir, ev)
+    tasks = list((ev or {}).get("tasks", {}))
+    lm_eval = {which: task_records(json.loads(path.read_text()), tasks) for which, path in results.items()}
     for fmt, folder in checkpoint_dirs(recipe).items():
         problems = {rt: problems_for(plan, source, rt, (fmt,)) for rt in RUNTIMES}
         backend = "TORCH" if fmt == "gptq" and gptqmodel_kernel_problem(plan) else None
         card = render_card(recipe, source, plan.headline, ev, problems, version(), fmt=fmt,
                            runtime_notes=runtime_notes(plan, source, fmt), gptqmodel_backend=backend,
-                           serving=plan.serving, schemes=scheme_counts(plan, source))
+                           serving=plan.serving, schemes=scheme_counts(plan, source), lm_eval=lm_eval)
+        copy_lm_eval_results(results, run_dir / folder)
         atomic_write_text(run_dir / folder / CARD, card)
         add_to_manifest(run_dir / folder, CARD)
 

@@ -4,7 +4,8 @@ from the plan's headline and the eval result passed in, every serving claim from
 Front matter: ``base_model`` when the model path looks like a hub id (``ORG/NAME``, not a builtin or a local
 folder), ``license`` copied from the source model (its README front matter, else ``config.json``), ``tags``
 and ``library_name`` (only a library the runtime check found able to serve the checkpoint). Body: what was
-done (from the resolved recipe, never its free-text description), the plan, the evaluation with gate status, how
+done (from the resolved recipe, never its free-text description), the plan, the evaluation with gate status (and
+the lm-eval results files the checkpoint carries, linked, with each task's version, n-shot and sample count), how
 to serve it with each runtime (a snippet only where the runtime check found no problem, warnings where a runtime
 would load the checkpoint silently wrong), and the tool version.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from quant.export.writer import LM_EVAL_FILES
 from quant.models import ModelSource
 from quant.models.source import layer_of_key
 from quant.plan.bitplan import Headline
@@ -116,8 +118,9 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str, schemes: dict[str, dict
 
 def _plan(h: Headline) -> list[str]:
     lines = [
-        f"- average bits over expert weights: **{h.avg_bits_experts}**; over all weights: {h.avg_bits_all}",
-        f"- traffic-weighted bits (what a routed token reads): {h.traffic_weighted_bits}",
+        f"- expert bits (code bits per routed-expert weight, scales not counted): **{h.avg_bits_experts}**; bits over "
+        f"all weights: {h.avg_bits_all}",
+        f"- traffic-weighted expert bits (what a routed token reads): {h.traffic_weighted_bits}",
         f"- checkpoint size: {h.size_gb} GB ({h.size_gb * 1000:.1f} MB)",
         "",
         "| bits | % of expert projections | share of routed traffic |",
@@ -158,6 +161,31 @@ def _eval(ev: dict | None) -> list[str]:
     verdict = (f"**Quality gates FAILED: {', '.join(failed)}.**" if failed
                else "All quality gates passed." if gates else "No quality gates were set.")
     return lines + ["", verdict, "", f"Evaluated from the exported checkpoint on disk (loader: `{ev.get('loader', '?')}`)."]
+
+
+def _both(values: list) -> str:
+    """One cell for a figure of the base and the quantized model's results: the value, or ``base / quantized``."""
+    shown = ["-" if v is None else str(v) for v in values]
+    return shown[0] if len(set(shown)) == 1 else " / ".join(shown)
+
+
+def _lm_eval(lm_eval: dict[str, dict[str, dict]] | None) -> list[str]:
+    """lm-eval's own results files in this folder, linked, and per task what they record (``task_records``):
+    version, n-shot, samples scored, the headline metric of the base and the quantized model."""
+    if not lm_eval:
+        return []
+    which = [w for w in ("base", "quantized") if w in lm_eval]
+    links = ", ".join(f"{w} model [{LM_EVAL_FILES[w]}]({LM_EVAL_FILES[w]})" for w in which)
+    lines = ["", "### lm-eval", "",
+             f"lm-eval's own results (task configs, versions, n-shot, sample counts), in this folder: {links}.", "",
+             f"| task | version | n-shot | samples | metric | {' | '.join(which)} |",
+             "|---|---|---|---|---|" + "---|" * len(which)]
+    for task in lm_eval[which[-1]]:
+        rows = [lm_eval[w][task] for w in which if task in lm_eval[w]]
+        cells = [_both([r[k] for r in rows]) for k in ("version", "n_shot", "n", "metric")]
+        scores = [f"{lm_eval[w][task]['value']:.4f}" if task in lm_eval[w] else "-" for w in which]
+        lines.append(f"| {task} | {' | '.join(cells)} | {' | '.join(scores)} |")
+    return lines
 
 
 def _snippet(runtime: str, repo: str, trust: bool, backend: str | None = None, quant_flag: str = "") -> list[str]:
@@ -220,7 +248,8 @@ def render_card(recipe: Recipe, source: ModelSource, headline: Headline, eval_re
                 runtime_problems: dict[str, list[str]], tool_version: str, *, fmt: str | None = None,
                 repo_id: str | None = None, runtime_notes: dict[str, str] | None = None,
                 gptqmodel_backend: str | None = None, serving: dict | None = None,
-                schemes: dict[str, dict[str, int]] | None = None) -> str:
+                schemes: dict[str, dict[str, int]] | None = None,
+                lm_eval: dict[str, dict[str, dict]] | None = None) -> str:
     """README.md for the checkpoint of format ``fmt`` (default: the recipe's first export format, i.e. the run's
     ``checkpoint/``). ``headline``: the plan's figures (``BitPlan.headline``). ``runtime_problems``:
     runtime -> reasons it cannot serve the checkpoint (empty list: servable); ``library_name`` is the first of
@@ -228,14 +257,16 @@ def render_card(recipe: Recipe, source: ModelSource, headline: Headline, eval_re
     ``gptqmodel_backend``: the ``BACKEND`` member the GPTQModel snippet must name (its default kernel cannot run
     the plan). ``repo_id`` goes into the snippets (default ``ORG/NAME``). ``serving``: the plan's
     ``quant.plan.servable.serving_summary`` (names the best plan vLLM/SGLang serve when they cannot serve this one).
-    ``schemes``: ``quant.plan.summary.scheme_counts`` of the plan, listed as what the checkpoint holds."""
+    ``schemes``: ``quant.plan.summary.scheme_counts`` of the plan, listed as what the checkpoint holds.
+    ``lm_eval``: ``base`` / ``quantized`` -> ``quant.eval.lmeval.task_records`` of lm-eval's results files that the
+    checkpoint carries (``LM_EVAL_FILES``), linked and tabulated under the evaluation."""
     fmt = fmt or recipe.export.formats[0]
     repo = repo_id or "ORG/NAME"
     title = repo_id.split("/")[-1] if repo_id else f"{source.display_name.split('/')[-1]} ({recipe.name})"
     lines = [_front_matter(recipe, source, fmt, runtime_problems), f"# {title}", "", "## What this is", ""]
     lines += _what(recipe, source, fmt, schemes)
     lines += ["", "## Plan", ""] + _plan(headline)
-    lines += ["", "## Evaluation", ""] + _eval(eval_result)
+    lines += ["", "## Evaluation", ""] + _eval(eval_result) + _lm_eval(lm_eval)
     lines += ["", "## Serving", ""] + _serving(runtime_problems, fmt, repo, recipe.model.trust_remote_code,
                                                runtime_notes or {}, gptqmodel_backend, serving)
     lines += ["## Provenance", "", f"Made with moe-quant {tool_version} (`quant run`)."]

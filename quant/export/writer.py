@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "quant_manifest.json"
 CARD = "README.md"  # the model card: written after evaluation by the card stage alone, which adds it to the manifest
+# lm-eval's own results (task configs, versions, n-shot, sample counts) of the base and the quantized model, copied
+# beside the card by the card stage when eval ran lm-eval tasks, so the published checkpoint carries what its card cites
+LM_EVAL_FILES = {"base": "lm_eval_results_base.json", "quantized": "lm_eval_results_quantized.json"}
+AFTER_EVAL = (CARD, *LM_EVAL_FILES.values())  # written after eval: not part of the checkpoint's identity
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
               "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "LICENSE", "LICENSE.txt")
 
@@ -68,12 +72,21 @@ def read_manifest(directory: Path) -> dict | None:
 
 
 def add_to_manifest(directory: Path, name: str) -> None:
-    """Record (or update) the SHA-256 of one file written after export (the model card, by the card stage)."""
+    """Record (or update) the SHA-256 of one file written after export (``AFTER_EVAL``, by the card stage)."""
     data = read_manifest(directory)
     if data is None:
         raise CheckpointError(f"{directory} has no readable {MANIFEST}; re-run the export")
     data["files"] = dict(sorted({**data["files"], name: file_sha256(directory / name)}.items()))
     atomic_write_text(directory / MANIFEST, json.dumps(data, indent=1))
+
+
+def remove_from_checkpoint(directory: Path, name: str) -> None:
+    """Delete one file written after export and its manifest entry (lm-eval's results once no task is run)."""
+    (directory / name).unlink(missing_ok=True)
+    data = read_manifest(directory)
+    if data is not None and name in data["files"]:
+        data["files"] = {k: v for k, v in data["files"].items() if k != name}
+        atomic_write_text(directory / MANIFEST, json.dumps(data, indent=1))
 
 
 def verify_manifest(directory: Path) -> list[str]:
@@ -90,12 +103,12 @@ def verify_manifest(directory: Path) -> list[str]:
 
 
 def checkpoint_digest(directory: Path) -> str | None:
-    """Identity of a finished, intact checkpoint: a hash of its manifest's file digests, model card excluded (the
-    card stage writes it after eval). None when the manifest is missing or any other file differs from it."""
+    """Identity of a finished, intact checkpoint: a hash of its manifest's file digests, the files the card stage
+    writes after eval excluded (``AFTER_EVAL``). None when the manifest is missing or any other file differs from it."""
     data = read_manifest(directory)
-    if data is None or [f for f in verify_manifest(directory) if f != CARD]:
+    if data is None or [f for f in verify_manifest(directory) if f not in AFTER_EVAL]:
         return None
-    files = {k: v for k, v in data["files"].items() if k != CARD}
+    files = {k: v for k, v in data["files"].items() if k not in AFTER_EVAL}
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
 

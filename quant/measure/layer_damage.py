@@ -154,7 +154,7 @@ def measure_layer_damage(source: ModelSource, tokens: torch.Tensor, lw: Layerwis
         raise ValueError(f"layer damage method {method!r}; known: bounded, exact")
     log.info("layer damage (%s): %d MoE layers x %d schemes on %d tokens, %d layer forwards; KL x1e3 per layer: %s",
              method, len(source.moe_layers()), len(parsed), tokens.numel(), forwards,
-             "; ".join(f"{k} {[round(1e3 * v, 3) for v in d.tolist()]}" for k, d in damage.items()))
+             "; ".join(f"{k} {', '.join(f'{1e3 * v:.3f}' for v in d.tolist())}" for k, d in damage.items()))
     return LayerDamage(damage, forwards)
 
 

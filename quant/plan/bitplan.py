@@ -78,12 +78,24 @@ class Headline:
                       "traffic_share_by_bits": _by_bits(d["traffic_share_by_bits"])})
 
     def line(self) -> str:
-        """One line for a terminal: bits, size, and how the experts and their traffic split by bits."""
-        experts = ", ".join(f"{b}: {pct}%" for b, pct in self.expert_pct_by_bits.items())
-        traffic = ", ".join(f"{b}: {100 * v:.1f}%" for b, v in self.traffic_share_by_bits.items())
-        return (f"{self.avg_bits_experts} bits per expert weight ({self.avg_bits_all} over all weights), "
-                f"{self.traffic_weighted_bits} traffic-weighted; {self.size_gb * 1000:.1f} MB; expert projections "
-                f"by bits {experts}; routed traffic by bits {traffic}")
+        """One line for a terminal: the bits figures under their names (``summary.BITS_TERMS``), size, and how the
+        experts and their traffic split by bits."""
+        return (f"expert bits {self.avg_bits_experts}, bits over all weights {self.avg_bits_all}, traffic-weighted "
+                f"expert bits {self.traffic_weighted_bits}; {self.size_gb * 1000:.1f} MB; expert projections by bits "
+                f"{self.experts_by_bits()}; routed traffic by bits {self.traffic_by_bits()}")
+
+    def experts_by_bits(self) -> str:
+        """``4: 81.25%, 8: 18.75%``: the share of expert projections at each width, as text."""
+        return by_bits(self.expert_pct_by_bits, lambda pct: f"{pct}%")
+
+    def traffic_by_bits(self) -> str:
+        """``4: 47.7%, 8: 52.3%``: the share of routed traffic reading each width, as text."""
+        return by_bits(self.traffic_share_by_bits, lambda share: f"{100 * share:.1f}%")
+
+
+def by_bits(values: dict[int, float], shown=str) -> str:
+    """A bits -> value mapping as text (``4: 39, 8: 9``), in ascending bits; never a Python dict."""
+    return ", ".join(f"{b}: {shown(v)}" for b, v in sorted(values.items()))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from quant.models.names import block_name, expert_name, parse
 from quant.plan.bitplan import BitPlan
 
 RUNTIMES = ("any", "vllm", "vllm-quant", "sglang", "transformers", "gptqmodel")
-# vLLM with quant's plugin (``pip install "moe-quant[serve]"``, quant.serve): per-expert schemes in one MoE layer
+# vLLM with quant's plugin (quant.serve, registered by installing quant beside vLLM): per-expert schemes in one MoE layer
 PLUGIN = "vllm-quant"
 PLUGIN_NEEDS_CT = ("quant's vLLM plugin serves the compressed-tensors export of a plan whose experts differ within a "
                    "MoE layer; add compressed-tensors to export.formats")

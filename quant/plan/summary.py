@@ -1,6 +1,7 @@
-"""What a plan costs and whom it serves: average bits, checkpoint size, traffic at high precision, per layer.
+"""What a plan costs and whom it serves: the bits figures (``BITS_TERMS``), checkpoint size, traffic at high
+precision, per layer.
 
-``traffic-weighted bits`` is the mean bit width of the expert weights a routed token actually reads (each
+``traffic-weighted expert bits`` is the mean bit width of the expert weights a routed token actually reads (each
 expert weighted by its share of the layer's routed assignments): what decode bandwidth sees.
 """
 

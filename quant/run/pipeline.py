@@ -194,13 +194,15 @@ class Run:
 
     def outputs(self, stage: str) -> list[str]:
         """Run-dir-relative outputs: export's are the checkpoint folders, eval's include lm-eval's own results when
-        it ran tasks, card's are the model card in each checkpoint folder."""
-        from quant.export import CARD, checkpoint_dirs
+        it ran tasks, card's are the model card in each checkpoint folder and, when eval ran tasks, the copies of
+        lm-eval's results beside it."""
+        from quant.export import CARD, LM_EVAL_FILES, checkpoint_dirs
 
         if stage == "export":
             return list(checkpoint_dirs(self.recipe).values())
         if stage == "card":
-            return [f"{d}/{CARD}" for d in checkpoint_dirs(self.recipe).values()]
+            names = (CARD, *LM_EVAL_FILES.values()) if self.recipe.eval.tasks else (CARD,)
+            return [f"{d}/{name}" for d in checkpoint_dirs(self.recipe).values() for name in names]
         if stage == "eval" and self.recipe.eval.tasks:
             from quant.eval.evaluate import LM_EVAL_RESULTS
 

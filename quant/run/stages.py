@@ -226,10 +226,13 @@ def run_export(recipe: Recipe, source: ModelSource, run_dir: Path, world: World)
 
 
 def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
-    from quant.eval.evaluate import evaluate_run
+    """eval.json; lm-eval's own results beside it when eval.tasks name any (an earlier run's removed when not)."""
+    from quant.eval.evaluate import LM_EVAL_RESULTS, evaluate_run
 
     result = evaluate_run(recipe, source, run_dir, world)
     if world.is_writer:
+        for name in LM_EVAL_RESULTS.values() if not recipe.eval.tasks else ():
+            (run_dir / name).unlink(missing_ok=True)
         tmp = temp_path(run_dir / "eval.json")
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(run_dir / "eval.json")

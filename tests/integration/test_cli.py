@@ -84,7 +84,7 @@ def test_validate_prints_resolved_recipe():
 def test_different_finished_run_is_not_overwritten(tmp_path):
     out = tmp_path / "r"
     p = run_cli("plan", HEADLINE, "-o", str(out), *FAST)
-    assert p.returncode == 0 and "\nplan: 4.75 bits per expert weight (" in p.stdout  # the plan's typed headline
+    assert p.returncode == 0 and "\nplan: expert bits 4.75, bits over all weights " in p.stdout  # the plan's typed headline
     before = (out / "plan.json").read_bytes()
     p = run_cli("plan", HEADLINE, "-o", str(out), "--model", "builtin:olmoe-tiny", *FAST)
     _one_line_error(p, 1, "holds a different run")

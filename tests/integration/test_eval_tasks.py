@@ -90,3 +90,41 @@ def test_lm_eval_s_own_results_are_kept_in_the_run_directory_and_linked_from_the
         assert f"[lm_eval_{which}.json](lm_eval_{which}.json)" in (result.run_dir / "report.md").read_text()
     assert run(load_recipe(REPO / "recipes" / "mixed_int8_int4_rtn.yaml", overrides=overrides),
                tmp_path / "r").ran == []  # the new outputs count toward the eval stage's freshness
+
+
+def test_the_checkpoint_carries_lm_eval_s_results_its_card_links_and_tabulates(tmp_path):
+    """The card travels with the checkpoint (``quant publish``), the run directory does not: lm-eval's results
+    are copied into the checkpoint, covered by its manifest, uploaded with it, and gone once no task is run."""
+    from quant.export.writer import LM_EVAL_FILES, read_manifest, verify_manifest
+    from quant.publish import check_publishable, publish_run
+    from tests.test_publish import FakeHub, _files
+
+    recipe_path = REPO / "recipes" / "mixed_int8_int4_rtn.yaml"
+    plain = tuple(o for o in FAST if not o.startswith("eval.tasks")) + ("plan.policy=uniform", "plan.group_size=32")
+    result = run(load_recipe(recipe_path, overrides=plain + ("eval.tasks=[quant_mmlu]", "eval.limit=2")), tmp_path / "r")
+    ckpt = result.run_dir / "checkpoint"
+    raw = {w: json.loads((result.run_dir / f"lm_eval_{w}.json").read_text()) for w in LM_EVAL_FILES}
+    for which, name in LM_EVAL_FILES.items():
+        assert json.loads((ckpt / name).read_text()) == raw[which]
+        assert name in read_manifest(ckpt)["files"]
+    assert verify_manifest(ckpt) == []
+    card = (ckpt / "README.md").read_text()
+    assert all(f"[{name}]({name})" in card for name in LM_EVAL_FILES.values()), card
+    q, b = raw["quantized"], raw["base"]
+    row = next(ln for ln in card.splitlines() if ln.startswith("| quant_mmlu |"))
+    assert row == (f"| quant_mmlu | {q['versions']['quant_mmlu']} | {q['n-shot']['quant_mmlu']} | "
+                   f"{q['n-samples']['quant_mmlu']['effective']} | acc | {b['results']['quant_mmlu']['acc,none']:.4f} | "
+                   f"{q['results']['quant_mmlu']['acc,none']:.4f} |"), row
+    hub = FakeHub(tmp_path / "hub")
+    publish_run(result.run_dir, "acme/tiny", api=hub)
+    uploaded = _files(tmp_path / "hub" / "acme" / "tiny")
+    assert uploaded == _files(ckpt) and set(LM_EVAL_FILES.values()) <= set(uploaded)
+
+    # tasks removed from the recipe: the checkpoint is not re-exported, and carries no stale results
+    again = run(load_recipe(recipe_path, overrides=plain + ("eval.tasks=[]",)), result.run_dir)
+    assert "export" not in again.ran and {"eval", "card"} <= set(again.ran), again.ran
+    assert not any((ckpt / name).exists() or (result.run_dir / f"lm_eval_{w}.json").exists()
+                   for w, name in LM_EVAL_FILES.items())
+    assert not set(LM_EVAL_FILES.values()) & set(read_manifest(ckpt)["files"]) and verify_manifest(ckpt) == []
+    assert "lm_eval" not in (ckpt / "README.md").read_text()
+    assert check_publishable(result.run_dir) == ckpt

@@ -3,6 +3,7 @@ replaced by round-to-nearest copies, KL of the next-token distributions), the bo
 what each runs (as quant estimate forecasts it) and its progress."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -121,6 +122,8 @@ def test_pass_cost_counts_what_the_pass_runs_and_progress_reports_it(model, meth
     assert [s.done for s in steps] == sorted(s.done for s in steps)
     L, first = src.n_layers, src.moe_layers()[0]
     assert len(steps) == 1 + L + (0 if method == "exact" else (L - 1 - first) + (L - first))
+    (summary,) = [r.getMessage() for r in caplog.records if "KL x1e3 per layer" in r.getMessage()]
+    assert re.search(r"per layer: w4g32 -?\d+\.\d{3}(, -?\d+\.\d{3})*; w8g32 ", summary) and "[" not in summary, summary
 
 
 def test_a_model_whose_output_is_not_finite_is_one_numerical_error(source, tmp_path):
