@@ -8,6 +8,10 @@ tokens/s for each run (the first includes warm-up), then a CUDA kernel profile o
 Usage (GPU): python benchmarks/profile_stage.py --samples 512 --seqlen 2048 [--shape deepseek-v3 --layers 1]
 
 First prints the same layers' load and forward without the profile's hooks, the floor the profile is held to.
+``--layer-damage N`` then runs the bounded layer-damage pass (the headline's schemes) on N of the samples and
+prints where its time goes (clean walk, gradients walked back, branches, their parts):
+
+    python benchmarks/profile_stage.py --runs 0 --no-forward-alone --no-kernel-table --layer-damage 16
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ def main() -> None:
     ap.add_argument("--fingerprint", action=argparse.BooleanOptionalAction, default=True,
                     help="time the model fingerprint before the runs (a once-per-model cost, not the profile's: "
                          "SHA-256 of every shard, cached by stat); --no-fingerprint sets a placeholder instead")
+    ap.add_argument("--layer-damage", type=int, default=0, metavar="N",
+                    help="time the bounded layer-damage pass on N samples, phase by phase")
     ap.add_argument("--runs", type=int, default=2, help="profile runs (each a fresh Layerwise, as a stage is)")
     ap.add_argument("--forward-alone", action=argparse.BooleanOptionalAction, default=True,
                     help="first the layers' load and forward without the profile's hooks")
@@ -122,6 +128,8 @@ def main() -> None:
               f"{s / src.n_layers:.2f} s/layer, {n_tok / s:.0f} tokens/s per layer ({n_tok / max(s - load_s, 1e-9):.0f} "
               f"without the {load_s:.2f} s of layer loads); waits for reads {TIMERS.get('take_s'):.2f} s, "
               f"page-locking staging buffers {TIMERS.get('pin_s'):.2f} s", flush=True)
+    if a.layer_damage:
+        layer_damage_phases(src, calib.tokens[: a.layer_damage], a)
     if not a.kernel_table:
         return
     short = calibration(min(64, a.samples), a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
@@ -130,6 +138,31 @@ def main() -> None:
         sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
+def layer_damage_phases(src: ModelSource, tokens: torch.Tensor, a: argparse.Namespace) -> None:
+    """The bounded layer-damage pass, each phase and the calls inside it timed (device syncs around each)."""
+    import quant.measure.layer_damage as ld
+
+    phases = ("_clean_pass", "_gradients", "_branch_pass", "_head_cotangents", "_value", "_write_rtn", "_branch_kl")
+    for name in phases:
+        TIMERS.wrap(ld, name, name)
+    TIMERS.wrap(Layerwise, "vjp", "Layerwise.vjp")
+    TIMERS.wrap(Layerwise, "forward", "Layerwise.forward")
+    schemes = ("w4g128", "w4g64", "w4g32", "w8g128")
+    for rep in range(2):  # the first includes warm-up
+        TIMERS.clear()
+        sync()
+        t0 = time.perf_counter()
+        out = ld.measure_layer_damage(src, tokens, Layerwise(src, "bfloat16", a.device, a.batch, world=World()),
+                                      schemes)
+        sync()
+        s = time.perf_counter() - t0
+        parts = ", ".join(f"{k} {TIMERS.get(k):.2f}" for k in (*phases, "Layerwise.vjp", "Layerwise.forward",
+                                                                "load_s"))
+        print(f"layer damage run {rep}: {src.n_layers} layers x {tokens.shape[0]}x{tokens.shape[1]} tokens, "
+              f"{out.layer_forwards} layer forwards: {s:.2f} s = {s / src.n_layers:.2f} s/layer; seconds: {parts}",
+              flush=True)
 
 
 if __name__ == "__main__":
