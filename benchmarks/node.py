@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -105,6 +106,36 @@ def _prune(store: list[Path], keep: int, n_layers: int, done: threading.Event) -
             return
 
 
+class _DamagePhases(logging.Handler):
+    """When the layer-damage pass's progress lines came: each phase's seconds (clean walk, gradients back,
+    branches) from the lines' times, for a depth run that times the pass inside its profile stage."""
+
+    PHASES = ("clean through", "gradients back through", "branches through")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.last: dict[str, float] = {}
+        self.first: float | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if self.first is None and msg.startswith("layer damage:"):
+            self.first = record.created
+        for phase in self.PHASES:
+            if phase in msg:
+                self.last[phase] = record.created
+
+    def seconds(self) -> dict[str, float]:
+        if self.first is None:
+            return {}
+        out, start = {}, self.first
+        for phase in self.PHASES:
+            if phase in self.last:
+                out[phase.split()[0]] = round(self.last[phase] - start, 1)
+                start = self.last[phase]
+        return out
+
+
 def depth_worker(a: argparse.Namespace) -> None:
     """One rank of the depth run: the pipeline up to quantize on the tiled source; rank 0 writes the result."""
     from quant.dist.world import close_world, exit_process, init_world
@@ -126,6 +157,10 @@ def depth_worker(a: argparse.Namespace) -> None:
                                                    a.layers, a.virtual_layers, done), daemon=True)
     if world.is_writer:
         pruner.start()
+    phases = _DamagePhases()
+    damage_log = logging.getLogger("quant.measure.layer_damage")
+    damage_log.addHandler(phases)
+    damage_log.setLevel(min(damage_log.getEffectiveLevel(), logging.INFO))
     t0 = time.perf_counter()
     try:
         run.execute(until="quantize")
@@ -137,7 +172,8 @@ def depth_worker(a: argparse.Namespace) -> None:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0  # reset when quantize began
     peaks = world.all_gather_object(round(peak / 1e9, 2))
     if world.is_writer:
-        Path(a.result).write_text(json.dumps({"wall_s": wall, "quantize_peak_gb_per_rank": peaks}))
+        Path(a.result).write_text(json.dumps({"wall_s": wall, "quantize_peak_gb_per_rank": peaks,
+                                              "layer_damage_s": phases.seconds()}))
     close_world(world)
     exit_process(0)
 
