@@ -126,15 +126,16 @@ def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Work
                      ls.carry_layers)
     branches = tokens * d.hidden * (cost.streams * dt + cost.grad_streams * DTYPE_BYTES["bfloat16"])
     worst = max(layers, key=lambda L: L.weight_bytes)
+    originals = worst.n_experts * worst.expert_numel * dt  # the layer's expert weights while its schemes are written
     parts = {"layer damage: hidden states": branches if branches <= ACTIVATION_BUDGET_BYTES else 0.0,
              "layer damage: layer": worst.weight_bytes * dt / run.dtype_bytes,
+             "layer damage: original experts": originals,  # beside the layer where the GPU has room, else on the host
              "layer damage: RTN of 16 experts": 12 * 16 * worst.expert_numel}
     if ls.method == "bounded":
         parts["layer damage: backward through a layer"] = 3 * forward_transient(worst, run, d, 0) * dt / run.dtype_bytes
     seconds = (cost.weight_walks * sum(L.weight_bytes for L in layers) / THROUGHPUTS["load_bytes_per_s"]
                + cost.param_tokens / THROUGHPUTS["profile_param_tokens_per_s"])
     gpu = max(stage.gpu_bytes, sum(parts.values()))
-    originals = worst.n_experts * worst.expert_numel * dt  # the layer's expert weights, kept on the host
     host = HOST_BASE + parts["layer damage: layer"] + originals + branches - parts["layer damage: hidden states"]
     return dataclasses.replace(stage, gpu_bytes=gpu, host_bytes=max(stage.host_bytes, host),
                                seconds=stage.seconds + seconds, parts=stage.parts if gpu == stage.gpu_bytes else parts,

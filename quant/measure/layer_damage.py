@@ -50,6 +50,7 @@ from quant.recipe import parse_scheme
 
 log = logging.getLogger(__name__)
 _EXPERT_CHUNK = 16  # experts quantized at once while writing a scheme into a layer (bounds the fp32 temporaries)
+ORIGINALS_MARGIN_BYTES = 4 << 30  # free GPU memory left beside the originals' copy (the branch forwards' transients)
 STAGE = "layer damage"
 UNIT = "layer forwards"
 BACKWARD_FORWARDS = 2  # a backward pass through a layer counts as two forwards (progress, forecast)
@@ -94,6 +95,19 @@ def _write_rtn(view: ExpertsView, originals: tuple[torch.Tensor, torch.Tensor], 
             param.data[s : s + _EXPERT_CHUNK] = quantize_weight(chunk, spec, chunk.dtype).dequantize()
 
 
+def originals_device(view: ExpertsView, margin_bytes: int = ORIGINALS_MARGIN_BYTES) -> torch.device:
+    """Where a layer's original expert weights wait while its schemes are written: beside the layer on its GPU when
+    that has room for one more copy of them (every write then reads them there), else on the host (each of the K
+    writes copies them up again: on a DeepSeek-V3 layer, 22 GB a scheme)."""
+    dev = view.gate_up.device
+    if dev.type != "cuda":
+        return torch.device("cpu")
+    need = sum(p.numel() * p.element_size() for p in (view.gate_up, view.down))
+    free, _ = torch.cuda.mem_get_info(dev)
+    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # torch's cache is free to it too
+    return dev if free >= need + margin_bytes else torch.device("cpu")
+
+
 def _store(lw: Layerwise, clean: torch.Tensor, n_streams: int) -> torch.device:
     """Where ``n_streams`` tensors like ``clean`` live: the device while they fit the activation budget."""
     total = n_streams * clean.numel() * clean.element_size()
@@ -123,11 +137,13 @@ def _branch_kl(lw: Layerwise, clean: torch.Tensor, branches: list[torch.Tensor])
 
 
 class _Experts:
-    """One MoE layer's experts written at each scheme in turn, the originals restored on exit."""
+    """One MoE layer's experts written at each scheme in turn, the originals restored on exit; they wait on
+    ``where`` (``originals_device``)."""
 
-    def __init__(self, view: ExpertsView):
+    def __init__(self, view: ExpertsView, where: torch.device | None = None):
         self.view = view
-        self.originals = (view.gate_up.data.to("cpu", copy=True), view.down.data.to("cpu", copy=True))
+        where = originals_device(view) if where is None else where
+        self.originals = (view.gate_up.data.to(where, copy=True), view.down.data.to(where, copy=True))
 
     def write(self, bits: int, group: int) -> None:
         _write_rtn(self.view, self.originals, bits, group)
