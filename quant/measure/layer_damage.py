@@ -377,8 +377,9 @@ def _branch_pass(source: ModelSource, lw: Layerwise, inputs: list[torch.Tensor],
                 branches += alive[len(alive) - len(parsed):]
             del view  # it holds the layer's expert weights: gone before the next layer loads, not after
         clean_out = inputs[idx + 1] if idx + 1 < L else final
+        g = grads[idx].to(lw.device)  # once for every branch valued here (the gradients may wait on the host)
         for b in alive:
-            _value(lw, b, idx, clean_out, grads[idx])
+            _value(lw, b, idx, clean_out, g)
             if b.stop == idx and idx < L - 1:
                 b.hidden = None
         done += len(alive)
