@@ -3,16 +3,19 @@
 vLLM and SGLang run one quantization scheme per fused MoE layer. At equal average expert bits this compares the
 per-expert top-20 % plan (not servable by them) with servable plans: the per-layer projection of that plan,
 ``layer_sensitivity`` (per-layer KL damage measured in the profile, knapsack within the budget), the same with
-group sizes 32/64 on offer, and uniform W4 g32 — each with GPTQ and RTN, at 1× and 4× the calibration tokens
-(32, 128 windows of 256 tokens of license prose + CPython stdlib code, none of it held out); at 16× (512 windows)
-the configurations that answer "does GPTQ beat RTN with more tokens, and does the servable plan keep its lead"
-(``AT_SIZE``: uniform W4 g128, per-expert top-20 %, layer_sensitivity + g32/g64), so the study fits 25 minutes
-on 2 CPU cores. Metrics on the fixed held-out set of ``benchmarks/study.py`` (perplexity, KL(bf16‖q), top-1
-agreement; next-line exact match for the GPTQ checkpoints at 1×, the study's costliest metric, which separates
-nothing on this model). The design (configurations, sizes) and the tables are ``quant.study.servable``; the
-calibration texts come from ``benchmarks/reference_moe/build_corpus.py --calibration-manifest``.
+group sizes 32/64 on offer, uniform W4 g32, and the ``joint`` policy (up to two scheme groups per MoE layer, hot
+experts by sensitivity or by routed tokens, for vLLM with quant's plugin) — each with GPTQ and RTN, at 1× and 4×
+the calibration tokens (32, 128 windows of 256 tokens of license prose + CPython stdlib code, none of it held out);
+at 16× (512 windows) the configurations that answer "does GPTQ beat RTN with more tokens, and does the servable
+plan keep its lead" (``AT_SIZE``: uniform W4 g128, per-expert top-20 %, layer_sensitivity + g32/g64). Without the
+two joint configurations the study fits 25 minutes on 2 CPU cores; they add about a third to the 1× and 4× tasks.
+Metrics on the fixed held-out set of ``benchmarks/study.py`` (perplexity, KL(bf16‖q), top-1 agreement; next-line
+exact match for the GPTQ checkpoints at 1×, the study's costliest metric, which separates nothing on this model).
+The design (configurations, sizes) and the tables are ``quant.study.servable``; the calibration texts come from
+``benchmarks/reference_moe/build_corpus.py --calibration-manifest``.
 
-Runs (seed, size) tasks in ``--jobs`` worker processes of ``--threads`` threads each. Usage (repository root):
+Runs (seed, size) tasks in ``--jobs`` worker processes of ``--threads`` threads each; ``--sizes`` and ``--configs``
+(quoted configuration names) restrict what runs. Usage (repository root):
 
     python benchmarks/study_servable.py --seeds 0 1 2 --out study    # --damage-method exact: the quadratic pass
 """
@@ -26,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -95,19 +99,24 @@ def _plan_record(plan, src, prof) -> dict:
     from quant.plan.summary import summarize
 
     stored, numel = expert_storage(plan, src)
-    by_layer: dict[str, set] = {}
+    by_layer: dict[str, Counter] = {}
     for name, p in plan.modules.items():
         if (n := parse(name)).block == "experts" and n.leaf == "up":
-            by_layer.setdefault(str(n.layer), set()).add(f"w{p.bits}g{p.group_size}")
-    layers = {k: v.pop() if len(v) == 1 else "mixed" for k, v in by_layer.items()}
+            by_layer.setdefault(str(n.layer), Counter())[f"w{p.bits}g{p.group_size}"] += 1
+    # a layer's scheme, or its scheme groups with their expert counts, the larger scheme first: w8g128x6+w4g128x26
+    layers = {k: next(iter(v)) if len(v) == 1 else "+".join(f"{s}x{c}" for s, c in sorted(v.items(), reverse=True))
+              for k, v in by_layer.items()}
     return {"bits": summarize(plan, src, prof).headline.avg_bits_experts, "storage_bits": stored / numel,
             "servable": not problems_for(plan, src, "vllm") and not problems_for(plan, src, "sglang"),
+            "plugin": not problems_for(plan, src, "vllm-quant", ("compressed-tensors",)),
             "predicted_kl": predicted_kl(plan, src, prof), "layers": layers}
 
 
-def run_task(seed: int, size: str, manifest: str, work: Path, damage_method: str = "bounded") -> dict:
+def run_task(seed: int, size: str, manifest: str, work: Path, damage_method: str = "bounded",
+             configs: tuple[str, ...] = tuple(CONFIGS)) -> dict:
     """One calibration set: profile + layer damage (``damage_method``: quant.measure.layer_damage's ``bounded`` or
-    ``exact``), then every configuration x algorithm quantized and evaluated."""
+    ``exact``), then every configuration of ``configs`` the size runs (``AT_SIZE``) x algorithm quantized and
+    evaluated."""
     from quant.calibration import build_calibration
     from quant.dist.world import World
     from quant.engine.layerwise import Layerwise
@@ -128,7 +137,7 @@ def run_task(seed: int, size: str, manifest: str, work: Path, damage_method: str
     out = {"seed": seed, "size": size, "n_tokens": int(calib.tokens.numel()), "damage_method": damage_method,
            "damage_layer_forwards": damage.layer_forwards,
            "damage": {k: v.tolist() for k, v in prof.layer_damage.items()}, "results": {}}
-    for name, kw in ((n, kw) for n, kw in CONFIGS.items() if n in AT_SIZE.get(size, CONFIGS)):
+    for name, kw in ((n, kw) for n, kw in CONFIGS.items() if n in AT_SIZE.get(size, CONFIGS) and n in configs):
         spec = PlanSpec(**{"group_size": 128, "seed": seed, **kw})
         for algo in ALGORITHMS:
             plan = plan_bits(prof, src.modules, spec, algo, src.n_layers)
@@ -158,20 +167,20 @@ def _run_task(args: tuple) -> dict:
 
 
 def run(seeds: list[int], out: Path, jobs: int, threads: int, n_lines: int, sizes: dict[str, int],
-        damage_method: str = "bounded") -> dict:
+        damage_method: str = "bounded", configs: tuple[str, ...] = tuple(CONFIGS)) -> dict:
     import multiprocessing as mp
 
     work, done_dir = out / "work", out / "tasks"
     manifest = str(write_calibration_manifest(work / "calib"))
     done_dir.mkdir(parents=True, exist_ok=True)
-    tasks = [(seed, size, manifest, work, damage_method) for size in sizes for seed in seeds  # 1x first: a stopped run has its table
+    tasks = [(seed, size, manifest, work, damage_method, configs) for size in sizes for seed in seeds  # 1x first: a stopped run has its table
              if not (done_dir / f"{seed}-{size}.json").is_file()]  # a finished task is kept: rerun to resume
     t0, load0 = time.perf_counter(), os.getloadavg()
     with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(threads, n_lines)) as pool:
         for result in pool.imap_unordered(_run_task, tasks):  # the first failure stops the study
             (done_dir / f"{result['seed']}-{result['size']}.json").write_text(json.dumps(result))
     data = collect(seeds, out, sizes, jobs=jobs, threads=threads, wall_seconds=time.perf_counter() - t0,
-                   load_average_start_end=[load0, os.getloadavg()])
+                   load_average_start_end=[load0, os.getloadavg()], configs=list(configs))
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(done_dir, ignore_errors=True)
     return data
@@ -188,6 +197,8 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), help="calibration sizes")
     ap.add_argument("--damage-method", choices=("bounded", "exact"), default="bounded",
                     help="the layer-damage pass (profile.layer_sensitivity.method)")
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
+                    help="configurations to run (quoted names of quant.study.servable.CONFIGS; default: all)")
     ap.add_argument("--report-only", action="store_true",
                     help="tables of the tasks finished so far (a stopped run), without running any")
     a = ap.parse_args()
@@ -196,7 +207,7 @@ def main() -> None:
     if a.report_only:
         print(report(collect(seeds, out, {s: SIZES[s] for s in sizes}), out))
         return
-    data = run(seeds, out, jobs, threads, n_lines, {s: SIZES[s] for s in sizes}, a.damage_method)
+    data = run(seeds, out, jobs, threads, n_lines, {s: SIZES[s] for s in sizes}, a.damage_method, tuple(a.configs))
     print(report(data, out))
     print(f"wall time {data['wall_seconds']:.0f} s (this invocation), tasks' CPU time {data['task_cpu_seconds']:.0f} s "
           f"({jobs} jobs x {threads} threads)")

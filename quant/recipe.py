@@ -32,6 +32,7 @@ MAX_GB = 1e6  # a petabyte: any larger size or budget is a typo
 MAX_CARRY_LAYERS = 64  # profile.layer_sensitivity.carry_layers: past this, method exact costs no more
 DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
 # proxy gates -> the limit each one takes; any other gate names an eval task and takes max_drop (points)
+LAYER_DAMAGE_POLICIES = ("layer_sensitivity", "joint")  # plan policies priced with the profile's layer damage
 PROXY_GATES = {"perplexity": "max_rel_increase", "kl": "max_value", "top1_agreement": "max_value"}
 
 
@@ -167,7 +168,7 @@ class ProtectSpec(_Strict):
 
 class PlanSpec(_Strict):
     policy: Literal["top_fraction", "budget", "sensitivity", "random", "inverse", "uniform",
-                    "layer_sensitivity"] = "top_fraction"
+                    "layer_sensitivity", "joint"] = "top_fraction"
     top_fraction: float = 0.2
     score: Literal["tokens", "weight_mass", "product"] = "tokens"
     ranking: Literal["per_layer", "global"] = "per_layer"
@@ -178,6 +179,8 @@ class PlanSpec(_Strict):
     group_size: int = 128
     # layer policies: further group sizes a whole MoE layer may get, paying for the extra scales from the budget
     layer_group_sizes: tuple[int, ...] = ()
+    # policy joint: what ranks a MoE layer's experts for its hot scheme group and shares the layer's damage among them
+    split_by: Literal["sensitivity", "tokens", "weight_mass"] = "sensitivity"
     symmetric: bool = True
     granularity: Literal["per_expert", "per_layer"] = "per_expert"
     target_runtime: Literal["any", "vllm", "vllm-quant", "sglang", "transformers", "gptqmodel"] = "any"
@@ -232,10 +235,12 @@ class PlanSpec(_Strict):
                 f"plan.budget_avg_bits ({self.budget_avg_bits}) must lie between low_bits ({self.low_bits}) "
                 f"and high_bits ({self.high_bits})"
             )
-        if self.policy == "layer_sensitivity":
+        if self.policy in LAYER_DAMAGE_POLICIES:
             self._check_layer_policy()
         elif self.layer_group_sizes:
-            raise ValueError("plan.layer_group_sizes is read by plan.policy 'layer_sensitivity' only")
+            raise ValueError("plan.layer_group_sizes is read by plan.policy 'layer_sensitivity' or 'joint' only")
+        if self.split_by != "sensitivity" and self.policy != "joint":
+            raise ValueError(f"plan.split_by is read by plan.policy 'joint' only (the policy is '{self.policy}')")
         return self
 
     def pinned_layers(self) -> dict[int, tuple[int, int]]:
@@ -243,13 +248,19 @@ class PlanSpec(_Strict):
         return {int(k): parse_scheme(v) for k, v in self.layer_schemes.items()}
 
     def _check_layer_policy(self) -> None:
+        joint = self.policy == "joint"
+        granularity = "per_expert" if joint else "per_layer"  # joint: experts of one layer may differ
         fix = {"plan.budget_avg_bits": self.budget_avg_bits is not None and self.budget_gb is None,
-               "plan.granularity: per_layer": self.granularity == "per_layer",
+               f"plan.granularity: {granularity}": self.granularity == granularity,
                "plan.symmetric: true": self.symmetric, "plan.group_size other than -1": self.group_size != -1}
         missing = [k for k, ok in fix.items() if not ok]
         if missing:
-            raise ValueError(f"plan.policy 'layer_sensitivity' (one symmetric scheme per MoE layer within an "
-                             f"average-bits budget) needs {', '.join(missing)}")
+            what = ("up to two symmetric scheme groups per MoE layer, for quant's vLLM plugin" if joint
+                    else "one symmetric scheme per MoE layer")
+            hint = ("; for one scheme per MoE layer use plan.policy: layer_sensitivity" if joint
+                    and self.granularity == "per_layer" else "")
+            raise ValueError(f"plan.policy '{self.policy}' ({what}, within an average-bits budget) needs "
+                             f"{', '.join(missing)}{hint}")
 
 
 class QuantizeSpec(_Strict):
@@ -375,14 +386,14 @@ class Recipe(_Strict):
     def _layer_damage_measured(self) -> Recipe:
         """A layer policy chooses among schemes the profile measured: its base schemes must be among them."""
         p = self.plan
-        if p.policy != "layer_sensitivity":
+        if p.policy not in LAYER_DAMAGE_POLICIES:
             return self
         ls = self.profile.layer_sensitivity
         need = [scheme_name(b, p.group_size) for b in sorted({p.low_bits, p.high_bits})]
         have = set(ls.schemes) if ls else set()
         lacking = [s for s in need if s not in have]
         if lacking:
-            raise ValueError(f"plan.policy 'layer_sensitivity' needs profile.layer_sensitivity.schemes to include "
+            raise ValueError(f"plan.policy '{p.policy}' needs profile.layer_sensitivity.schemes to include "
                              f"{', '.join(lacking)} (have: {', '.join(sorted(have)) or 'profile.layer_sensitivity unset'})")
         for g in p.layer_group_sizes:
             if not any(parse_scheme(s)[1] == g for s in have):

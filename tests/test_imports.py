@@ -35,7 +35,7 @@ MODULES = {
     "forecast": [{"estimate"}, {"layer_costs", "footprint"}, {"throughputs"}],
     "eval": [{"evaluate"}, {"stream", "layer_error", "shipped_gptq"}, {"lmeval", "humaneval"}, {"sandbox"}, {"sandbox_child"},
              {"isolation", "seccomp"}],
-    "plan": [{"runtimes", "summary", "servable"}, {"bitplan", "layer_policy"}],
+    "plan": [{"runtimes", "summary", "servable"}, {"bitplan"}, {"joint_policy"}, {"layer_policy"}],
     "measure": [{"profile", "layer_damage"}],
     "engine": [{"quantize"}, {"algorithms"}, {"gptq_layer", "awq_layer"}, {"layer_job"}, {"rank_split", "hessians"},
                {"results", "solvers", "budgets", "layerwise", "qstore"}, {"routing"}],

@@ -118,7 +118,7 @@ LAYER_POLICY = {"policy": "layer_sensitivity", "granularity": "per_layer", "budg
      "needs plan.budget_avg_bits, plan.granularity: per_layer"),
     ({"plan": dict(LAYER_POLICY, symmetric=False), "profile": {"layer_sensitivity": {}}}, "plan.symmetric: true"),
     ({"plan": dict(LAYER_POLICY, layer_group_sizes=[-1]), "profile": {"layer_sensitivity": {}}}, "per channel"),
-    ({"plan": {"layer_group_sizes": [32]}}, "read by plan.policy 'layer_sensitivity' only"),
+    ({"plan": {"layer_group_sizes": [32]}}, "read by plan.policy 'layer_sensitivity' or 'joint' only"),
     ({"profile": {"layer_sensitivity": {"schemes": ["int4"]}}}, "written w<bits>g<group>"),
     ({"profile": {"layer_sensitivity": {"schemes": ["w5g128"]}}}, "bits of scheme 'w5g128'"),
     ({"profile": {"layer_sensitivity": {"schemes": ["w4g100"]}}}, "power of two"),
@@ -133,6 +133,39 @@ LAYER_POLICY = {"policy": "layer_sensitivity", "granularity": "per_layer", "budg
 def test_layer_policy_needs_its_measurements_and_settings(data, message):
     with pytest.raises(RecipeError, match=message):
         parse_recipe({"name": "x", **data})
+
+
+JOINT = {"policy": "joint", "budget_avg_bits": 4.75}
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"plan": JOINT}, r"plan.policy 'joint' needs profile.layer_sensitivity.schemes to include w4g128, w8g128 \(have: "
+                      r"profile.layer_sensitivity unset\)"),
+    ({"plan": dict(JOINT, layer_group_sizes=[64]), "profile": {"layer_sensitivity": {"schemes": ["w4g128", "w8g128"]}}},
+     "measures no scheme with group 64"),
+    ({"plan": {"policy": "joint"}, "profile": {"layer_sensitivity": {}}}, r"'joint' \(up to two .* needs plan.budget_avg_bits$"),
+    ({"plan": dict(JOINT, budget_avg_bits=None, budget_gb=1.0), "profile": {"layer_sensitivity": {}}},
+     "needs plan.budget_avg_bits"),
+    ({"plan": dict(JOINT, granularity="per_layer"), "profile": {"layer_sensitivity": {}}},
+     "needs plan.granularity: per_expert; for one scheme per MoE layer use plan.policy: layer_sensitivity"),
+    ({"plan": dict(JOINT, symmetric=False), "profile": {"layer_sensitivity": {}}}, "'joint' .* needs plan.symmetric: true"),
+    ({"plan": dict(JOINT, group_size=-1), "profile": {"layer_sensitivity": {}}}, "needs plan.group_size other than -1"),
+    ({"plan": dict(JOINT, layer_group_sizes=[-1]), "profile": {"layer_sensitivity": {}}}, "per channel"),
+    ({"plan": dict(JOINT, split_by="experts"), "profile": {"layer_sensitivity": {}}}, "plan.split_by"),
+    ({"plan": dict(LAYER_POLICY, split_by="tokens"), "profile": {"layer_sensitivity": {}}},
+     "plan.split_by is read by plan.policy 'joint' only \\(the policy is 'layer_sensitivity'\\)"),
+])
+def test_joint_policy_needs_its_measurements_and_settings(data, message):
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe({"name": "x", **data})
+
+
+def test_joint_policy_recipe_resolves():
+    r = parse_recipe({"name": "x", "plan": dict(JOINT, layer_group_sizes=[32, 64], split_by="tokens",
+                                                target_runtime="vllm-quant"), "profile": {"layer_sensitivity": {}}})
+    assert (r.plan.policy, r.plan.split_by, r.plan.layer_group_sizes) == ("joint", "tokens", (32, 64))
+    assert r.plan.granularity == "per_expert"
+    assert parse_recipe({"name": "x", "plan": JOINT, "profile": {"layer_sensitivity": {}}}).plan.split_by == "sensitivity"
 
 
 def test_layer_policy_recipe_resolves():

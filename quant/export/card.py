@@ -99,6 +99,11 @@ def _what(recipe: Recipe, source: ModelSource, fmt: str, schemes: dict[str, dict
         groups = ", ".join(str(g) for g in (p.group_size, *p.layer_group_sizes))
         policy += (f" (one scheme per MoE layer, chosen by measured output damage within {p.budget_avg_bits} average "
                    f"expert bits; group sizes {groups})")
+    elif p.policy == "joint":
+        groups = ", ".join(str(g) for g in (p.group_size, *p.layer_group_sizes))
+        policy += (f" (per MoE layer one scheme, or its hot experts by `{p.split_by}` at one scheme and the rest at "
+                   f"another, chosen by measured output damage within {p.budget_avg_bits} average expert bits; group "
+                   f"sizes {groups})")
     elif p.policy == "budget":
         policy += f" ({f'{p.budget_avg_bits} average expert bits' if p.budget_avg_bits else f'{p.budget_gb} GB'})"
     # the recipe's free-text description is not repeated: --set overrides (e.g. the algorithm) may contradict it

@@ -3,8 +3,9 @@
 Expert decisions come from a policy over per-expert scores (routing profile); rules for attention, shared
 experts, dense MLPs, super experts and edge layers override scores; router, embeddings and lm_head are always
 kept. ``per_layer`` granularity projects expert decisions onto whole MoE layers under the same budget, which is
-what vLLM can serve (one scheme per fused MoE layer). Layer policies (``quant.plan.layer_policy.LAYER_POLICIES``:
-``layer_sensitivity``) decide bits and group size per MoE layer directly.
+what vLLM can serve (one scheme per fused MoE layer). Layer policies (``LAYER_POLICIES``: ``layer_sensitivity``,
+one scheme per MoE layer; ``joint``, a layer's hot experts and the rest in up to two scheme groups) decide bits and
+group size for a MoE layer's experts directly from measured layer damage.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from quant.errors import PlanError
 from quant.measure.profile import RoutingProfile
 from quant.models import ModuleInfo
 from quant.models.names import block_name, parse
-from quant.plan.layer_policy import LAYER_POLICIES
+from quant.plan.joint_policy import joint
+from quant.plan.layer_policy import layer_sensitivity
 from quant.recipe import PlanSpec
 
 SCHEMA_VERSION = 2  # 2: the headline is a typed field (1 carried it as a JSON string in ``notes``)
 KEEP_BITS = 16  # what a kept (bf16/fp16) weight costs
+# plan.policy -> function deciding each MoE layer's expert scheme groups (``layer_policy.LayerGroups``)
+LAYER_POLICIES = {"layer_sensitivity": layer_sensitivity, "joint": joint}
 
 
 @dataclass(frozen=True)
@@ -280,8 +284,8 @@ def resolve_group_sizes(modules: dict[str, ModuleInfo], requested: int, formats:
     return out
 
 
-LAYER_GROUP_RULE = (" Layer policies ask for one group size per MoE layer (its scheme's); the same rule resolves it for "
-                    "that layer's experts.")
+LAYER_GROUP_RULE = (" Layer policies ask for a group size per scheme group of a MoE layer (one, or two with policy "
+                    "joint); the same rule resolves it for those experts.")
 
 
 def _resolve_requested(quantized: dict[str, ModuleInfo], requested: dict[str, int],
@@ -313,8 +317,8 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
               n_layers: int, formats: tuple[str, ...] = ("compressed-tensors",)) -> BitPlan:
     """Decide every module's bits from the profile and the plan spec (pure: no I/O, no model). ``formats``: the
     checkpoint formats the plan will be exported to (they decide which modules share a group size)."""
-    layer_schemes = LAYER_POLICIES[spec.policy](profile, modules, spec) if spec.policy in LAYER_POLICIES else None
-    high = _high_mask(profile, modules, spec) if layer_schemes is None else None
+    layer_groups = LAYER_POLICIES[spec.policy](profile, modules, spec) if spec.policy in LAYER_POLICIES else None
+    high = _high_mask(profile, modules, spec) if layer_groups is None else None
     supers = set(profile.super_experts(spec.protect.super_expert_ratio)) if spec.protect.super_experts else set()
     pinned = spec.pinned_layers()
     decided: dict[str, tuple[int | None, str]] = {}
@@ -329,9 +333,9 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
         elif m.kind == "expert" and m.layer in pinned:
             bits, group_size = pinned[m.layer]
             reason = f"plan.layer_schemes:w{bits}g{group_size}"
-        elif layer_schemes is not None:
-            bits, group_size = layer_schemes[m.layer]
-            reason = f"{spec.policy}:w{bits}g{group_size}"
+        elif layer_groups is not None:
+            (bits, group_size), role = layer_groups[m.layer].of(m.expert)
+            reason = f"{spec.policy}:{role + ':' if role else ''}w{bits}g{group_size}"
         elif high[profile.row(m.layer), m.expert]:
             bits, reason = spec.high_bits, f"{spec.policy}:high"
         else:
@@ -346,6 +350,6 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
                                 formats)
     out = {n: ModulePlan(bits, groups[n], spec.symmetric, reason) if bits is not None else ModulePlan(None, reason=reason)
            for n, (bits, reason) in decided.items()}
-    rule = GROUP_RULE.format(requested=spec.group_size) + (LAYER_GROUP_RULE if layer_schemes is not None else "")
+    rule = GROUP_RULE.format(requested=spec.group_size) + (LAYER_GROUP_RULE if layer_groups is not None else "")
     return BitPlan(out, algorithm, spec.granularity, spec.target_runtime, spec.policy, profile.model_fingerprint,
                    group_rule=rule)

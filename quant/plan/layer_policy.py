@@ -1,4 +1,5 @@
-"""Layer policies: one expert scheme per MoE layer (what vLLM and SGLang serve), chosen within a storage budget.
+"""Layer policies: the expert schemes of each MoE layer, chosen within a storage budget. ``layer_sensitivity`` gives
+each layer one scheme (what vLLM and SGLang serve); ``quant.plan.joint_policy`` may split a layer in two scheme groups.
 
 ``layer_sensitivity`` reads the profile's per-layer damage (``quant.measure.layer_damage``: KL of the model output when
 only that layer's experts take a scheme) and solves the multiple-choice knapsack
@@ -19,6 +20,7 @@ group is paid for from the same budget as more bits. ``plan.budget_avg_bits`` is
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +32,30 @@ from quant.recipe import PlanSpec, parse_scheme
 
 SCALE_BITS = 16  # one bf16/fp16 scale per group
 GRID = 100_000
+Scheme = tuple[int, int]  # (bits, requested group size), symmetric
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """What a layer policy gives one MoE layer's routed experts: ``rest`` for each, except the ``hot`` experts, which
+    get ``hot_scheme`` (no hot experts: one scheme for the layer)."""
+
+    rest: Scheme
+    hot: frozenset[int] = frozenset()
+    hot_scheme: Scheme | None = None
+
+    def __post_init__(self):
+        assert bool(self.hot) == (self.hot_scheme is not None and self.hot_scheme != self.rest), self
+
+    @property
+    def uniform(self) -> bool:
+        return not self.hot
+
+    def of(self, expert: int) -> tuple[Scheme, str]:
+        """(scheme, role) of one expert: role ``hot`` / ``rest`` in a split layer, ``""`` in a uniform one."""
+        if expert in self.hot:
+            return self.hot_scheme, "hot"
+        return self.rest, "" if self.uniform else "rest"
 
 
 def storage_bits(bits: float, group_size: int, in_features: int, symmetric: bool = True) -> float:
@@ -61,15 +87,20 @@ def choose_schemes(costs: torch.Tensor, damage: torch.Tensor, budget: float) -> 
         raise PlanError(f"the budget ({budget:.4g} bits) is below the cheapest allowed layer schemes "
                         f"({cheapest.values.sum().item():.4g} bits); raise plan.budget_avg_bits")
     units, cap = _units(costs, budget)
+    assert K < 2**15, K
     best = torch.zeros(cap + 1, dtype=torch.float64)  # best[c]: least damage of the layers so far within c units
     choice = torch.zeros(L, cap + 1, dtype=torch.int16)
-    for layer in range(L):
-        cand = torch.full((K, cap + 1), math.inf, dtype=torch.float64)
+    for layer in range(L):  # a running minimum over the layer's choices: memory O(cap), not O(K cap)
+        new = torch.full((cap + 1,), math.inf, dtype=torch.float64)
         for k in range(K):
             u = int(units[layer, k])
-            if u <= cap and not math.isinf(damage[layer, k].item()):
-                cand[k, u:] = best[: cap + 1 - u] + damage[layer, k].item()
-        best, choice[layer] = cand.min(dim=0)
+            if u > cap or math.isinf(damage[layer, k].item()):
+                continue
+            cand = best[: cap + 1 - u] + damage[layer, k].item()
+            better = cand < new[u:]  # strict: ties keep the lower index
+            new[u:] = torch.where(better, cand, new[u:])
+            choice[layer, u:][better] = k
+        best = new
     if math.isinf(best[cap].item()):  # only the rounding stands in the way: the cheapest choice fits exactly
         return cheapest.indices.tolist()
     picks, c = [0] * L, cap
@@ -92,33 +123,45 @@ def candidate_schemes(measured: dict[str, torch.Tensor], spec: PlanSpec) -> list
     return base + sorted((n for n in ok if n not in base), key=lambda n: parse_scheme(n))
 
 
-def layer_storage(modules: dict[str, ModuleInfo], profile: RoutingProfile, bits: float, group: int) -> torch.Tensor:
-    """``[L]`` stored bits of every MoE layer's routed experts at (bits, requested group), the group resolved for
-    the layer as the plan does (one group size for all its projections)."""
-    numel = torch.zeros(len(profile.layers), dtype=torch.float64)
+def storage_per_expert(modules: dict[str, ModuleInfo], profile: RoutingProfile, bits: float, group: int) -> torch.Tensor:
+    """``[L, E]`` stored bits of each routed expert (all its projections) at (bits, requested group), the group
+    resolved per MoE layer as the plan does (one group size for all the layer's projections)."""
+    numel = torch.zeros(len(profile.layers), profile.n_experts, dtype=torch.float64)
     widths: dict[int, set[int]] = {}
     for m in modules.values():
         if m.kind == "expert":
-            numel[profile.row(m.layer)] += m.numel
+            numel[profile.row(m.layer), m.expert] += m.numel
             widths.setdefault(profile.row(m.layer), set()).add(m.in_features)
     per_weight = torch.tensor([bits + SCALE_BITS / shared_group_size(group, widths.get(r, {group}))
                                for r in range(len(profile.layers))], dtype=torch.float64)
-    return numel * per_weight
+    return numel * per_weight.unsqueeze(1)
 
 
-def layer_sensitivity(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec) -> dict[int, tuple[int, int]]:
-    """MoE layer -> (bits, group size) of its experts: least summed damage within the storage budget."""
+def layer_storage(modules: dict[str, ModuleInfo], profile: RoutingProfile, bits: float, group: int) -> torch.Tensor:
+    """``[L]`` stored bits of every MoE layer's routed experts at (bits, requested group) (``storage_per_expert``)."""
+    return storage_per_expert(modules, profile, bits, group).sum(dim=1)
+
+
+def needs_damage(profile: RoutingProfile, policy: str) -> dict[str, torch.Tensor]:
+    """The profile's per-layer damage, which a layer policy prices its choices with."""
     if profile.layer_damage is None:
-        raise PlanError("plan.policy 'layer_sensitivity' needs per-layer damage in the profile; set "
+        raise PlanError(f"plan.policy '{policy}' needs per-layer damage in the profile; set "
                         "profile.layer_sensitivity and re-run `quant profile`")
-    names = candidate_schemes(profile.layer_damage, spec)
+    return profile.layer_damage
+
+
+def budget_bits(modules: dict[str, ModuleInfo], profile: RoutingProfile, spec: PlanSpec) -> float:
+    """The layer policies' storage budget: every routed expert at ``plan.budget_avg_bits`` code bits and
+    ``plan.group_size`` (what a per-expert plan with that average stores)."""
+    return layer_storage(modules, profile, spec.budget_avg_bits, spec.group_size).sum().item()
+
+
+def layer_sensitivity(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec) -> dict[int, LayerGroups]:
+    """MoE layer -> the one (bits, group size) of its experts: least summed damage within the storage budget."""
+    damage_by_scheme = needs_damage(profile, "layer_sensitivity")
+    names = candidate_schemes(damage_by_scheme, spec)
     parsed = [parse_scheme(n) for n in names]
     costs = torch.stack([layer_storage(modules, profile, b, g) for b, g in parsed], dim=1)
-    damage = torch.stack([profile.layer_damage[n] for n in names], dim=1)
-    budget = layer_storage(modules, profile, spec.budget_avg_bits, spec.group_size).sum().item()
-    picks = choose_schemes(costs, damage, budget)
-    return {layer: parsed[picks[row]] for row, layer in enumerate(profile.layers)}
-
-
-# plan.policy -> function deciding one (bits, group size) per MoE layer for its routed experts
-LAYER_POLICIES = {"layer_sensitivity": layer_sensitivity}
+    damage = torch.stack([damage_by_scheme[n] for n in names], dim=1)
+    picks = choose_schemes(costs, damage, budget_bits(modules, profile, spec))
+    return {layer: LayerGroups(parsed[picks[row]]) for row, layer in enumerate(profile.layers)}

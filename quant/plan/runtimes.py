@@ -71,6 +71,9 @@ def _mix_hint(plan: BitPlan, source: ModelSource, layer: int, schemes: set[tuple
         widths = ", ".join(sorted({str(s[1]) for s in schemes}, key=int))
         return (f"only their group sizes differ ({widths}: per-channel groups follow each projection's width); set "
                 f"plan.group_size to 32, 64 or 128")
+    if plan.policy == "joint":
+        return ("plan.policy joint splits a layer's experts into two scheme groups, which quant's vLLM plugin serves: "
+                "set plan.target_runtime: vllm-quant, or plan.policy: layer_sensitivity (one scheme per MoE layer)")
     if plan.granularity == "per_expert":
         return ("set plan.granularity: per_layer (bits per MoE layer), or plan.target_runtime: vllm-quant (quant's "
                 "vLLM plugin serves per-expert bits)" + _per_expert_hint(source))

@@ -1,7 +1,8 @@
 """The servable study's design and its tables (STUDY.md, ``benchmarks/study_servable.py`` runs it).
 
 At equal average expert bits on builtin:reference-moe: the per-expert top-20 % plan (not servable by vLLM/SGLang)
-against servable plans (one scheme per MoE layer), each with GPTQ and RTN, at several calibration sizes and seeds.
+against servable plans (one scheme per MoE layer) and the ``joint`` policy's (up to two scheme groups per MoE layer,
+served by vLLM with quant's plugin), each with GPTQ and RTN, at several calibration sizes and seeds.
 A task (seed, size) gives ``{"seed", "size", "damage", "results": {"<configuration>|<algorithm>": metrics}}``;
 ``collect`` gathers the finished ones into ``servable.json``, the tables and ``report`` read that. The share of the
 per-expert plan's KL gain a plan keeps (``recovered``) is per seed, against that seed's own baseline and reference.
@@ -19,6 +20,7 @@ BUDGET_BITS = 4.75  # the per-expert plan's average: 6 of 32 experts per layer a
 SCHEMES = ("w4g128", "w4g64", "w4g32", "w8g128")
 DAMAGE_SAMPLES = 16
 LAYER = dict(policy="layer_sensitivity", granularity="per_layer", budget_avg_bits=BUDGET_BITS)
+JOINT = dict(policy="joint", budget_avg_bits=BUDGET_BITS)  # up to two scheme groups per MoE layer (vllm-quant)
 CONFIGS = {  # name -> PlanSpec kwargs (attention 8-bit g128, router/embeddings/lm_head bf16 everywhere)
     "uniform W4 g128": dict(policy="uniform", low_bits=4, high_bits=4),
     "per-expert top-20%": dict(top_fraction=0.2, high_bits=8, low_bits=4),
@@ -26,6 +28,8 @@ CONFIGS = {  # name -> PlanSpec kwargs (attention 8-bit g128, router/embeddings/
     "layer_sensitivity W4/W8 g128": dict(LAYER),
     "layer_sensitivity + g32/g64": dict(LAYER, layer_group_sizes=(32, 64)),
     "uniform W4 g32": dict(policy="uniform", low_bits=4, high_bits=4, group_size=32),
+    "joint (by sensitivity) + g32/g64": dict(JOINT, layer_group_sizes=(32, 64)),
+    "joint (by tokens) + g32/g64": dict(JOINT, layer_group_sizes=(32, 64), split_by="tokens"),
 }
 REFERENCE, BASELINE = "per-expert top-20%", "uniform W4 g128"
 AT_SIZE = {"16x": (BASELINE, REFERENCE, "layer_sensitivity + g32/g64")}  # size -> configurations run (default: all)
@@ -77,6 +81,11 @@ def keys_run(data: dict) -> list[str]:
     return [f"{n}|{a}" for n in CONFIGS for a in ALGORITHMS if f"{n}|{a}" in ran]
 
 
+def _served_by(v) -> str:
+    """``yes``: stock vLLM and SGLang serve the plan; ``plugin``: only vLLM with quant's plugin (vllm-quant)."""
+    return "yes" if v("servable")[0] else "plugin" if v("plugin") and v("plugin")[0] else "no"
+
+
 def table_1x(data: dict) -> str:
     rows = ["| configuration | algorithm | vLLM/SGLang | avg expert bits | stored bits/weight | perplexity | "
             "KL(bf16‖q) ×1e3 | top-1 agreement | next-line EM | per-expert KL gain kept |",
@@ -84,9 +93,45 @@ def table_1x(data: dict) -> str:
     for key in keys_run(data):
         name, algo = key.split("|")
         v = lambda m, key=key: values(data, "1x", key, m)  # noqa: E731
-        rows.append(f"| {name} | {algo.upper()} | {'yes' if v('servable')[0] else 'no'} | {_ms(v('bits'), 2)} | "
+        rows.append(f"| {name} | {algo.upper()} | {_served_by(v)} | {_ms(v('bits'), 2)} | "
                     f"{_ms(v('storage_bits'), 3)} | {_ms(v('ppl'), 3)} | {_ms(v('kl'), 2, 1e3)} | {_ms(v('top1'), 4)} | "
                     f"{_ms(v('nextline_em'), 3)} | {_ms(recovered(data, '1x', key), 0, 100, ' %')} |")
+    return "\n".join(rows)
+
+
+def best_per_layer(data: dict, size: str, algo: str) -> str | None:
+    """The configuration stock vLLM/SGLang serve (one scheme per MoE layer) with the least mean KL at ``size``."""
+    served = [k for k in keys_run(data) if k.endswith(f"|{algo}") and values(data, size, k, "kl")
+              and all(values(data, size, k, "servable"))]
+    return min(served, key=lambda k: statistics.fmean(values(data, size, k, "kl")), default=None)
+
+
+def table_joint(data: dict, size: str) -> str:
+    """Per algorithm and seed: held-out KL ×1e3 (stored bits per expert weight) of the per-expert reference, the best
+    per-layer plan and each joint plan, with the joint plan's change against the best per-layer plan; then the mean."""
+    joints = [n for n, kw in CONFIGS.items() if kw.get("policy") == "joint"]
+    rows = []
+    for algo in ALGORITHMS:
+        best = best_per_layer(data, size, algo)
+        mine = [f"{n}|{algo}" for n in joints if values(data, size, f"{n}|{algo}", "kl")]
+        if best is None or not mine:
+            continue
+        cols = [f"{REFERENCE}|{algo}", best, *mine]
+        if not rows:
+            rows = ["| algorithm | seed | " + " | ".join(c.split("|")[0] for c in cols[:2])
+                    + " | " + " | ".join(f"{c.split('|')[0]} | change" for c in mine) + " |",
+                    "|---|---|" + "---|" * (2 + 2 * len(mine))]
+        kl = {c: values(data, size, c, "kl") for c in cols}
+        bits = {c: values(data, size, c, "storage_bits") for c in cols}
+        seeds = sorted(t["seed"] for t in data["tasks"] if t["size"] == size and best in t["results"])
+        for i, seed in enumerate(seeds):
+            cells = [f"{1e3 * kl[c][i]:.2f} ({bits[c][i]:.3f})" for c in cols[:2]]
+            cells += [f"{1e3 * kl[c][i]:.2f} ({bits[c][i]:.3f}) | {100 * (kl[c][i] / kl[best][i] - 1):+.1f} %"
+                      for c in mine]
+            rows.append(f"| {algo.upper()} | {seed} | " + " | ".join(cells) + " |")
+        change = [_ms([k / b - 1 for k, b in zip(kl[c], kl[best], strict=True)], 1, 100, " %") for c in mine]
+        rows.append(f"| {algo.upper()} | mean | " + " | ".join(_ms(kl[c], 2, 1e3) for c in cols[:2]) + " | "
+                    + " | ".join(f"{_ms(kl[c], 2, 1e3)} | {ch}" for c, ch in zip(mine, change, strict=True)) + " |")
     return "\n".join(rows)
 
 
@@ -119,7 +164,7 @@ def table_estimator(data: dict) -> str:
 def table_layers(data: dict) -> str:
     """Which scheme each MoE layer got, per configuration and calibration set (GPTQ plans)."""
     rows = ["| configuration | size | seed | layer schemes (0..7) |", "|---|---|---|---|"]
-    for key in (k for k in keys_run(data) if k.endswith("|gptq") and "layer" in k):
+    for key in (k for k in keys_run(data) if k.endswith("|gptq") and ("layer" in k or "joint" in k)):
         for t in sorted(data["tasks"], key=lambda t: (list(data["sizes"]).index(t["size"]), t["seed"])):
             if key not in t["results"]:
                 continue
@@ -164,8 +209,10 @@ def plot(data: dict, path: Path) -> None:
 
 def report(data: dict, out: Path) -> str:
     missing = [f"**Partial: tasks (seed-size) not finished: {', '.join(data['missing'])}.**"] if data["missing"] else []
+    joint = [x for size in data["sizes"] if (t := table_joint(data, size))
+             for x in (f"### Joint plans against the best per-layer plan ({size}): KL ×1e3 (stored bits)", t)]
     text = "\n\n".join(missing + [f"### 1x calibration ({data['sizes']['1x']} × {data['seq_len']} tokens)", table_1x(data),
-                        "### Calibration tokens: 1x, 4x, 16x", table_scaling(data),
+                        *joint, f"### Calibration tokens: {', '.join(data['sizes'])}", table_scaling(data),
                         "### Per-layer damage measured in the profile (1x, mean over seeds), KL ×1e3",
                         damage_table(data), "### Predicted vs measured KL", table_estimator(data),
                         "### Layer schemes chosen", table_layers(data)])

@@ -61,3 +61,21 @@ def test_report_only_tables_the_finished_tasks_and_names_the_rest(data, tmp_path
     assert text.startswith("**Partial: tasks (seed-size) not finished: 2-1x, 1-16x, 2-16x.**")
     assert (tmp_path / "servable_table.md").read_text() == text + "\n" and (tmp_path / "servable_kl.png").is_file()
     assert (tmp_path / "tasks" / "0-1x.json").is_file()  # nothing is removed
+
+
+def test_joint_table_compares_each_seed_with_the_best_per_layer_plan():
+    joint, g = "joint (by sensitivity) + g32/g64|gptq", "layer_sensitivity + g32/g64|gptq"
+    tasks = [_task(s, "1x", {BASE: 0.040, REF: 0.020, LAYER: lay, g: lg, joint: j})
+             for s, (lay, lg, j) in enumerate([(0.018, 0.015, 0.012), (0.019, 0.016, 0.016)])]
+    for t in tasks:
+        t["results"][REF]["servable"] = t["results"][joint]["servable"] = False
+        t["results"][joint]["storage_bits"] = 4.875
+    data = {"sizes": {"1x": 32}, "seq_len": 256, "schemes": ss.SCHEMES, "tasks": tasks}
+    assert ss.best_per_layer(data, "1x", "gptq") == g  # the servable plan with the least mean KL
+    rows = ss.table_joint(data, "1x").splitlines()
+    assert "| layer_sensitivity + g32/g64 | joint (by sensitivity) + g32/g64 | change |" in rows[0]
+    assert rows[2] == "| GPTQ | 0 | 20.00 (4.625) | 15.00 (4.625) | 12.00 (4.875) | -20.0 % |"
+    assert rows[3] == "| GPTQ | 1 | 20.00 (4.625) | 16.00 (4.625) | 16.00 (4.875) | +0.0 % |"
+    assert rows[4] == "| GPTQ | mean | 20.00 ± 0.00 | 15.50 ± 0.71 | 14.00 ± 2.83 | -10.0 ± 14.1 % |"
+    assert len(rows) == 5  # no RTN results: no RTN rows
+    assert ss.table_joint(data | {"tasks": [_task(0, "1x", {BASE: 0.04, REF: 0.02})]}, "1x") == ""
