@@ -21,15 +21,17 @@ layer's projections, resolved like the plan does). Two methods:
   and for W8 dominates its damage. Each MoE layer's share of that is measured on the branches that do reach it (the
   increase of their Fisher form across the layer), fit as ``a · s^b`` in the perturbation's mean relative size
   ``s = ‖Δ‖² / ‖h‖²`` arriving there, and added for the layers past each branch's stop at its size there. Branches
-  whose carry reaches the output get their exact KL. Layer forwards ≈ L (clean, inputs kept) + (1 + 2R) per layer
-  walked back for the gradients + K·(1 + carry) per MoE layer: linear in depth; activations L·N·S·D (every layer's
-  input) + R·N·S·D per gradient kept + the branches alive (K·carry). On the reference MoE (8 layers) it ranks the
-  layers per scheme as the exact pass does to within the exact pass's own variation between calibration samples
-  (STUDY.md).
+  whose carry reaches the output get their exact KL. Two walks: forward, keeping every layer's clean input, then
+  back from the last layer, where each layer makes its branches (carried through the ``carry`` layers above, kept
+  on the device meanwhile) before the gradient is carried down through it. Layer forwards ≈ L (clean) + (1 + 2R)
+  per layer walked back + K·(1 + carry) per MoE layer: linear in depth; activations L·N·S·D (every layer's input,
+  released as the walk passes) + R·N·S·D for each of the ``carry + 2`` gradients kept + the branches that reach the
+  last layer (K·(1 + carry)). On the reference MoE (8 layers) it ranks the layers per scheme as the exact pass
+  does to within the exact pass's own variation between calibration samples (STUDY.md).
 
-Both read every layer's weights once per pass (exact: one pass; bounded: three) and keep one copy of a layer's expert
-weights in host memory while its branches are made. Activations stay on the device when they fit ``Layerwise``'s
-activation budget, else on the CPU.
+Both read every layer's weights once per walk (exact: one; bounded: two) and keep one copy of a layer's expert
+weights while its branches are made (beside the layer where its GPU has room, else in host memory). Activations
+stay on the device when they fit ``Layerwise``'s activation budget, else on the CPU.
 """
 
 from __future__ import annotations
@@ -242,8 +244,8 @@ def pass_cost(layers: list[tuple[float, bool]], n_schemes: int, n_tokens: int, m
     param_tokens = sum(n * n_tokens * active for n, (active, _) in zip(per_layer, layers, strict=True))
     if method == "exact":
         return PassCost(sum(per_layer), param_tokens, 1, 1 + n_schemes * len(moe))
-    grads = draws * (len(layers) - moe[0]) if moe else 0
-    return PassCost(sum(per_layer), param_tokens, 3, len(layers) + 1 + n_schemes * (1 + carry), grads)
+    grads = draws * (carry + 2) if moe else 0  # the walk back's window (``_working_streams``)
+    return PassCost(sum(per_layer), param_tokens, 2, len(layers) + 2 + n_schemes * (1 + carry), grads)
 
 
 def _walked_back(moe: list[int], n_layers: int) -> range:
@@ -265,20 +267,27 @@ def _bounded(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, parsed: d
              carry: int, draws: int, seed: int) -> tuple[dict[str, torch.Tensor], int]:
     L, moe = source.n_layers, source.moe_layers()
     total = pass_cost([(0.0, i in moe) for i in range(L)], len(parsed), 0, "bounded", carry, draws).layer_forwards
-    log.info("layer damage: %d layers forward, gradients back, branches carried %d layer(s)", L, carry,
-             extra=step(STAGE, 0, total, UNIT))
-    inputs, final = _clean_pass(lw, tokens, total)
-    done = L
-    grads, done = _gradients(source, lw, inputs, final, moe, draws, seed, done, total)
-    branches, done = _branch_pass(source, lw, inputs, final, grads, parsed, carry, done, total)
+    log.info("layer damage: %d layers forward, then back with gradients and branches carried %d layer(s)", L,
+             carry, extra=step(STAGE, 0, total, UNIT))
+    inputs, final = _clean_pass(lw, tokens, total, _working_streams(len(parsed), carry, draws))
+    branches, done = _walk_back(source, lw, inputs, final, parsed, carry, draws, seed, L, total)
     return _estimate(branches, moe, L, parsed), done
 
 
-def _clean_pass(lw: Layerwise, tokens: torch.Tensor, total: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Every decoder layer's clean input ``[N, S, D]`` and the last layer's output."""
+def _working_streams(n_schemes: int, carry: int, draws: int) -> int:
+    """Tensors like a layer's hidden states the walk back holds beside the clean inputs: the gradients at the
+    ``carry + 1`` layer outputs its branches are valued at and the one below (R each), the branch being carried,
+    and the branches that reach the last layer (their exact KL is taken after the walk)."""
+    return draws * (carry + 2) + 1 + n_schemes * (carry + 1)
+
+
+def _clean_pass(lw: Layerwise, tokens: torch.Tensor, total: int,
+                working: int) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """Every decoder layer's clean input ``[N, S, D]`` and the last layer's output; on the device while they and the
+    ``working`` tensors of the walk back fit the activation budget."""
     h = lw.embed(tokens)
     L = lw.source.n_layers
-    store = _store(lw, h, L + 1)
+    store = _store(lw, h, L + 1 + working)
     inputs = []
     for idx in range(L):
         inputs.append(h.to(store, copy=True))
@@ -318,25 +327,6 @@ def _head_cotangents(lw: Layerwise, final: torch.Tensor, draws: int, seed: int, 
     return out
 
 
-def _gradients(source: ModelSource, lw: Layerwise, inputs: list[torch.Tensor], final: torch.Tensor, moe: list[int],
-               draws: int, seed: int, done: int, total: int) -> tuple[dict[int, torch.Tensor], int]:
-    """Decoder layer -> ``[R, N, S, D]`` gradient at its output, for every layer from the first MoE layer on."""
-    L = source.n_layers
-    if not moe:
-        return {}, done
-    store = _store(lw, final, L + 1 + draws * (L - moe[0]))
-    g = _head_cotangents(lw, final, draws, seed, store)
-    grads = {L - 1: g}
-    for idx in _walked_back(moe, L):
-        below = torch.empty_like(g)
-        with lw.layer(idx, ahead=idx - 1) as layer:
-            lw.vjp(layer, inputs[idx], g, out=below)
-        g = grads[idx - 1] = below
-        done += 1 + BACKWARD_FORWARDS * draws
-        _progress(done, total, "gradients back through", idx)
-    return grads, done
-
-
 def _value(lw: Layerwise, b: _Branch, idx: int, clean_out: torch.Tensor, g: torch.Tensor) -> None:
     """The branch's Fisher form ``½ mean over draws of Σ_positions (g · Δ)²`` (per position: the second-order KL of
     ``Δ = hidden - clean_out``) and its mean relative size ``‖Δ‖² / ‖h‖²`` at layer ``idx``'s output, batch by batch
@@ -353,41 +343,73 @@ def _value(lw: Layerwise, b: _Branch, idx: int, clean_out: torch.Tensor, g: torc
     b.size[idx] = size / n_positions
 
 
-def _branch_pass(source: ModelSource, lw: Layerwise, inputs: list[torch.Tensor], final: torch.Tensor,
-                 grads: dict[int, torch.Tensor], parsed: dict[str, tuple[int, int]], carry: int, done: int,
-                 total: int) -> tuple[list[_Branch], int]:
-    """Each (MoE layer, scheme) branch from its layer through ``carry`` more, valued at every layer's output; those
-    that run the last layer also get their exact KL (``fisher[L]``)."""
+def _walk_back(source: ModelSource, lw: Layerwise, inputs: list[torch.Tensor | None], final: torch.Tensor,
+               parsed: dict[str, tuple[int, int]], carry: int, draws: int, seed: int, done: int,
+               total: int) -> tuple[list[_Branch], int]:
+    """From the last layer down to the first MoE layer, one weight read each: at layer ``idx`` (the ``carry`` layers
+    above it still on the device, experts clean) each scheme's branch runs ``idx`` with its experts round-to-nearest
+    and then the layers above, valued at every output it reaches with the gradient there; then the gradient is
+    carried down through ``idx`` (clean again). Branches that run the last layer also get their exact KL
+    (``fisher[L]``). Only the gradients of the ``carry + 1`` outputs above are kept, and each clean input until no
+    branch is valued against it any more."""
     L, moe = source.n_layers, source.moe_layers()
-    store = _store(lw, final, L + 1 + len(parsed) * (1 + carry))
+    if not moe:
+        return [], done
+    for j in range(moe[0]):
+        inputs[j] = None  # below every branch
+    store = _store(lw, final, _working_streams(len(parsed), carry, draws))
+    grads = {L - 1: _head_cotangents(lw, final, draws, seed, store)}
     branches: list[_Branch] = []
-    for idx in range(moe[0] if moe else L, L):
-        alive = [b for b in branches if b.hidden is not None and b.start < idx <= b.stop]
-        with lw.layer(idx) as layer:
-            for b in alive:
-                b.hidden = lw.forward(layer, b.hidden, out=b.hidden)
+    resident: dict[int, tuple] = {}  # decoder layer -> (its context, the layer): the ``carry`` above the current one
+    try:
+        for idx in range(L - 1, moe[0] - 1, -1):
+            for j in [j for j in resident if j > idx + carry]:
+                resident.pop(j)[0].__exit__(None, None, None)  # before the next layer loads
+            context = lw.layer(idx, ahead=idx - 1)
+            resident[idx] = (context, context.__enter__())
+            layer = resident[idx][1]
             view = experts_of(source, layer, idx)
             if view is not None:
                 with _Experts(view) as experts:
                     for name, (bits, group) in parsed.items():
                         experts.write(bits, group)
-                        out = torch.empty(inputs[idx].shape, dtype=inputs[idx].dtype, device=store)
-                        alive.append(_Branch(moe.index(idx), name, idx, min(idx + carry, L - 1),
-                                             lw.forward(layer, inputs[idx], out=out)))
-                branches += alive[len(alive) - len(parsed):]
+                        b = _Branch(moe.index(idx), name, idx, min(idx + carry, L - 1), None)
+                        b.hidden = lw.forward(layer, inputs[idx], out=torch.empty_like(inputs[idx], device=store))
+                        _carry(lw, b, resident, inputs, final, grads)
+                        done += 1 + b.stop - b.start
+                        branches.append(b)
             del view  # it holds the layer's expert weights: gone before the next layer loads, not after
-        clean_out = inputs[idx + 1] if idx + 1 < L else final
-        g = grads[idx].to(lw.device)  # once for every branch valued here (the gradients may wait on the host)
-        for b in alive:
-            _value(lw, b, idx, clean_out, g)
-            if b.stop == idx and idx < L - 1:
-                b.hidden = None
-        done += len(alive)
-        _progress(done, total, "branches through", idx)
+            if idx > moe[0]:
+                below = torch.empty_like(grads[idx])
+                lw.vjp(layer, inputs[idx], grads[idx], out=below)
+                grads[idx - 1] = below
+                done += 1 + BACKWARD_FORWARDS * draws
+            for j in [j for j in grads if j > idx - 1 + carry]:
+                del grads[j]  # every branch valued there is made
+            if idx + carry + 1 < L:
+                inputs[idx + carry + 1] = None  # the clean output of layer idx + carry: no later branch reaches it
+            _progress(done, total, "back through", idx)
+    finally:
+        for context, _ in resident.values():
+            context.__exit__(None, None, None)
     ending = [b for b in branches if b.hidden is not None]
     for b, kl in zip(ending, _branch_kl(lw, final, [b.hidden for b in ending]), strict=True):
         b.fisher[L], b.hidden = kl, None  # the exact KL, after the head
     return branches, done
+
+
+def _carry(lw: Layerwise, b: _Branch, resident: dict[int, tuple], inputs: list[torch.Tensor | None],
+           final: torch.Tensor, grads: dict[int, torch.Tensor]) -> None:
+    """Value branch ``b`` at its own layer's output, then run it through the resident layers above up to its stop,
+    valued at each; it keeps its hidden states only when it stops at the last layer (for the exact KL)."""
+    L = len(inputs)
+    for idx in range(b.start, b.stop + 1):
+        if idx > b.start:
+            b.hidden = lw.forward(resident[idx][1], b.hidden, out=b.hidden)
+        clean_out = inputs[idx + 1] if idx + 1 < L else final
+        _value(lw, b, idx, clean_out, grads[idx].to(lw.device))
+    if b.stop < L - 1:
+        b.hidden = None
 
 
 def _law(points: list[tuple[float, float]]) -> tuple[float, float] | None:

@@ -74,19 +74,23 @@ def test_spread_rows_cover_every_source_block():
 
 def test_a_layer_s_expert_weights_are_gone_before_the_next_layer_loads(monkeypatch):
     """As in the profile (tests/measure/test_profile.py): the pass's experts view must not keep a layer's expert weights
-    alive through the next layer's load."""
+    alive through the next layer's load. The bounded walk back keeps the ``carry`` layers above the one it loads (its
+    branches run through them): those, and no others."""
     from quant.measure import layer_damage
     from tests.measure.test_profile import expert_weights_alive_at_each_load
 
     src = resolve_model("builtin:deepseek-v3-tiny")
+    L, first = src.n_layers, src.moe_layers()[0]
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    first = src.moe_layers()[0]  # bounded: the clean walk, back down to above the first MoE layer, its branches
-    for method, loads in (("exact", src.n_layers), ("bounded", 3 * src.n_layers - 2 * first - 1)):
+    # bounded: the clean walk (no experts handed out), then back from the last layer to the first MoE layer
+    for method, carry, want in (("exact", 1, [0] * L),
+                                ("bounded", 1, [0] * L + [0] + [1] * (L - 1 - first)),
+                                ("bounded", 2, [0] * L + [0, 1] + [2] * (L - 2 - first))):
         alive = expert_weights_alive_at_each_load(
             monkeypatch, layer_damage,
-            lambda method=method: measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2, World()), ("w4g32",),
-                                                       method))
-        assert alive == [0] * loads, method
+            lambda method=method, carry=carry: measure_layer_damage(
+                src, tokens, Layerwise(src, "float32", "cpu", 2, World()), ("w4g32",), method, carry))
+        assert alive == want, (method, carry)
         monkeypatch.undo()
 
 
@@ -121,7 +125,7 @@ def test_pass_cost_counts_what_the_pass_runs_and_progress_reports_it(model, meth
     assert steps[0].done == 0 and steps[-1].done == forwards
     assert [s.done for s in steps] == sorted(s.done for s in steps)
     L, first = src.n_layers, src.moe_layers()[0]
-    assert len(steps) == 1 + L + (0 if method == "exact" else (L - 1 - first) + (L - first))
+    assert len(steps) == 1 + L + (0 if method == "exact" else L - first)
     (summary,) = [r.getMessage() for r in caplog.records if "KL x1e3 per layer" in r.getMessage()]
     assert re.search(r"per layer: w4g32 -?\d+\.\d{3}(, -?\d+\.\d{3})*; w8g32 ", summary) and "[" not in summary, summary
 
