@@ -129,6 +129,8 @@ LAYER_POLICY = {"policy": "layer_sensitivity", "granularity": "per_layer", "budg
     ({"profile": {"layer_sensitivity": {"method": "full"}}}, "'bounded' or 'exact'"),
     ({"profile": {"layer_sensitivity": {"method": "exact", "carry_layers": 2}}}, "read by method 'bounded' only"),
     ({"profile": {"layer_sensitivity": {"carry_layers": 0}}}, "carry_layers.*greater than or equal to 1"),
+    ({"profile": {"layer_sensitivity": {"method": "exact", "draws": 4}}}, "draws is read by method 'bounded' only"),
+    ({"profile": {"layer_sensitivity": {"draws": 0}}}, "draws.*greater than or equal to 1"),
 ])
 def test_layer_policy_needs_its_measurements_and_settings(data, message):
     with pytest.raises(RecipeError, match=message):

@@ -123,7 +123,7 @@ def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Work
     dt = DTYPE_BYTES[ls.dtype]
     tokens = ls.n_samples * run.seq_len
     cost = pass_cost([(L.active_params, L.n_experts > 0) for L in layers], len(ls.schemes), tokens, ls.method,
-                     ls.carry_layers)
+                     ls.carry_layers, ls.draws)
     branches = tokens * d.hidden * (cost.streams * dt + cost.grad_streams * DTYPE_BYTES["bfloat16"])
     worst = max(layers, key=lambda L: L.weight_bytes)
     originals = worst.n_experts * worst.expert_numel * dt  # the layer's expert weights while its schemes are written
@@ -133,6 +133,8 @@ def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Work
              "layer damage: RTN of 16 experts": 12 * 16 * worst.expert_numel}
     if ls.method == "bounded":
         parts["layer damage: backward through a layer"] = 3 * forward_transient(worst, run, d, 0) * dt / run.dtype_bytes
+        # the walk back keeps the carry_layers above the one it works on (their branches run through them)
+        parts["layer damage: layers kept above"] = ls.carry_layers * parts["layer damage: layer"]
     seconds = (cost.weight_walks * sum(L.weight_bytes for L in layers) / THROUGHPUTS["load_bytes_per_s"]
                + cost.param_tokens / THROUGHPUTS["profile_param_tokens_per_s"])
     gpu = max(stage.gpu_bytes, sum(parts.values()))

@@ -44,7 +44,7 @@ import torch
 
 from quant.algos.grid import QuantSpec, quantize_weight, shared_group_size
 from quant.engine.layerwise import Layerwise
-from quant.errors import NumericalError
+from quant.errors import NumericalError, RecipeError
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, release
 from quant.progress import step
@@ -368,6 +368,8 @@ def _walk_back(source: ModelSource, lw: Layerwise, inputs: list[torch.Tensor | N
             context = lw.layer(idx, ahead=idx - 1)
             resident[idx] = (context, context.__enter__())
             layer = resident[idx][1]
+            if idx == L - 1:
+                _check_window(layer, carry, min(carry, L - 1 - moe[0]))
             view = experts_of(source, layer, idx)
             if view is not None:
                 with _Experts(view) as experts:
@@ -396,6 +398,21 @@ def _walk_back(source: ModelSource, lw: Layerwise, inputs: list[torch.Tensor | N
     for b, kl in zip(ending, _branch_kl(lw, final, [b.hidden for b in ending]), strict=True):
         b.fisher[L], b.hidden = kl, None  # the exact KL, after the head
     return branches, done
+
+
+def _check_window(layer: torch.nn.Module, carry: int, above: int) -> None:
+    """The walk back keeps ``above`` layers on the GPU beside the one it works on: refuse a carry whose layers do not
+    fit, before any branch is made (a device out of memory later would lose the pass)."""
+    dev = next(layer.parameters()).device
+    if dev.type != "cuda" or above == 0:
+        return
+    layer_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    free, _ = torch.cuda.mem_get_info(dev)
+    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    if above * layer_bytes + ORIGINALS_MARGIN_BYTES > free:
+        raise RecipeError(f"profile.layer_sensitivity.carry_layers {carry} keeps {above} more decoder layer(s) of "
+                          f"{layer_bytes / 1e9:.1f} GB on the GPU during the walk back, and it has {free / 1e9:.1f} GB "
+                          "free: use a smaller carry_layers, or method exact")
 
 
 def _carry(lw: Layerwise, b: _Branch, resident: dict[int, tuple], inputs: list[torch.Tensor | None],

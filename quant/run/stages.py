@@ -75,7 +75,8 @@ def _layer_damage(recipe: Recipe, source: ModelSource, calib: CalibrationSet, wo
     ls = recipe.profile.layer_sensitivity
     tokens = calib.tokens[spread_rows(calib.tokens.shape[0], ls.n_samples)]
     lw = Layerwise(source, ls.dtype, recipe.quantize.device, recipe.profile.batch_size, world)
-    return measure_layer_damage(source, tokens, lw, ls.schemes, ls.method, ls.carry_layers, seed=calib.seed).damage
+    return measure_layer_damage(source, tokens, lw, ls.schemes, ls.method, ls.carry_layers, ls.draws,
+                                seed=calib.seed).damage
 
 
 def run_profile(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:

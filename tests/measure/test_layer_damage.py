@@ -173,3 +173,28 @@ def test_originals_on_the_gpu_give_the_figures_of_originals_on_the_host(source, 
     on_host = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cuda", 2, World()), SCHEMES)
     for name in SCHEMES:
         assert torch.equal(on_gpu.damage[name], on_host.damage[name]), name
+
+
+def test_more_label_draws_change_the_bounded_figures_not_the_exact_ones(source):
+    """``draws`` reaches the gradients: other draws, other (less noisy) Fisher forms; carried to the output the branches
+    take their exact KL and draws change nothing."""
+    tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    run = lambda carry, draws: measure_layer_damage(  # noqa: E731
+        source, tokens, Layerwise(source, "float32", "cpu", 2, World()), ("w4g32",), "bounded", carry, draws).damage
+    one, four = run(1, 1)["w4g32"], run(1, 4)["w4g32"]
+    assert not torch.equal(one[:-2], four[:-2])  # the layers whose branches stop before the output
+    assert torch.equal(one[-1:], four[-1:])  # the last MoE layer's branch reaches the head: its exact KL
+    L = source.n_layers
+    assert torch.equal(run(L, 1)["w4g32"], run(L, 4)["w4g32"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_carry_whose_layers_do_not_fit_the_gpu_is_refused_before_any_branch(source, monkeypatch):
+    from quant.errors import RecipeError
+    from quant.measure import layer_damage
+
+    monkeypatch.setattr(layer_damage, "ORIGINALS_MARGIN_BYTES", 1 << 60)
+    tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    with pytest.raises(RecipeError, match="carry_layers 2 keeps 2 more decoder layer"):
+        measure_layer_damage(source, tokens, Layerwise(source, "float32", "cuda", 2, World()), ("w4g32",), "bounded", 2)
