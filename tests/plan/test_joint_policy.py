@@ -17,20 +17,13 @@ from quant.plan.layer_policy import GRID, storage_bits
 from quant.plan.runtimes import problems_for
 from quant.recipe import PlanSpec
 from tests.conftest import expert_schemes_by_layer
+from tests.plan.test_layer_policy import INTER, D, moe_modules
 
-D, INTER = 256, 128
 SCHEMES = {"w4g128": (4, 128), "w8g128": (8, 128), "w4g32": (4, 32)}
 
 
 def _modules(n_layers: int, n_experts: int) -> dict[str, ModuleInfo]:
-    out = {}
-    for L in range(n_layers):
-        out[f"layers.{L}.attn.q"] = ModuleInfo(f"layers.{L}.attn.q", "x", "attn", L, None, D, D)
-        out[f"layers.{L}.router"] = ModuleInfo(f"layers.{L}.router", "x", "router", L, None, n_experts, D)
-        for e in range(n_experts):
-            for p, (o, i) in {"gate": (INTER, D), "up": (INTER, D), "down": (D, INTER)}.items():
-                out[f"layers.{L}.experts.{e}.{p}"] = ModuleInfo(f"layers.{L}.experts.{e}.{p}", "x", "expert", L, e, o, i)
-    return out
+    return moe_modules(list(range(n_layers)), n_experts)
 
 
 def _profile(damage: dict[str, list[float]], sensitivity: torch.Tensor, counts: torch.Tensor | None = None):

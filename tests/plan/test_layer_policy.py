@@ -68,15 +68,20 @@ def test_storage_bits_counts_scales_and_zero_points():
     assert storage_bits(4, 32, 256, symmetric=False) == 4 + 16 / 32 + 4 / 32
 
 
-def _modules() -> dict[str, ModuleInfo]:
+def moe_modules(layers: list[int], n_experts: int) -> dict[str, ModuleInfo]:
+    """Each layer's attention q, router and experts' gate/up/down at hidden D, intermediate INTER."""
     out = {}
-    for L in LAYERS:
+    for L in layers:
         out[f"layers.{L}.attn.q"] = ModuleInfo(f"layers.{L}.attn.q", "x", "attn", L, None, D, D)
-        out[f"layers.{L}.router"] = ModuleInfo(f"layers.{L}.router", "x", "router", L, None, E, D)
-        for e in range(E):
+        out[f"layers.{L}.router"] = ModuleInfo(f"layers.{L}.router", "x", "router", L, None, n_experts, D)
+        for e in range(n_experts):
             for p, (o, i) in {"gate": (INTER, D), "up": (INTER, D), "down": (D, INTER)}.items():
                 out[f"layers.{L}.experts.{e}.{p}"] = ModuleInfo(f"layers.{L}.experts.{e}.{p}", "x", "expert", L, e, o, i)
     return out
+
+
+def _modules() -> dict[str, ModuleInfo]:
+    return moe_modules(LAYERS, E)
 
 
 def _profile(damage: dict[str, list[float]]) -> RoutingProfile:
