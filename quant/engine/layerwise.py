@@ -81,6 +81,13 @@ def device_memory_bytes(device: torch.device) -> int:
     return host_available_bytes()
 
 
+def free_gpu_bytes(device: torch.device) -> int:
+    """What a new allocation on GPU ``device`` can still take: the driver's free memory plus what torch's caching
+    allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quant.algos.grid import QuantSpec, quantize_weight, shared_group_size
-from quant.engine.layerwise import Layerwise
+from quant.engine.layerwise import Layerwise, free_gpu_bytes
 from quant.errors import NumericalError, RecipeError
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, release
@@ -105,9 +105,7 @@ def originals_device(view: ExpertsView, margin_bytes: int = ORIGINALS_MARGIN_BYT
     if dev.type != "cuda":
         return torch.device("cpu")
     need = sum(p.numel() * p.element_size() for p in (view.gate_up, view.down))
-    free, _ = torch.cuda.mem_get_info(dev)
-    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)  # torch's cache is free to it too
-    return dev if free >= need + margin_bytes else torch.device("cpu")
+    return dev if free_gpu_bytes(dev) >= need + margin_bytes else torch.device("cpu")
 
 
 def _store(lw: Layerwise, clean: torch.Tensor, n_streams: int) -> torch.device:
@@ -139,12 +137,12 @@ def _branch_kl(lw: Layerwise, clean: torch.Tensor, branches: list[torch.Tensor])
 
 
 class _Experts:
-    """One MoE layer's experts written at each scheme in turn, the originals restored on exit; they wait on
-    ``where`` (``originals_device``)."""
+    """One MoE layer's experts written at each scheme in turn, the originals restored on exit; they wait where
+    ``originals_device`` says."""
 
-    def __init__(self, view: ExpertsView, where: torch.device | None = None):
+    def __init__(self, view: ExpertsView):
         self.view = view
-        where = originals_device(view) if where is None else where
+        where = originals_device(view)
         self.originals = (view.gate_up.data.to(where, copy=True), view.down.data.to(where, copy=True))
 
     def write(self, bits: int, group: int) -> None:
@@ -407,8 +405,7 @@ def _check_window(layer: torch.nn.Module, carry: int, above: int) -> None:
     if dev.type != "cuda" or above == 0:
         return
     layer_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-    free, _ = torch.cuda.mem_get_info(dev)
-    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    free = free_gpu_bytes(dev)
     if above * layer_bytes + ORIGINALS_MARGIN_BYTES > free:
         raise RecipeError(f"profile.layer_sensitivity.carry_layers {carry} keeps {above} more decoder layer(s) of "
                           f"{layer_bytes / 1e9:.1f} GB on the GPU during the walk back, and it has {free / 1e9:.1f} GB "
