@@ -9,8 +9,9 @@ skips the other groups' experts, the outputs summed. With two or more groups on 
 (joined before the sum, so CUDA graphs capture both): at small batches each Marlin call leaves most of the GPU idle,
 at large ones the two calls only contend (1 x H200, 5 Qwen3-30B-A3B layers, 128/128 tokens: overlapped 1.29x and
 1.39x the sequential groups at 1 and 16 requests, 0.95x at 256). ``QUANT_MOE_OVERLAP`` = ``0`` runs the groups one
-after the other on vLLM's stream at every batch, ``1`` overlaps them at every batch. Tensor parallelism splits each expert's intermediate dimension
-as vLLM does for every MoE layer; expert parallelism and EPLB are refused when the layer is built.
+after the other on vLLM's stream at every batch, ``1`` overlaps them at every batch. Tensor parallelism splits each
+expert's intermediate dimension as vLLM does for every MoE layer; expert parallelism and EPLB are refused when the
+layer is built.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class MixedExpertsMethod(FusedMoEMethodBase):
         if mode not in ("", "0", "1"):
             raise ValueError(f"{QUANT_METHOD}: QUANT_MOE_OVERLAP={mode!r}: use 0 (never), 1 (every batch) or leave it "
                              f"unset (batches of at most {OVERLAP_MAX_TOKENS} tokens)")
-        self.overlap_max_tokens = {"0": -1, "1": None}.get(mode, OVERLAP_MAX_TOKENS)  # None: no bound
+        self.overlap_max_tokens = {"0": 0, "1": None}.get(mode, OVERLAP_MAX_TOKENS)  # None: every batch
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
@@ -206,7 +207,7 @@ class MixedExpertsMethod(FusedMoEMethodBase):
             delattr(layer, name)  # the routing parameters held nothing
         dev = self.groups[0].expert_map.device
         self.workspace = marlin_make_workspace_new(dev, 4)
-        if len(self.groups) > 1 and dev.type == "cuda" and self.overlap_max_tokens != -1:
+        if len(self.groups) > 1 and dev.type == "cuda" and self.overlap_max_tokens != 0:
             self.side, self.side_workspace = _side_stream(dev)
 
     def get_fused_moe_quant_config(self, layer):
