@@ -421,7 +421,7 @@ def _carry(lw: Layerwise, b: _Branch, resident: dict[int, tuple], inputs: list[t
         if idx > b.start:
             b.hidden = lw.forward(resident[idx][1], b.hidden, out=b.hidden)
         clean_out = inputs[idx + 1] if idx + 1 < L else final
-        _value(lw, b, idx, clean_out, grads[idx].to(lw.device))
+        _value(lw, b, idx, clean_out, grads[idx])  # it moves each batch of them to the device
     if b.stop < L - 1:
         b.hidden = None
 
