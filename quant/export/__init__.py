@@ -14,8 +14,8 @@ from quant.models import ModelSource
 from quant.plan.bitplan import BitPlan
 from quant.recipe import Recipe
 
-__all__ = ["CARD", "LM_EVAL_FILES", "check_formats", "checkpoint_digest", "checkpoint_dirs", "export_all", "runtime_notes", "served_by",
-           "write_cards"]
+__all__ = ["CARD", "LM_EVAL_FILES", "check_formats", "checkpoint_digest", "checkpoint_dirs", "export_all",
+           "runtime_notes", "served_by", "write_cards"]
 
 
 def checkpoint_dirs(recipe: Recipe) -> dict[str, str]:
