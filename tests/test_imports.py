@@ -36,7 +36,7 @@ MODULES = {
     "eval": [{"evaluate"}, {"stream", "layer_error", "shipped_gptq"}, {"lmeval", "humaneval"}, {"sandbox"}, {"sandbox_child"},
              {"isolation", "seccomp"}],
     "plan": [{"runtimes", "summary", "servable"}, {"bitplan"}, {"joint_policy"}, {"layer_policy"}],
-    "measure": [{"profile", "layer_damage"}],
+    "measure": [{"profile", "layer_damage"}, {"damage_memory"}],
     "engine": [{"quantize"}, {"algorithms"}, {"gptq_layer", "awq_layer"}, {"layer_job"}, {"rank_split", "hessians"},
                {"results", "solvers", "budgets", "layerwise", "qstore"}, {"routing"}],
     "dist": [{"relay"}, {"world"}],

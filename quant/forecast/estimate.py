@@ -46,7 +46,8 @@ from quant.forecast.layer_costs import (
     workload_of,
 )
 from quant.forecast.throughputs import THROUGHPUTS
-from quant.measure.layer_damage import pass_cost
+from quant.measure.damage_memory import place
+from quant.measure.layer_damage import pass_cost, working_streams
 from quant.measure.profile import RoutingProfile
 from quant.models import ModelSource
 from quant.models.headers import Dims, dims
@@ -104,7 +105,8 @@ def synthetic_profile(source: ModelSource) -> RoutingProfile:
                           ones.clone(), ones.clone(), ones.clone(), sensitivity=ones.clone())
 
 
-def _profile_stage(layers: list[LayerShape], run: Workload, d: Dims, recipe: Recipe) -> StageForecast:
+def _profile_stage(layers: list[LayerShape], run: Workload, d: Dims, recipe: Recipe,
+                   gpu_memory_gb: float) -> StageForecast:
     t = THROUGHPUTS
     seconds = sum(L.weight_bytes / t["load_bytes_per_s"] + run.tokens * L.active_params / t["profile_param_tokens_per_s"]
                   for L in layers)
@@ -112,33 +114,45 @@ def _profile_stage(layers: list[LayerShape], run: Workload, d: Dims, recipe: Rec
     stage = StageForecast("profile", worst["total"], _host(layers, run, d), 0.0, seconds,
                           parts={k: v for k, v in worst.items() if k != "total"})
     ls = recipe.profile.layer_sensitivity
-    return stage if ls is None else _with_layer_damage(stage, layers, run, d, ls)
+    return stage if ls is None else _with_layer_damage(stage, layers, run, d, ls, gpu_memory_gb)
 
 
-def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Workload, d: Dims, ls) -> StageForecast:
+def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Workload, d: Dims, ls,
+                       gpu_memory_gb: float) -> StageForecast:
     """The profile stage plus quant.measure.layer_damage's pass (``ls.method``): its walks over the weights (in
-    ``ls.dtype``) and its layer forwards (``pass_cost``); its hidden states (exact: every branch; bounded: every
-    layer's input, the gradients, the branches alive) on the GPU while they fit the activation budget, else on the
-    host; bounded also holds one batch's autograd graph through a layer (~3 forward transients)."""
+    ``ls.dtype``) and its layer forwards (``pass_cost``). Its hidden states: exact, every branch on the GPU while they
+    fit the activation budget; bounded, placed as the pass places them (``damage_memory.place``: the gradients and
+    branches, then every layer's clean input or a window of ``carry + 2`` of them), the rest on the host; bounded also
+    holds one batch's autograd graph through a layer (~3 forward transients) and the ``carry`` layers above."""
     dt = DTYPE_BYTES[ls.dtype]
     tokens = ls.n_samples * run.seq_len
     cost = pass_cost([(L.active_params, L.n_experts > 0) for L in layers], len(ls.schemes), tokens, ls.method,
                      ls.carry_layers, ls.draws)
-    branches = tokens * d.hidden * (cost.streams * dt + cost.grad_streams * DTYPE_BYTES["bfloat16"])
+    stream = tokens * d.hidden * dt
     worst = max(layers, key=lambda L: L.weight_bytes)
-    originals = worst.n_experts * worst.expert_numel * dt  # the layer's expert weights while its schemes are written
-    parts = {"layer damage: hidden states": branches if branches <= ACTIVATION_BUDGET_BYTES else 0.0,
-             "layer damage: layer": worst.weight_bytes * dt / run.dtype_bytes,
+    # the layer's expert weights while its schemes are written: exact in the checkpoint's dtype (compact_dtype)
+    originals = worst.n_experts * worst.expert_numel * min(dt, run.dtype_bytes)
+    parts = {"layer damage: layer": worst.weight_bytes * dt / run.dtype_bytes,
              "layer damage: original experts": originals,  # beside the layer where the GPU has room, else on the host
              "layer damage: RTN of 16 experts": 12 * 16 * worst.expert_numel}
-    if ls.method == "bounded":
+    if ls.method == "exact":
+        hidden = cost.streams * stream
+        parts["layer damage: hidden states"] = hidden if hidden <= ACTIVATION_BUDGET_BYTES else 0.0
+        on_host = hidden - parts["layer damage: hidden states"]
+    else:
+        n_inputs, n_working = len(layers) + 1, working_streams(len(ls.schemes), ls.carry_layers, ls.draws)
+        working, inputs, _ = place(int(gpu_memory_gb * GB), int(worst.weight_bytes / run.dtype_bytes), dt, stream,
+                                   n_inputs, n_working, ls.carry_layers, 1 << 62)
+        parts["layer damage: clean inputs"] = (n_inputs if inputs else ls.carry_layers + 2) * stream
+        parts["layer damage: gradients and branches"] = n_working * stream if working else 0.0
+        on_host = (0 if inputs else n_inputs * stream) + (0 if working else n_working * stream)
         parts["layer damage: backward through a layer"] = 3 * forward_transient(worst, run, d, 0) * dt / run.dtype_bytes
         # the walk back keeps the carry_layers above the one it works on (their branches run through them)
         parts["layer damage: layers kept above"] = ls.carry_layers * parts["layer damage: layer"]
     seconds = (cost.weight_walks * sum(L.weight_bytes for L in layers) / THROUGHPUTS["load_bytes_per_s"]
                + cost.param_tokens / THROUGHPUTS["profile_param_tokens_per_s"])
     gpu = max(stage.gpu_bytes, sum(parts.values()))
-    host = HOST_BASE + parts["layer damage: layer"] + originals + branches - parts["layer damage: hidden states"]
+    host = HOST_BASE + parts["layer damage: layer"] + originals + on_host
     return dataclasses.replace(stage, gpu_bytes=gpu, host_bytes=max(stage.host_bytes, host),
                                seconds=stage.seconds + seconds, parts=stage.parts if gpu == stage.gpu_bytes else parts,
                                note=f"includes the layer-damage pass ({ls.method}): {cost.layer_forwards} layer "
@@ -265,7 +279,7 @@ def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: 
     ckpt = checkpoint_bytes(plan, source, profile, recipe.export.formats)
     tokens_bytes = recipe.calibration.n_samples * recipe.calibration.seq_len * 8
     profile_run = dataclasses.replace(run, batch=recipe.profile.batch_size)
-    profile_stage = _profile_stage(layers, profile_run, d, recipe)
+    profile_stage = _profile_stage(layers, profile_run, d, recipe, gpu_memory_gb)
     stages = [StageForecast("calibrate", 0.0, HOST_BASE + tokens_bytes, tokens_bytes, 0.0), profile_stage,
               StageForecast("plan", 0.0, HOST_BASE, 0.0, 0.0), _quantize_stage(layers, run, d),
               _export_stage(recipe, layers, ckpt, gpus),

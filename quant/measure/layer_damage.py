@@ -26,12 +26,14 @@ layer's projections, resolved like the plan does). Two methods:
   on the device meanwhile) before the gradient is carried down through it. Layer forwards ≈ L (clean) + (1 + 2R)
   per layer walked back + K·(1 + carry) per MoE layer: linear in depth; activations L·N·S·D (every layer's input,
   released as the walk passes) + R·N·S·D for each of the ``carry + 2`` gradients kept + the branches that reach the
-  last layer (K·(1 + carry)). On the reference MoE (8 layers) it ranks the layers per scheme as the exact pass
+  last layer (K·(1 + carry)); the device keeps every layer's input only when they all fit beside the walk's working
+  set, else a window of ``carry + 2`` of them (``quant.measure.damage_memory``). On the reference MoE (8 layers) it ranks the layers per scheme as the exact pass
   does to within the exact pass's own variation between calibration samples (STUDY.md).
 
 Both read every layer's weights once per walk (exact: one; bounded: two) and keep one copy of a layer's expert
-weights while its branches are made (beside the layer where its GPU has room, else in host memory). Activations
-stay on the device when they fit ``Layerwise``'s activation budget, else on the CPU.
+weights while its branches are made (beside the layer where its GPU has room, else in host memory; in the
+checkpoint's 16-bit dtype when that holds them exactly). The exact pass's activations stay on the device when they
+fit ``Layerwise``'s activation budget, else on the CPU.
 """
 
 from __future__ import annotations
@@ -42,17 +44,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quant.algos.grid import QuantSpec, quantize_weight, shared_group_size
 from quant.engine.layerwise import Layerwise, free_gpu_bytes
 from quant.errors import NumericalError, RecipeError
+from quant.measure.damage_memory import (
+    ORIGINALS_MARGIN_BYTES,
+    CleanInputs,
+    ExpertOriginals,
+    PassMemory,
+    empty_stream,
+    plan_memory,
+)
 from quant.models import ModelSource
-from quant.models.layers import ExpertsView, experts_of, release
+from quant.models.layers import experts_of, release
 from quant.progress import step
 from quant.recipe import parse_scheme
 
 log = logging.getLogger(__name__)
-_EXPERT_CHUNK = 16  # experts quantized at once while writing a scheme into a layer (bounds the fp32 temporaries)
-ORIGINALS_MARGIN_BYTES = 4 << 30  # free GPU memory left beside the originals' copy (the branch forwards' transients)
 STAGE = "layer damage"
 UNIT = "layer forwards"
 BACKWARD_FORWARDS = 2  # a backward pass through a layer counts as two forwards (progress, forecast)
@@ -87,27 +94,6 @@ def spread_rows(n_total: int, n: int) -> torch.Tensor:
     return torch.arange(n) * n_total // n
 
 
-def _write_rtn(view: ExpertsView, originals: tuple[torch.Tensor, torch.Tensor], bits: int, group: int) -> None:
-    """Put round-to-nearest copies of the original expert weights into the layer, a few experts at a time."""
-    group = shared_group_size(group, (originals[0].shape[2], originals[1].shape[2]))  # one per MoE layer, as planned
-    for param, orig in ((view.gate_up, originals[0]), (view.down, originals[1])):
-        spec = QuantSpec(bits, group)
-        for s in range(0, orig.shape[0], _EXPERT_CHUNK):
-            chunk = orig[s : s + _EXPERT_CHUNK].to(param.device)
-            param.data[s : s + _EXPERT_CHUNK] = quantize_weight(chunk, spec, chunk.dtype).dequantize()
-
-
-def originals_device(view: ExpertsView, margin_bytes: int = ORIGINALS_MARGIN_BYTES) -> torch.device:
-    """Where a layer's original expert weights wait while its schemes are written: beside the layer on its GPU when
-    that has room for one more copy of them (every write then reads them there), else on the host (each of the K
-    writes copies them up again: on a DeepSeek-V3 layer, 22 GB a scheme)."""
-    dev = view.gate_up.device
-    if dev.type != "cuda":
-        return torch.device("cpu")
-    need = sum(p.numel() * p.element_size() for p in (view.gate_up, view.down))
-    return dev if free_gpu_bytes(dev) >= need + margin_bytes else torch.device("cpu")
-
-
 def _store(lw: Layerwise, clean: torch.Tensor, n_streams: int) -> torch.device:
     """Where ``n_streams`` tensors like ``clean`` live: the device while they fit the activation budget."""
     total = n_streams * clean.numel() * clean.element_size()
@@ -134,27 +120,6 @@ def _branch_kl(lw: Layerwise, clean: torch.Tensor, branches: list[torch.Tensor])
     release(head)
     n_positions = clean.shape[0] * clean.shape[1]
     return [t / n_positions for t in totals]
-
-
-class _Experts:
-    """One MoE layer's experts written at each scheme in turn, the originals restored on exit; they wait where
-    ``originals_device`` says."""
-
-    def __init__(self, view: ExpertsView):
-        self.view = view
-        where = originals_device(view)
-        self.originals = (view.gate_up.data.to(where, copy=True), view.down.data.to(where, copy=True))
-
-    def write(self, bits: int, group: int) -> None:
-        _write_rtn(self.view, self.originals, bits, group)
-
-    def __enter__(self) -> _Experts:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.view.gate_up.data.copy_(self.originals[0])
-        self.view.down.data.copy_(self.originals[1])
-        self.view, self.originals = None, None  # the view holds the layer's expert weights
 
 
 def measure_layer_damage(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, schemes: tuple[str, ...],
@@ -193,7 +158,7 @@ def _exact(source: ModelSource, tokens: torch.Tensor, lw: Layerwise,
                 lw.forward(layer, b.hidden, out=b.hidden)
             view = experts_of(source, layer, idx)
             if view is not None:
-                with _Experts(view) as experts:
+                with ExpertOriginals(view) as experts:
                     for name, (bits, group) in parsed.items():
                         experts.write(bits, group)
                         out = torch.empty(clean.shape, dtype=clean.dtype, device=store)
@@ -267,35 +232,35 @@ def _bounded(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, parsed: d
     total = pass_cost([(0.0, i in moe) for i in range(L)], len(parsed), 0, "bounded", carry, draws).layer_forwards
     log.info("layer damage: %d layers forward, then back with gradients and branches carried %d layer(s)", L,
              carry, extra=step(STAGE, 0, total, UNIT))
-    inputs, final = _clean_pass(lw, tokens, total, _working_streams(len(parsed), carry, draws))
-    branches, done = _walk_back(source, lw, inputs, final, parsed, carry, draws, seed, L, total)
+    h = lw.embed(tokens)
+    stream = h.numel() * torch.finfo(lw.dtype).bits // 8
+    memory = plan_memory(lw, stream, L + 1, working_streams(len(parsed), carry, draws), carry)
+    log.debug("layer damage: clean inputs on %s (pinned %s), working streams on %s", memory.inputs, memory.pinned,
+              memory.working)
+    inputs, final = _clean_pass(lw, h, total, memory)
+    branches, done = _walk_back(source, lw, inputs, final, parsed, (carry, draws, seed), memory, L, total)
     return _estimate(branches, moe, L, parsed), done
 
 
-def _working_streams(n_schemes: int, carry: int, draws: int) -> int:
+def working_streams(n_schemes: int, carry: int, draws: int) -> int:
     """Tensors like a layer's hidden states the walk back holds beside the clean inputs: the gradients at the
     ``carry + 1`` layer outputs its branches are valued at and the one below (R each), the branch being carried,
     and the branches that reach the last layer (their exact KL is taken after the walk)."""
     return draws * (carry + 2) + 1 + n_schemes * (carry + 1)
 
 
-def _clean_pass(lw: Layerwise, tokens: torch.Tensor, total: int,
-                working: int) -> tuple[list[torch.Tensor | None], torch.Tensor]:
-    """Every decoder layer's clean input ``[N, S, D]`` and the last layer's output; on the device while they and the
-    ``working`` tensors of the walk back fit the activation budget."""
-    h = lw.embed(tokens)
-    L = lw.source.n_layers
-    store = _store(lw, h, L + 1 + working)
-    inputs = []
-    for idx in range(L):
-        inputs.append(h.to(store, copy=True))
+def _clean_pass(lw: Layerwise, h: torch.Tensor, total: int, memory: PassMemory) -> tuple[CleanInputs, torch.Tensor]:
+    """Every decoder layer's clean input (kept where ``memory`` says) and the last layer's output (on the device)."""
+    inputs = CleanInputs(lw, memory)
+    for idx in range(lw.source.n_layers):
+        inputs.keep(idx, h)
         with lw.layer(idx) as layer:
             h = lw.forward(layer, h, out=h)
         _progress(idx + 1, total, "clean through", idx)
-    return inputs, h.to(store)
+    return inputs, h.to(lw.device)
 
 
-def _head_cotangents(lw: Layerwise, final: torch.Tensor, draws: int, seed: int, store: torch.device) -> torch.Tensor:
+def _head_cotangents(lw: Layerwise, final: torch.Tensor, draws: int, seed: int, memory: PassMemory) -> torch.Tensor:
     """``[R, N, S, D]`` (bf16): for R label draws ``y ~ p_clean`` per position, the gradient of ``Σ log p(y)`` with
     respect to the last layer's output (through the final norm and lm_head), a few sequences at a time (their fp32
     logits and softmax stay within ``HEAD_CHUNK_BYTES``)."""
@@ -303,7 +268,7 @@ def _head_cotangents(lw: Layerwise, final: torch.Tensor, draws: int, seed: int, 
     for p in (*norm.parameters(), *head.parameters()):
         p.requires_grad_(False)
     gen = torch.Generator(device=lw.device).manual_seed(seed)
-    out = torch.empty((draws, *final.shape), dtype=GRAD_DTYPE, device=store)
+    out = empty_stream(final.expand(draws, *final.shape), memory.working, memory.pinned, GRAD_DTYPE)
     step_rows = max(1, HEAD_CHUNK_BYTES // (3 * 4 * final.shape[1] * head.weight.shape[0]))
     with torch.enable_grad():
         for s in range(0, final.shape[0], step_rows):
@@ -318,7 +283,7 @@ def _head_cotangents(lw: Layerwise, final: torch.Tensor, draws: int, seed: int, 
             for r in range(draws):
                 y = torch.multinomial(probs, 1, generator=gen)
                 (g,) = torch.autograd.grad(logp.gather(1, y).sum(), x, retain_graph=r + 1 < draws)
-                out[r, rows] = g.to(store)
+                out[r, rows] = g.to(out.device)
             del logp, probs, x
     release(norm)
     release(head)
@@ -341,24 +306,25 @@ def _value(lw: Layerwise, b: _Branch, idx: int, clean_out: torch.Tensor, g: torc
     b.size[idx] = size / n_positions
 
 
-def _walk_back(source: ModelSource, lw: Layerwise, inputs: list[torch.Tensor | None], final: torch.Tensor,
-               parsed: dict[str, tuple[int, int]], carry: int, draws: int, seed: int, done: int,
+def _walk_back(source: ModelSource, lw: Layerwise, inputs: CleanInputs, final: torch.Tensor,
+               parsed: dict[str, tuple[int, int]], knobs: tuple[int, int, int], memory: PassMemory, done: int,
                total: int) -> tuple[list[_Branch], int]:
     """From the last layer down to the first MoE layer, one weight read each: at layer ``idx`` (the ``carry`` layers
     above it still on the device, experts clean) each scheme's branch runs ``idx`` with its experts round-to-nearest
     and then the layers above, valued at every output it reaches with the gradient there; then the gradient is
     carried down through ``idx`` (clean again). Branches that run the last layer also get their exact KL
     (``fisher[L]``). Only the gradients of the ``carry + 1`` outputs above are kept, and each clean input until no
-    branch is valued against it any more."""
+    branch is valued against it any more. ``knobs``: (carry, draws, seed)."""
+    carry, draws, seed = knobs
     L, moe = source.n_layers, source.moe_layers()
     if not moe:
         return [], done
     for j in range(moe[0]):
-        inputs[j] = None  # below every branch
-    store = _store(lw, final, _working_streams(len(parsed), carry, draws))
-    grads = {L - 1: _head_cotangents(lw, final, draws, seed, store)}
+        inputs.drop(j)  # below every branch
+    grads = {L - 1: _head_cotangents(lw, final, draws, seed, memory)}
     branches: list[_Branch] = []
     resident: dict[int, tuple] = {}  # decoder layer -> (its context, the layer): the ``carry`` above the current one
+    host_originals: dict[tuple, torch.Tensor] = {}  # page-locked buffers reused layer after layer (ExpertOriginals)
     try:
         for idx in range(L - 1, moe[0] - 1, -1):
             for j in [j for j in resident if j > idx + carry]:
@@ -370,24 +336,24 @@ def _walk_back(source: ModelSource, lw: Layerwise, inputs: list[torch.Tensor | N
                 _check_window(layer, carry, min(carry, L - 1 - moe[0]))
             view = experts_of(source, layer, idx)
             if view is not None:
-                with _Experts(view) as experts:
+                with ExpertOriginals(view, host_originals) as experts:
                     for name, (bits, group) in parsed.items():
                         experts.write(bits, group)
                         b = _Branch(moe.index(idx), name, idx, min(idx + carry, L - 1), None)
-                        b.hidden = lw.forward(layer, inputs[idx], out=torch.empty_like(inputs[idx], device=store))
+                        clean_in = inputs.get(idx)
+                        b.hidden = lw.forward(layer, clean_in, out=empty_stream(clean_in, memory.working, memory.pinned))
                         _carry(lw, b, resident, inputs, final, grads)
                         done += 1 + b.stop - b.start
                         branches.append(b)
             del view  # it holds the layer's expert weights: gone before the next layer loads, not after
             if idx > moe[0]:
                 below = torch.empty_like(grads[idx])
-                lw.vjp(layer, inputs[idx], grads[idx], out=below)
+                lw.vjp(layer, inputs.get(idx), grads[idx], out=below)
                 grads[idx - 1] = below
                 done += 1 + BACKWARD_FORWARDS * draws
             for j in [j for j in grads if j > idx - 1 + carry]:
                 del grads[j]  # every branch valued there is made
-            if idx + carry + 1 < L:
-                inputs[idx + carry + 1] = None  # the clean output of layer idx + carry: no later branch reaches it
+            inputs.drop(idx + carry + 1)  # the clean output of layer idx + carry: no later branch reaches it
             _progress(done, total, "back through", idx)
     finally:
         for context, _ in resident.values():
@@ -412,15 +378,15 @@ def _check_window(layer: torch.nn.Module, carry: int, above: int) -> None:
                           "free: use a smaller carry_layers, or method exact")
 
 
-def _carry(lw: Layerwise, b: _Branch, resident: dict[int, tuple], inputs: list[torch.Tensor | None],
-           final: torch.Tensor, grads: dict[int, torch.Tensor]) -> None:
+def _carry(lw: Layerwise, b: _Branch, resident: dict[int, tuple], inputs: CleanInputs, final: torch.Tensor,
+           grads: dict[int, torch.Tensor]) -> None:
     """Value branch ``b`` at its own layer's output, then run it through the resident layers above up to its stop,
     valued at each; it keeps its hidden states only when it stops at the last layer (for the exact KL)."""
-    L = len(inputs)
+    L = lw.source.n_layers
     for idx in range(b.start, b.stop + 1):
         if idx > b.start:
             b.hidden = lw.forward(resident[idx][1], b.hidden, out=b.hidden)
-        clean_out = inputs[idx + 1] if idx + 1 < L else final
+        clean_out = inputs.get(idx + 1) if idx + 1 < L else final
         _value(lw, b, idx, clean_out, grads[idx])  # it moves each batch of them to the device
     if b.stop < L - 1:
         b.hidden = None

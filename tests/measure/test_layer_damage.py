@@ -156,20 +156,20 @@ def test_a_model_whose_output_is_not_finite_is_one_numerical_error(source, tmp_p
 def test_originals_on_the_gpu_give_the_figures_of_originals_on_the_host(source, monkeypatch):
     """With room on the GPU a layer's original experts wait beside it (no copy up per scheme); the figures are those of
     the host path, bit for bit; without room they go to the host."""
-    from quant.measure import layer_damage
+    from quant.measure import damage_memory
 
     tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     with Layerwise(source, "float32", "cuda", 2, World()).layer(source.moe_layers()[0]) as layer:
         view = experts_of(source, layer, source.moe_layers()[0])
-        assert layer_damage.originals_device(view).type == "cuda"
-        assert layer_damage.originals_device(view, margin_bytes=1 << 60).type == "cpu"
+        assert damage_memory.originals_device(view).type == "cuda"
+        assert damage_memory.originals_device(view, margin_bytes=1 << 60).type == "cpu"
         del view
     seen = []
-    real = layer_damage.originals_device
-    monkeypatch.setattr(layer_damage, "originals_device", lambda view: seen.append(real(view)) or seen[-1])
+    real = damage_memory.originals_device
+    monkeypatch.setattr(damage_memory, "originals_device", lambda view, **kw: seen.append(real(view, **kw)) or seen[-1])
     on_gpu = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cuda", 2, World()), SCHEMES)
     assert seen and all(d.type == "cuda" for d in seen)
-    monkeypatch.setattr(layer_damage, "originals_device", lambda view: torch.device("cpu"))
+    monkeypatch.setattr(damage_memory, "originals_device", lambda view, **kw: torch.device("cpu"))
     on_host = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cuda", 2, World()), SCHEMES)
     for name in SCHEMES:
         assert torch.equal(on_gpu.damage[name], on_host.damage[name]), name
