@@ -56,7 +56,7 @@ def plan_memory(lw: Layerwise, stream_bytes: int, n_inputs: int, n_working: int,
     against what the device has free now."""
     if lw.device.type != "cuda":
         return PassMemory(lw.device, lw.device, False)
-    working, inputs, pinned = place(free_gpu_bytes(lw.device), layer_numel(lw), _bytes(lw.dtype), stream_bytes,
+    working, inputs, pinned = place(free_gpu_bytes(lw.device), layer_numel(lw), lw.dtype.itemsize, stream_bytes,
                                     n_inputs, n_working, carry, host_available_bytes())
     cpu = torch.device("cpu")
     return PassMemory(lw.device if working else cpu, lw.device if inputs else cpu, pinned)
@@ -78,14 +78,10 @@ def place(free_bytes: int, layer_numel: int, dtype_bytes: int, stream_bytes: int
     return working, inputs, on_host * stream_bytes <= host_bytes // 4
 
 
-def _bytes(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits // 8
-
-
-def empty_stream(like: torch.Tensor, where: torch.device, pinned: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An uninitialized tensor shaped like ``like`` on ``where`` (page-locked when on the host and ``pinned``)."""
+def empty_stream(shape: tuple[int, ...], dtype: torch.dtype, where: torch.device, pinned: bool) -> torch.Tensor:
+    """An uninitialized tensor on ``where`` (page-locked when on the host and ``pinned``)."""
     pin = pinned and where.type == "cpu" and torch.cuda.is_available()
-    return torch.empty(like.shape, dtype=dtype or like.dtype, device=where, pin_memory=pin)
+    return torch.empty(shape, dtype=dtype, device=where, pin_memory=pin)
 
 
 class CleanInputs:
@@ -98,7 +94,7 @@ class CleanInputs:
         self.on_device: dict[int, torch.Tensor] = {}
 
     def keep(self, idx: int, h: torch.Tensor) -> None:
-        self.kept[idx] = empty_stream(h, self.memory.inputs, self.memory.pinned)
+        self.kept[idx] = empty_stream(h.shape, h.dtype, self.memory.inputs, self.memory.pinned)
         self.kept[idx].copy_(h, non_blocking=self.memory.pinned)
 
     def get(self, idx: int) -> torch.Tensor:
@@ -109,10 +105,6 @@ class CleanInputs:
     def drop(self, idx: int) -> None:
         self.kept.pop(idx, None)
         self.on_device.pop(idx, None)
-
-    def resident(self) -> list[int]:
-        """The layers whose inputs are on the device now (all kept ones when they were kept there)."""
-        return sorted(set(self.on_device) | {i for i, t in self.kept.items() if t.device == self.device})
 
 
 def originals_device(view: ExpertsView, margin_bytes: int = ORIGINALS_MARGIN_BYTES, n_bytes: int | None = None
@@ -149,7 +141,7 @@ class ExpertOriginals:
         self.view = view
         params = (view.gate_up.data, view.down.data)
         dt = compact_dtype(params)
-        n_bytes = sum(p.numel() for p in params) * torch.finfo(dt).bits // 8
+        n_bytes = sum(p.numel() for p in params) * dt.itemsize
         where = originals_device(view, n_bytes=n_bytes)
         self.originals = tuple(_copy(p, where, dt, host, slot) for slot, p in enumerate(params))
 

@@ -27,8 +27,9 @@ layer's projections, resolved like the plan does). Two methods:
   per layer walked back + K·(1 + carry) per MoE layer: linear in depth; activations L·N·S·D (every layer's input,
   released as the walk passes) + R·N·S·D for each of the ``carry + 2`` gradients kept + the branches that reach the
   last layer (K·(1 + carry)); the device keeps every layer's input only when they all fit beside the walk's working
-  set, else a window of ``carry + 2`` of them (``quant.measure.damage_memory``). On the reference MoE (8 layers) it ranks the layers per scheme as the exact pass
-  does to within the exact pass's own variation between calibration samples (STUDY.md).
+  set, else a window of ``carry + 2`` of them (``quant.measure.damage_memory``). On the reference MoE (8 layers) it
+  ranks the layers per scheme as the exact pass does to within the exact pass's own variation between calibration
+  samples (STUDY.md).
 
 Both read every layer's weights once per walk (exact: one; bounded: two) and keep one copy of a layer's expert
 weights while its branches are made (beside the layer where its GPU has room, else in host memory; in the
@@ -233,12 +234,12 @@ def _bounded(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, parsed: d
     log.info("layer damage: %d layers forward, then back with gradients and branches carried %d layer(s)", L,
              carry, extra=step(STAGE, 0, total, UNIT))
     h = lw.embed(tokens)
-    stream = h.numel() * torch.finfo(lw.dtype).bits // 8
+    stream = h.numel() * lw.dtype.itemsize
     memory = plan_memory(lw, stream, L + 1, working_streams(len(parsed), carry, draws), carry)
     log.debug("layer damage: clean inputs on %s (pinned %s), working streams on %s", memory.inputs, memory.pinned,
               memory.working)
     inputs, final = _clean_pass(lw, h, total, memory)
-    branches, done = _walk_back(source, lw, inputs, final, parsed, (carry, draws, seed), memory, L, total)
+    branches, done = _walk_back(source, lw, inputs, final, parsed, carry, draws, seed, memory, L, total)
     return _estimate(branches, moe, L, parsed), done
 
 
@@ -268,7 +269,7 @@ def _head_cotangents(lw: Layerwise, final: torch.Tensor, draws: int, seed: int, 
     for p in (*norm.parameters(), *head.parameters()):
         p.requires_grad_(False)
     gen = torch.Generator(device=lw.device).manual_seed(seed)
-    out = empty_stream(final.expand(draws, *final.shape), memory.working, memory.pinned, GRAD_DTYPE)
+    out = empty_stream((draws, *final.shape), GRAD_DTYPE, memory.working, memory.pinned)
     step_rows = max(1, HEAD_CHUNK_BYTES // (3 * 4 * final.shape[1] * head.weight.shape[0]))
     with torch.enable_grad():
         for s in range(0, final.shape[0], step_rows):
@@ -307,15 +308,14 @@ def _value(lw: Layerwise, b: _Branch, idx: int, clean_out: torch.Tensor, g: torc
 
 
 def _walk_back(source: ModelSource, lw: Layerwise, inputs: CleanInputs, final: torch.Tensor,
-               parsed: dict[str, tuple[int, int]], knobs: tuple[int, int, int], memory: PassMemory, done: int,
-               total: int) -> tuple[list[_Branch], int]:
+               parsed: dict[str, tuple[int, int]], carry: int, draws: int, seed: int, memory: PassMemory,
+               done: int, total: int) -> tuple[list[_Branch], int]:
     """From the last layer down to the first MoE layer, one weight read each: at layer ``idx`` (the ``carry`` layers
     above it still on the device, experts clean) each scheme's branch runs ``idx`` with its experts round-to-nearest
     and then the layers above, valued at every output it reaches with the gradient there; then the gradient is
     carried down through ``idx`` (clean again). Branches that run the last layer also get their exact KL
     (``fisher[L]``). Only the gradients of the ``carry + 1`` outputs above are kept, and each clean input until no
-    branch is valued against it any more. ``knobs``: (carry, draws, seed)."""
-    carry, draws, seed = knobs
+    branch is valued against it any more."""
     L, moe = source.n_layers, source.moe_layers()
     if not moe:
         return [], done
@@ -341,7 +341,8 @@ def _walk_back(source: ModelSource, lw: Layerwise, inputs: CleanInputs, final: t
                         experts.write(bits, group)
                         b = _Branch(moe.index(idx), name, idx, min(idx + carry, L - 1), None)
                         clean_in = inputs.get(idx)
-                        b.hidden = lw.forward(layer, clean_in, out=empty_stream(clean_in, memory.working, memory.pinned))
+                        out = empty_stream(clean_in.shape, clean_in.dtype, memory.working, memory.pinned)
+                        b.hidden = lw.forward(layer, clean_in, out=out)
                         _carry(lw, b, resident, inputs, final, grads)
                         done += 1 + b.stop - b.start
                         branches.append(b)
