@@ -20,6 +20,10 @@
 #   e2e48      48 virtual Qwen3-30B-A3B layers, 512 x 2048, profile + quantize + export end to end
 #   headline48 the headline recipe (GPTQ, its layer-sensitivity pass included) through quant.run.pipeline.Run on
 #              48 Qwen3-30B-A3B layers (2 saved, tiled) at 512 x 2048: calibrate, profile, plan, quantize (node.py depth)
+#   dsv3-damage  the headline recipe with its layer-sensitivity pass on DeepSeek-V3-shaped layers (1 saved, tiled to
+#              $DSV3_LAYERS, default 6) at 32 x 2048 (the pass's 16 samples are the same at any calibration size; quantize
+#              is cheapest here): the pass's phases against quantize, both per layer (node.py depth). $DAMAGE_SET:
+#              space-separated recipe overrides for it (KEY=VALUE, node.py --set)
 #   x2         (2 GPUs) 1 vs 2 ranks on both shapes (Qwen3: ordered and reduce statistics), llm-compressor's
 #              distributed oneshot on 2 GPUs
 #   x2-awq     (2 GPUs) AWQ at 1 vs 2 ranks on both shapes (its searches divided over ranks)
@@ -44,7 +48,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|dsv3-damage|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -158,6 +162,10 @@ for task in "$@"; do
              --seqlen 2048 --algos gptq --error-samples 0 --workdir "$W" ;;
     headline48) run headline48 python3 benchmarks/node.py --shape qwen3-30b-a3b --layers 2 --virtual-layers 48 \
                   --samples 512 --seqlen 2048 --ranks 1 --layer-damage --part depth --workdir "$W" ;;
+    dsv3-damage)
+      sets=(); for kv in ${DAMAGE_SET:-}; do sets+=(--set "$kv"); done
+      run dsv3-damage python3 benchmarks/node.py --shape deepseek-v3 --layers 1 --virtual-layers "${DSV3_LAYERS:-6}" \
+        --samples 32 --seqlen 2048 --ranks 1 --layer-damage --part depth "${sets[@]}" --workdir "$W" ;;
     x2)
       run x2 python3 benchmarks/distributed.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 \
         --ranks 1,2 --statistics ordered,reduce --error-samples 16 --llmcompressor 2 --workdir "$W"

@@ -84,6 +84,13 @@ def write_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     if not a.layer_damage:  # the layer-sensitivity pass prices the servable plan (the headline's default)
         recipe.pop("profile", None)
     recipe["quantize"] = {"algorithm": "gptq", "batch_size": a.batch}
+    for item in a.set:  # --set KEY=VALUE, as `quant run --set` takes them (dotted keys, YAML values)
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = recipe
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
     recipe["eval"] = {"perplexity": {"dataset": str(data / "heldout.yaml"), "n_samples": a.eval_samples,
                                      "seq_len": a.seqlen}, "mode": "streamed", "batch_size": a.batch}
     path = work / "recipe.yaml"
@@ -107,15 +114,17 @@ def _prune(store: list[Path], keep: int, n_layers: int, done: threading.Event) -
 
 
 class _DamagePhases(logging.Handler):
-    """When the layer-damage pass's progress lines came: each phase's seconds (clean walk, gradients back,
-    branches) from the lines' times, for a depth run that times the pass inside its profile stage."""
+    """When the layer-damage pass's progress lines came: each phase's seconds (bounded: the clean walk, the walk back
+    with its branches; exact: its one walk) and the whole pass's, from the lines' times, for a depth run that times
+    the pass inside its profile stage."""
 
-    PHASES = ("clean through", "gradients back through", "branches through")
+    PHASES = ("clean through", "back through", "exact: branches through")
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.last: dict[str, float] = {}
         self.first: float | None = None
+        self.end: float | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
@@ -124,6 +133,8 @@ class _DamagePhases(logging.Handler):
         for phase in self.PHASES:
             if phase in msg:
                 self.last[phase] = record.created
+        if msg.startswith("layer damage (") and self.first is not None:  # the pass's closing summary
+            self.end = record.created
 
     def seconds(self) -> dict[str, float]:
         if self.first is None:
@@ -131,8 +142,10 @@ class _DamagePhases(logging.Handler):
         out, start = {}, self.first
         for phase in self.PHASES:
             if phase in self.last:
-                out[phase.split()[0]] = round(self.last[phase] - start, 1)
+                out[phase.split()[0].rstrip(":")] = round(self.last[phase] - start, 1)
                 start = self.last[phase]
+        if self.end is not None:
+            out["pass"] = round(self.end - self.first, 1)
         return out
 
 
@@ -222,6 +235,8 @@ def main() -> None:
     ap.add_argument("--depth-worker", action="store_true")
     ap.add_argument("--layer-damage", action="store_true",
                     help="keep the headline recipe's layer-sensitivity pass (profile.layer_sensitivity) in the runs")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override for the runs (repeatable), e.g. profile.layer_sensitivity.carry_layers=0")
     ap.add_argument("--recipe", default="")
     ap.add_argument("--run-dir", default="")
     ap.add_argument("--result", default="")

@@ -11,6 +11,7 @@ intermediate a multiple of 128).
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -87,6 +88,7 @@ def build_model(shape: str | dict, n_layers: int, path: Path, seed: int, logit_s
     tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[UNK]", eos_token="[UNK]")
     tok.save_pretrained(path)
     del model
+    gc.collect()  # save_pretrained leaves reference cycles: the model's device memory goes only with them
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -6,6 +6,7 @@ import torch
 
 from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
+from quant.errors import RecipeError
 from quant.measure import damage_memory
 from quant.measure.damage_memory import CleanInputs, ExpertOriginals, PassMemory, compact_dtype, place
 from quant.measure.layer_damage import measure_layer_damage
@@ -113,3 +114,45 @@ def test_clean_inputs_on_the_host_give_the_figures_of_inputs_on_the_gpu(pinned, 
     for name in on_gpu:
         assert torch.equal(on_gpu[name], on_host[name]), name
     assert most and max(most) <= 2 + 2
+
+
+def _failing_above(lw: Layerwise, most_rows: int) -> list[int]:
+    """Make ``lw``'s batches of more than ``most_rows`` sequences fail as a full GPU does (the batch's runner raises
+    torch.OutOfMemoryError before any output); returns the batch sizes tried, in order."""
+    run, tried = lw.runner, []
+
+    def runner(layer, hidden):
+        tried.append(hidden.shape[0])
+        if hidden.shape[0] > most_rows:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return run(layer, hidden)
+
+    lw.runner = runner
+    return tried
+
+
+@pytest.mark.parametrize("model", ["builtin:qwen3-moe-tiny", "builtin:deepseek-v3-tiny"])
+def test_batches_the_device_has_no_memory_for_are_rerun_halved_with_the_same_figures(model):
+    """A forward or backward batch that runs out of memory is run again at half the rows (its inputs intact, even
+    where the output overwrites them in place), and the smaller batch stays: the pass's figures are those of a pass
+    run at that batch from the start."""
+    src = resolve_model(model)
+    tokens = torch.randint(0, 100, (8, 16), generator=torch.Generator().manual_seed(3))
+    schemes = ("w4g32", "w8g32")
+    want = measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2, World()), schemes).damage
+    lw = Layerwise(src, "float32", "cpu", 8, World())
+    tried = _failing_above(lw, 2)
+    got = measure_layer_damage(src, tokens, lw, schemes).damage
+    assert tried[:3] == [8, 4, 2] and set(tried[3:]) == {2}  # halved once, then kept
+    assert lw.batch_size == 2
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+def test_a_single_sequence_that_does_not_fit_is_one_clear_error():
+    src = resolve_model("builtin:qwen3-moe-tiny")
+    lw = Layerwise(src, "float32", "cpu", 2, World())
+    _failing_above(lw, 0)
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(RecipeError, match="one sequence through a layer does not fit the GPU"):
+        measure_layer_damage(src, tokens, lw, ("w4g32",))
