@@ -17,9 +17,9 @@ What must stay free on the device for the walk back comes first: ``carry + 1`` l
 ``carry`` above it), one layer's original experts (in 16 bits) and ``ORIGINALS_MARGIN_BYTES`` for the forwards'
 transients. The originals go beside the layer only when that margin and their round-to-nearest temporaries still fit.
 
-- **Batches** (``FittingBatches``): on a GPU the pass runs all its N sequences through a layer at once (its forwards
-  and its backward passes alike); where the device runs out of memory (a DeepSeek-V3 layer in fp32 with the one
-  above it resident) the failed batch is rerun at half the rows, and the pass keeps the smaller batch from there on.
+- **Batches** (``FittingBatches``): the pass's forwards and backward passes run the Layerwise batch; where the device
+  runs out of memory for one (a DeepSeek-V3 layer in fp32 with the one above it resident) the failed batch is rerun
+  at half the rows, and the pass keeps the smaller batch from there on.
 """
 
 from __future__ import annotations
@@ -37,17 +37,10 @@ from quant.io.staging import host_available_bytes
 from quant.models.layers import ExpertsView
 
 log = logging.getLogger("quant.measure.layer_damage")
-ORIGINALS_MARGIN_BYTES = (
-    4 << 30
-)  # free GPU memory left beside the originals' copy (the branch forwards' transients)
+ORIGINALS_MARGIN_BYTES = 4 << 30  # free GPU memory left beside the originals' copy (the branch forwards' transients)
 EXPERT_CHUNK = 16  # experts quantized (or checked) at once (bounds the fp32 temporaries)
-COMPACT_DTYPES = (
-    torch.bfloat16,
-    torch.float16,
-)  # tried, in order, for an exact smaller copy of the originals
-RTN_TEMP_BYTES_PER_ELEM = (
-    12  # fp32 copy, codes and dequantized weights of the EXPERT_CHUNK experts being written
-)
+COMPACT_DTYPES = (torch.bfloat16, torch.float16)  # tried, in order, for an exact smaller copy of the originals
+RTN_TEMP_BYTES_PER_ELEM = 12  # fp32 copy, codes and dequantized weights of the EXPERT_CHUNK experts being written
 
 
 @dataclass(frozen=True)
@@ -64,9 +57,7 @@ class PassMemory:
 def layer_numel(lw: Layerwise) -> int:
     """The largest decoder layer's parameter count."""
     shapes = lw.source.shapes()
-    return max(
-        sum(torch.Size(shapes[k]).numel() for k in lw.source.layer_keys(i)) for i in range(lw.source.n_layers)
-    )
+    return max(sum(torch.Size(shapes[k]).numel() for k in lw.source.layer_keys(i)) for i in range(lw.source.n_layers))
 
 
 def plan_memory(lw: Layerwise, stream_bytes: int, n_inputs: int, n_working: int, carry: int) -> PassMemory:
@@ -74,30 +65,14 @@ def plan_memory(lw: Layerwise, stream_bytes: int, n_inputs: int, n_working: int,
     against what the device has free now."""
     if lw.device.type != "cuda":
         return PassMemory(lw.device, lw.device, False)
-    working, inputs, pinned = place(
-        free_gpu_bytes(lw.device),
-        layer_numel(lw),
-        lw.dtype.itemsize,
-        stream_bytes,
-        n_inputs,
-        n_working,
-        carry,
-        host_available_bytes(),
-    )
+    working, inputs, pinned = place(free_gpu_bytes(lw.device), layer_numel(lw), lw.dtype.itemsize, stream_bytes,
+                                    n_inputs, n_working, carry, host_available_bytes())
     cpu = torch.device("cpu")
     return PassMemory(lw.device if working else cpu, lw.device if inputs else cpu, pinned)
 
 
-def place(
-    free_bytes: int,
-    layer_numel: int,
-    dtype_bytes: int,
-    stream_bytes: int,
-    n_inputs: int,
-    n_working: int,
-    carry: int,
-    host_bytes: int,
-) -> tuple[bool, bool, bool]:
+def place(free_bytes: int, layer_numel: int, dtype_bytes: int, stream_bytes: int, n_inputs: int, n_working: int,
+          carry: int, host_bytes: int) -> tuple[bool, bool, bool]:
     """(working streams on the device, clean inputs on the device, host streams page-locked). The device keeps free
     what the walk back needs there (module docstring); the working streams come next, then all the inputs if they
     fit, else their window of ``carry + 2`` (which, if it does not fit either, sends the working streams to the host
@@ -112,9 +87,7 @@ def place(
     return working, inputs, on_host * stream_bytes <= host_bytes // 4
 
 
-def empty_stream(
-    shape: tuple[int, ...], dtype: torch.dtype, where: torch.device, pinned: bool
-) -> torch.Tensor:
+def empty_stream(shape: tuple[int, ...], dtype: torch.dtype, where: torch.device, pinned: bool) -> torch.Tensor:
     """An uninitialized tensor on ``where`` (page-locked when on the host and ``pinned``)."""
     pin = pinned and where.type == "cpu" and torch.cuda.is_available()
     return torch.empty(shape, dtype=dtype, device=where, pin_memory=pin)
@@ -149,9 +122,8 @@ def rtn_temp_bytes(view: ExpertsView) -> int:
     return RTN_TEMP_BYTES_PER_ELEM * min(EXPERT_CHUNK, view.n_experts) * per_expert
 
 
-def originals_device(
-    view: ExpertsView, margin_bytes: int = ORIGINALS_MARGIN_BYTES, n_bytes: int | None = None
-) -> torch.device:
+def originals_device(view: ExpertsView, margin_bytes: int = ORIGINALS_MARGIN_BYTES, n_bytes: int | None = None
+                     ) -> torch.device:
     """Where a layer's original expert weights (``n_bytes``, default their size in the layer) wait while its schemes
     are written: beside the layer on its GPU when that has room for them, the writes' temporaries and ``margin_bytes``
     (every write then reads them there), else on the host (each of the K writes copies them up again: on a
@@ -159,22 +131,19 @@ def originals_device(
     dev = view.gate_up.device
     if dev.type != "cuda":
         return torch.device("cpu")
-    need = (
-        sum(p.numel() * p.element_size() for p in (view.gate_up, view.down)) if n_bytes is None else n_bytes
-    )
+    need = sum(p.numel() * p.element_size() for p in (view.gate_up, view.down)) if n_bytes is None else n_bytes
     return dev if free_gpu_bytes(dev) >= need + rtn_temp_bytes(view) + margin_bytes else torch.device("cpu")
 
 
 class FittingBatches:
-    """The bounded pass's layer forwards and backward passes, a batch of ``rows`` sequences at a time: on a GPU all of
-    them at first; a batch the device has no memory for is run again at half the rows, and the smaller batch stays
-    (one log line). On the CPU the Layerwise batch. ``lw.batch_size`` follows ``rows`` (the pass's other batched
-    loops read it)."""
+    """The bounded pass's layer forwards and backward passes, a batch of ``rows`` sequences at a time (the Layerwise
+    batch at first; all 16 sequences at once measured no faster on Qwen3-30B-A3B layers); a batch the device has no
+    memory for is run again at half the rows, and the smaller batch stays (one log line). ``lw.batch_size`` follows
+    ``rows`` (the pass's other batched loops read it)."""
 
-    def __init__(self, lw: Layerwise, n_rows: int):
+    def __init__(self, lw: Layerwise):
         self.lw = lw
-        self.rows = max(1, n_rows) if lw.device.type == "cuda" else lw.batch_size
-        lw.batch_size = self.rows
+        self.rows = lw.batch_size
 
     def forward(self, layer: torch.nn.Module, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``lw.forward`` of ``hidden [n, S, D]`` into ``out`` (which may alias it: a batch's rows are written only
@@ -182,9 +151,7 @@ class FittingBatches:
         self._each(hidden.shape[0], lambda r: self.lw.forward(layer, hidden[r], out=out[r]))
         return out
 
-    def vjp(
-        self, layer: torch.nn.Module, hidden: torch.Tensor, cotangent: torch.Tensor, out: torch.Tensor
-    ) -> None:
+    def vjp(self, layer: torch.nn.Module, hidden: torch.Tensor, cotangent: torch.Tensor, out: torch.Tensor) -> None:
         """``lw.vjp`` of ``cotangent [R, n, S, D]`` at ``hidden [n, S, D]`` into ``out``."""
         self._each(hidden.shape[0], lambda r: self.lw.vjp(layer, hidden[r], cotangent[:, r], out=out[:, r]))
 
@@ -199,16 +166,12 @@ class FittingBatches:
 
     def _halve(self) -> None:
         if self.rows == 1:
-            raise RecipeError(
-                "layer damage: one sequence through a layer does not fit the GPU beside the layers the "
-                "pass keeps there: set profile.layer_sensitivity.dtype to the model's dtype (half "
-                "the memory), a smaller carry_layers or n_samples, or method exact"
-            )
+            raise RecipeError("layer damage: one sequence through a layer does not fit the GPU beside the layers the "
+                              "pass keeps there: set profile.layer_sensitivity.dtype to the model's dtype (half "
+                              "the memory), a smaller carry_layers or n_samples, or method exact")
         self.rows = self.lw.batch_size = self.rows // 2
-        log.info(
-            "layer damage: the GPU is out of memory for that batch; %d sequence(s) a batch from here on",
-            self.rows,
-        )
+        log.info("layer damage: the GPU is out of memory for that batch; %d sequence(s) a batch from here on",
+                 self.rows)
 
 
 def _ran(call: Callable[[slice], object], rows: slice) -> bool:
@@ -230,11 +193,8 @@ def compact_dtype(weights: tuple[torch.Tensor, ...]) -> torch.dtype:
     for dt in COMPACT_DTYPES:
         if torch.finfo(dt).bits >= torch.finfo(own).bits:
             continue
-        if all(
-            torch.equal(w[s : s + EXPERT_CHUNK].to(dt).to(own), w[s : s + EXPERT_CHUNK])
-            for w in weights
-            for s in range(0, w.shape[0], EXPERT_CHUNK)
-        ):
+        if all(torch.equal(w[s : s + EXPERT_CHUNK].to(dt).to(own), w[s : s + EXPERT_CHUNK])
+               for w in weights for s in range(0, w.shape[0], EXPERT_CHUNK)):
             return dt
     return own
 
@@ -271,9 +231,8 @@ class ExpertOriginals:
         self.view, self.originals = None, None  # the view holds the layer's expert weights
 
 
-def _copy(
-    p: torch.Tensor, where: torch.device, dt: torch.dtype, host: dict[tuple, torch.Tensor] | None, slot: int
-) -> torch.Tensor:
+def _copy(p: torch.Tensor, where: torch.device, dt: torch.dtype, host: dict[tuple, torch.Tensor] | None,
+          slot: int) -> torch.Tensor:
     if where.type != "cpu" or p.device.type == "cpu" or host is None:
         return p.to(where, dt, copy=True)
     key = (slot, tuple(p.shape), dt)

@@ -124,16 +124,8 @@ def _branch_kl(lw: Layerwise, clean: torch.Tensor, branches: list[torch.Tensor])
     return [t / n_positions for t in totals]
 
 
-def measure_layer_damage(
-    source: ModelSource,
-    tokens: torch.Tensor,
-    lw: Layerwise,
-    schemes: tuple[str, ...],
-    method: str = "bounded",
-    carry: int = 1,
-    draws: int = 1,
-    seed: int = 0,
-) -> LayerDamage:
+def measure_layer_damage(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, schemes: tuple[str, ...],
+                         method: str = "bounded", carry: int = 1, draws: int = 1, seed: int = 0) -> LayerDamage:
     """``tokens [N, S]`` -> each scheme's damage per MoE layer (module docstring). ``carry``: decoder layers a branch
     runs past its own (bounded); ``draws``: label draws for the gradients (bounded); ``seed``: their generator."""
     parsed = {name: parse_scheme(name) for name in schemes}
@@ -143,15 +135,9 @@ def measure_layer_damage(
         damage, forwards = _bounded(source, tokens, lw, parsed, carry, draws, seed)
     else:
         raise ValueError(f"layer damage method {method!r}; known: bounded, exact")
-    log.info(
-        "layer damage (%s): %d MoE layers x %d schemes on %d tokens, %d layer forwards; KL x1e3 per layer: %s",
-        method,
-        len(source.moe_layers()),
-        len(parsed),
-        tokens.numel(),
-        forwards,
-        "; ".join(f"{k} {', '.join(f'{1e3 * v:.3f}' for v in d.tolist())}" for k, d in damage.items()),
-    )
+    log.info("layer damage (%s): %d MoE layers x %d schemes on %d tokens, %d layer forwards; KL x1e3 per layer: %s",
+             method, len(source.moe_layers()), len(parsed), tokens.numel(), forwards,
+             "; ".join(f"{k} {', '.join(f'{1e3 * v:.3f}' for v in d.tolist())}" for k, d in damage.items()))
     return LayerDamage(damage, forwards)
 
 
@@ -159,15 +145,12 @@ def _progress(done: int, total: int, what: str, idx: int) -> None:
     log.info("layer damage: %s layer %d", what, idx, extra=step(STAGE, done, total, UNIT))
 
 
-def _exact(
-    source: ModelSource, tokens: torch.Tensor, lw: Layerwise, parsed: dict[str, tuple[int, int]]
-) -> tuple[dict[str, torch.Tensor], int]:
+def _exact(source: ModelSource, tokens: torch.Tensor, lw: Layerwise,
+           parsed: dict[str, tuple[int, int]]) -> tuple[dict[str, torch.Tensor], int]:
     clean = lw.embed(tokens)
     moe = source.moe_layers()
     store = _store(lw, clean, 1 + len(parsed) * len(moe))
-    total = pass_cost(
-        [(0.0, i in moe) for i in range(source.n_layers)], len(parsed), 0, "exact"
-    ).layer_forwards
+    total = pass_cost([(0.0, i in moe) for i in range(source.n_layers)], len(parsed), 0, "exact").layer_forwards
     log.info("layer damage: exact pass over %d layers", source.n_layers, extra=step(STAGE, 0, total, UNIT))
     branches: list[_Branch] = []
     forwards = 0
@@ -181,15 +164,8 @@ def _exact(
                     for name, (bits, group) in parsed.items():
                         experts.write(bits, group)
                         out = torch.empty(clean.shape, dtype=clean.dtype, device=store)
-                        branches.append(
-                            _Branch(
-                                moe.index(idx),
-                                name,
-                                idx,
-                                source.n_layers - 1,
-                                lw.forward(layer, clean, out=out),
-                            )
-                        )
+                        branches.append(_Branch(moe.index(idx), name, idx, source.n_layers - 1,
+                                                lw.forward(layer, clean, out=out)))
             forwards += len(branches) + 1
             clean = lw.forward(layer, clean, out=clean)
             del view  # it holds the layer's expert weights: gone before the next layer loads, not after
@@ -215,14 +191,8 @@ class PassCost:
     grad_streams: int = 0
 
 
-def pass_cost(
-    layers: list[tuple[float, bool]],
-    n_schemes: int,
-    n_tokens: int,
-    method: str = "bounded",
-    carry: int = 1,
-    draws: int = 1,
-) -> PassCost:
+def pass_cost(layers: list[tuple[float, bool]], n_schemes: int, n_tokens: int, method: str = "bounded",
+              carry: int = 1, draws: int = 1) -> PassCost:
     """``layers``: (active parameters per token, has routed experts) per decoder layer."""
     moe = [i for i, (_, m) in enumerate(layers) if m]
     per_layer = [1] * len(layers)  # the clean stream (exact: alongside the branches; bounded: its own walk)
@@ -258,39 +228,20 @@ def _branch_layers(moe: list[int], n_layers: int, n_schemes: int, carry: int) ->
     return out
 
 
-def _bounded(
-    source: ModelSource,
-    tokens: torch.Tensor,
-    lw: Layerwise,
-    parsed: dict[str, tuple[int, int]],
-    carry: int,
-    draws: int,
-    seed: int,
-) -> tuple[dict[str, torch.Tensor], int]:
+def _bounded(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, parsed: dict[str, tuple[int, int]],
+             carry: int, draws: int, seed: int) -> tuple[dict[str, torch.Tensor], int]:
     L, moe = source.n_layers, source.moe_layers()
-    total = pass_cost(
-        [(0.0, i in moe) for i in range(L)], len(parsed), 0, "bounded", carry, draws
-    ).layer_forwards
-    log.info(
-        "layer damage: %d layers forward, then back with gradients and branches carried %d layer(s)",
-        L,
-        carry,
-        extra=step(STAGE, 0, total, UNIT),
-    )
+    total = pass_cost([(0.0, i in moe) for i in range(L)], len(parsed), 0, "bounded", carry, draws).layer_forwards
+    log.info("layer damage: %d layers forward, then back with gradients and branches carried %d layer(s)", L,
+             carry, extra=step(STAGE, 0, total, UNIT))
     h = lw.embed(tokens)
     stream = h.numel() * lw.dtype.itemsize
     memory = plan_memory(lw, stream, L + 1, working_streams(len(parsed), carry, draws), carry)
-    log.debug(
-        "layer damage: clean inputs on %s (pinned %s), working streams on %s",
-        memory.inputs,
-        memory.pinned,
-        memory.working,
-    )
-    batches = FittingBatches(lw, h.shape[0])
+    log.debug("layer damage: clean inputs on %s (pinned %s), working streams on %s", memory.inputs, memory.pinned,
+              memory.working)
+    batches = FittingBatches(lw)
     inputs, final = _clean_pass(lw, batches, h, total, memory)
-    branches, done = _walk_back(
-        source, lw, batches, inputs, final, parsed, carry, draws, seed, memory, L, total
-    )
+    branches, done = _walk_back(source, lw, batches, inputs, final, parsed, carry, draws, seed, memory, L, total)
     return _estimate(branches, moe, L, parsed), done
 
 
@@ -301,9 +252,8 @@ def working_streams(n_schemes: int, carry: int, draws: int) -> int:
     return draws * (carry + 2) + 1 + n_schemes * (carry + 1)
 
 
-def _clean_pass(
-    lw: Layerwise, batches: FittingBatches, h: torch.Tensor, total: int, memory: PassMemory
-) -> tuple[CleanInputs, torch.Tensor]:
+def _clean_pass(lw: Layerwise, batches: FittingBatches, h: torch.Tensor, total: int, memory: PassMemory
+                ) -> tuple[CleanInputs, torch.Tensor]:
     """Every decoder layer's clean input (kept where ``memory`` says) and the last layer's output (on the device)."""
     inputs = CleanInputs(lw, memory)
     for idx in range(lw.source.n_layers):
@@ -314,9 +264,7 @@ def _clean_pass(
     return inputs, h.to(lw.device)
 
 
-def _head_cotangents(
-    lw: Layerwise, final: torch.Tensor, draws: int, seed: int, memory: PassMemory
-) -> torch.Tensor:
+def _head_cotangents(lw: Layerwise, final: torch.Tensor, draws: int, seed: int, memory: PassMemory) -> torch.Tensor:
     """``[R, N, S, D]`` (bf16): for R label draws ``y ~ p_clean`` per position, the gradient of ``Σ log p(y)`` with
     respect to the last layer's output (through the final norm and lm_head), a few sequences at a time (their fp32
     logits and softmax stay within ``HEAD_CHUNK_BYTES``)."""
@@ -333,11 +281,9 @@ def _head_cotangents(
             logp = torch.log_softmax(head(norm(x)).float(), dim=-1).flatten(0, 1)
             probs = logp.detach().exp()
             if not bool(torch.isfinite(probs).all()):
-                raise NumericalError(
-                    "layer damage: the model's own next-token distribution holds NaN or infinite "
-                    "values (a weight of the model folder is not finite?); repair the model, or "
-                    "turn profile.layer_sensitivity off"
-                )
+                raise NumericalError("layer damage: the model's own next-token distribution holds NaN or infinite "
+                                     "values (a weight of the model folder is not finite?); repair the model, or "
+                                     "turn profile.layer_sensitivity off")
             for r in range(draws):
                 y = torch.multinomial(probs, 1, generator=gen)
                 (g,) = torch.autograd.grad(logp.gather(1, y).sum(), x, retain_graph=r + 1 < draws)
@@ -364,20 +310,9 @@ def _value(lw: Layerwise, b: _Branch, idx: int, clean_out: torch.Tensor, g: torc
     b.size[idx] = size / n_positions
 
 
-def _walk_back(
-    source: ModelSource,
-    lw: Layerwise,
-    batches: FittingBatches,
-    inputs: CleanInputs,
-    final: torch.Tensor,
-    parsed: dict[str, tuple[int, int]],
-    carry: int,
-    draws: int,
-    seed: int,
-    memory: PassMemory,
-    done: int,
-    total: int,
-) -> tuple[list[_Branch], int]:
+def _walk_back(source: ModelSource, lw: Layerwise, batches: FittingBatches, inputs: CleanInputs,
+               final: torch.Tensor, parsed: dict[str, tuple[int, int]], carry: int, draws: int, seed: int,
+               memory: PassMemory, done: int, total: int) -> tuple[list[_Branch], int]:
     """From the last layer down to the first MoE layer, one weight read each: at layer ``idx`` (the ``carry`` layers
     above it still on the device, experts clean) each scheme's branch runs ``idx`` with its experts round-to-nearest
     and then the layers above, valued at every output it reaches with the gradient there; then the gradient is
@@ -391,12 +326,8 @@ def _walk_back(
         inputs.drop(j)  # below every branch
     grads = {L - 1: _head_cotangents(lw, final, draws, seed, memory)}
     branches: list[_Branch] = []
-    resident: dict[
-        int, tuple
-    ] = {}  # decoder layer -> (its context, the layer): the ``carry`` above the current one
-    host_originals: dict[
-        tuple, torch.Tensor
-    ] = {}  # page-locked buffers reused layer after layer (ExpertOriginals)
+    resident: dict[int, tuple] = {}  # decoder layer -> (its context, the layer): the ``carry`` above the current one
+    host_originals: dict[tuple, torch.Tensor] = {}  # page-locked buffers reused layer after layer (ExpertOriginals)
     try:
         for idx in range(L - 1, moe[0] - 1, -1):
             for j in [j for j in resident if j > idx + carry]:
@@ -446,22 +377,13 @@ def _check_window(layer: torch.nn.Module, carry: int, above: int) -> None:
     layer_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     free = free_gpu_bytes(dev)
     if above * layer_bytes + ORIGINALS_MARGIN_BYTES > free:
-        raise RecipeError(
-            f"profile.layer_sensitivity.carry_layers {carry} keeps {above} more decoder layer(s) of "
-            f"{layer_bytes / 1e9:.1f} GB on the GPU during the walk back, and it has {free / 1e9:.1f} GB "
-            "free: use a smaller carry_layers, or method exact"
-        )
+        raise RecipeError(f"profile.layer_sensitivity.carry_layers {carry} keeps {above} more decoder layer(s) of "
+                          f"{layer_bytes / 1e9:.1f} GB on the GPU during the walk back, and it has {free / 1e9:.1f} GB "
+                          "free: use a smaller carry_layers, or method exact")
 
 
-def _carry(
-    lw: Layerwise,
-    batches: FittingBatches,
-    b: _Branch,
-    resident: dict[int, tuple],
-    inputs: CleanInputs,
-    final: torch.Tensor,
-    grads: dict[int, torch.Tensor],
-) -> None:
+def _carry(lw: Layerwise, batches: FittingBatches, b: _Branch, resident: dict[int, tuple], inputs: CleanInputs,
+           final: torch.Tensor, grads: dict[int, torch.Tensor]) -> None:
     """Value branch ``b`` at its own layer's output, then run it through the resident layers above up to its stop,
     valued at each; it keeps its hidden states only when it stops at the last layer (for the exact KL)."""
     L = lw.source.n_layers
@@ -488,9 +410,8 @@ def _law(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     return fit[0].item(), fit[1].item()
 
 
-def _estimate(
-    branches: list[_Branch], moe: list[int], L: int, parsed: dict[str, tuple[int, int]]
-) -> dict[str, torch.Tensor]:
+def _estimate(branches: list[_Branch], moe: list[int], L: int,
+              parsed: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
     """Each branch's damage: its exact KL when it ran the last layer, else its Fisher form where it stopped plus, for
     each later MoE layer, that layer's flip law at the branch's size there."""
     laws: dict[int, tuple[float, float]] = {}
