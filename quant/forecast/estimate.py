@@ -46,7 +46,7 @@ from quant.forecast.layer_costs import (
     workload_of,
 )
 from quant.forecast.throughputs import THROUGHPUTS
-from quant.measure.damage_memory import place
+from quant.measure.damage_memory import EXPERT_CHUNK, ORIGINALS_MARGIN_BYTES, RTN_TEMP_BYTES_PER_ELEM, place
 from quant.measure.layer_damage import pass_cost, working_streams
 from quant.measure.profile import RoutingProfile
 from quant.models import ModelSource
@@ -120,43 +120,71 @@ def _profile_stage(layers: list[LayerShape], run: Workload, d: Dims, recipe: Rec
 def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Workload, d: Dims, ls,
                        gpu_memory_gb: float) -> StageForecast:
     """The profile stage plus quant.measure.layer_damage's pass (``ls.method``): its walks over the weights (in
-    ``ls.dtype``) and its layer forwards (``pass_cost``). Its hidden states: exact, every branch on the GPU while they
-    fit the activation budget; bounded, placed as the pass places them (``damage_memory.place``: the gradients and
-    branches, then every layer's clean input or a window of ``carry + 2`` of them), the rest on the host; bounded also
-    holds one batch's autograd graph through a layer (~3 forward transients) and the ``carry`` layers above."""
+    ``ls.dtype``) and its layer forwards (``pass_cost``), at the pass's own rates (``damage_*`` in throughputs.py,
+    fp32; a 16-bit pass at the profile's). Its hidden states: exact, every branch on the GPU while they fit the
+    activation budget. Bounded, as the walk back holds them: always the ``carry + 1`` layers and the streams
+    ``damage_memory.place`` keeps on the GPU (the gradients and branches, then every layer's clean input or a window
+    of ``carry + 2``); then either a scheme being written (the originals, where ``originals_device`` finds room, the
+    round-to-nearest temporaries, one batch's forward) or the gradient carried down (one batch's autograd graph, ~3
+    forward transients), whichever is larger, at the batch ``FittingBatches`` halves down to until it fits."""
     dt = DTYPE_BYTES[ls.dtype]
     tokens = ls.n_samples * run.seq_len
     cost = pass_cost([(L.active_params, L.n_experts > 0) for L in layers], len(ls.schemes), tokens, ls.method,
                      ls.carry_layers, ls.draws)
     stream = tokens * d.hidden * dt
     worst = max(layers, key=lambda L: L.weight_bytes)
+    layer = worst.weight_bytes * dt / run.dtype_bytes
     # the layer's expert weights while its schemes are written: exact in the checkpoint's dtype (compact_dtype)
     originals = worst.n_experts * worst.expert_numel * min(dt, run.dtype_bytes)
-    parts = {"layer damage: layer": worst.weight_bytes * dt / run.dtype_bytes,
-             "layer damage: original experts": originals,  # beside the layer where the GPU has room, else on the host
-             "layer damage: RTN of 16 experts": 12 * 16 * worst.expert_numel}
     if ls.method == "exact":
         hidden = cost.streams * stream
-        parts["layer damage: hidden states"] = hidden if hidden <= ACTIVATION_BUDGET_BYTES else 0.0
+        parts = {"layer damage: layer": layer, "layer damage: original experts": originals,
+                 "layer damage: RTN of 16 experts": RTN_TEMP_BYTES_PER_ELEM * EXPERT_CHUNK * worst.expert_numel,
+                 "layer damage: hidden states": hidden if hidden <= ACTIVATION_BUDGET_BYTES else 0.0}
         on_host = hidden - parts["layer damage: hidden states"]
+        gpu_pass, on_gpu_originals = sum(parts.values()), True
     else:
-        n_inputs, n_working = len(layers) + 1, working_streams(len(ls.schemes), ls.carry_layers, ls.draws)
-        working, inputs, _ = place(int(gpu_memory_gb * GB), int(worst.weight_bytes / run.dtype_bytes), dt, stream,
-                                   n_inputs, n_working, ls.carry_layers, 1 << 62)
-        parts["layer damage: clean inputs"] = (n_inputs if inputs else ls.carry_layers + 2) * stream
-        parts["layer damage: gradients and branches"] = n_working * stream if working else 0.0
-        on_host = (0 if inputs else n_inputs * stream) + (0 if working else n_working * stream)
-        parts["layer damage: backward through a layer"] = 3 * forward_transient(worst, run, d, 0) * dt / run.dtype_bytes
-        # the walk back keeps the carry_layers above the one it works on (their branches run through them)
-        parts["layer damage: layers kept above"] = ls.carry_layers * parts["layer damage: layer"]
-    seconds = (cost.weight_walks * sum(L.weight_bytes for L in layers) / THROUGHPUTS["load_bytes_per_s"]
-               + cost.param_tokens / THROUGHPUTS["profile_param_tokens_per_s"])
-    gpu = max(stage.gpu_bytes, sum(parts.values()))
-    host = HOST_BASE + parts["layer damage: layer"] + originals + on_host
+        parts, on_host, on_gpu_originals = _walk_back_memory(worst, layer, originals, stream, run, d, ls, len(layers),
+                                                             int(gpu_memory_gb * GB))
+        gpu_pass = sum(parts.values())
+    t = THROUGHPUTS
+    load, rate = ((t["damage_load_bytes_per_s"], t["damage_param_tokens_per_s"]) if dt == 4
+                  else (t["load_bytes_per_s"], t["profile_param_tokens_per_s"]))
+    seconds = cost.weight_walks * sum(L.weight_bytes for L in layers) / load + cost.param_tokens / rate
+    gpu = max(stage.gpu_bytes, gpu_pass)
+    host = HOST_BASE + layer + (0 if on_gpu_originals else originals) + on_host
     return dataclasses.replace(stage, gpu_bytes=gpu, host_bytes=max(stage.host_bytes, host),
                                seconds=stage.seconds + seconds, parts=stage.parts if gpu == stage.gpu_bytes else parts,
                                note=f"includes the layer-damage pass ({ls.method}): {cost.layer_forwards} layer "
                                     f"forwards over {tokens} tokens")
+
+
+def _walk_back_memory(worst: LayerShape, layer: float, originals: float, stream: float, run: Workload, d: Dims, ls,
+                      n_layers: int, card: int) -> tuple[dict[str, float], float, bool]:
+    """The bounded pass's device peak on ``card`` bytes as parts that sum to it, the bytes it keeps on the host, and
+    whether the originals wait on the GPU (the phases in ``_with_layer_damage``'s docstring)."""
+    dt = DTYPE_BYTES[ls.dtype]
+    n_inputs, n_working = n_layers + 1, working_streams(len(ls.schemes), ls.carry_layers, ls.draws)
+    working, inputs, _ = place(card, int(worst.weight_bytes / run.dtype_bytes), dt, int(stream), n_inputs, n_working,
+                               ls.carry_layers, 1 << 62)
+    resident = {"layer damage: layers (the one walked back and those kept above)": (1 + ls.carry_layers) * layer,
+                "layer damage: clean inputs": (n_inputs if inputs else ls.carry_layers + 2) * stream,
+                "layer damage: gradients and branches": n_working * stream if working else 0.0}
+    held = sum(resident.values())
+    on_host = (0 if inputs else n_inputs * stream) + (0 if working else n_working * stream)
+    rtn = RTN_TEMP_BYTES_PER_ELEM * min(EXPERT_CHUNK, max(worst.n_experts, 1)) * worst.expert_numel
+    beside = held + originals + rtn + ORIGINALS_MARGIN_BYTES <= card  # damage_memory.originals_device
+    full = forward_transient(worst, run, d, 0) * dt / run.dtype_bytes  # one batch of the Layerwise rows
+    rows, limit = run.batch, HEADROOM * card
+    while True:
+        fwd = full * rows / run.batch
+        write = {"layer damage: original experts": originals if beside else 0.0,
+                 "layer damage: RTN of 16 experts": rtn, "layer damage: a batch forward": fwd}
+        back = {"layer damage: backward through a layer": 3 * fwd}
+        phase = max(write, back, key=lambda p: sum(p.values()))
+        if held + sum(phase.values()) <= limit or rows == 1:  # FittingBatches halves the batch until it fits
+            return resident | phase, on_host, beside
+        rows //= 2
 
 
 def _host(layers: list[LayerShape], run: Workload, d: Dims) -> float:

@@ -36,6 +36,12 @@ THROUGHPUTS = {
     "awq_search_flop_per_s": 4.0e13,
     # "Full depth, end to end" paragraph: profile 1.76 s/layer at 1.05 M tokens, of which 0.63 s loading
     "profile_param_tokens_per_s": 5.3e13,
+    # the layer-damage pass in fp32 (BENCHMARKS.md "The layer-damage pass at depth", 2026-12-02): its clean walks
+    # (Qwen3-30B-A3B, 48 layers: 12.0 s; DeepSeek-V3, 2 layers: 7.7 s) fit one read rate and one fp32 forward rate;
+    # the forward rate then set to the geometric mean of what the two whole passes (95.6 s, 29.8 s) leave after the
+    # reads: 1.3e13 and 1.8e13
+    "damage_load_bytes_per_s": 8.0e9,
+    "damage_param_tokens_per_s": 1.5e13,
     # "Full depth, end to end": export wrote 17 GB in 50.3 s
     "export_bytes_per_s": 0.34e9,
     # "the first engine against llm-compressor" (be973b3): RTN solve 0.06 s/layer for a 1.25 GB layer
