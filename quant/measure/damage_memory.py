@@ -145,11 +145,22 @@ class FittingBatches:
         self.lw = lw
         self.rows = lw.batch_size
 
-    def forward(self, layer: torch.nn.Module, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: torch.nn.Module, hidden: torch.Tensor, out: torch.Tensor,
+                before: Callable[[slice], None] | None = None) -> torch.Tensor:
         """``lw.forward`` of ``hidden [n, S, D]`` into ``out`` (which may alias it: a batch's rows are written only
-        once the batch has run, so a rerun reads its inputs intact)."""
-        self._each(hidden.shape[0], lambda r: self.lw.forward(layer, hidden[r], out=out[r]))
+        once the batch has run, so a rerun reads its inputs intact); ``before(rows)`` ahead of each batch."""
+
+        def call(r: slice) -> None:
+            if before is not None:
+                before(r)
+            self.lw.forward(layer, hidden[r], out=out[r])
+
+        self._each(hidden.shape[0], call)
         return out
+
+    def each(self, n: int, call: Callable[[slice], object]) -> None:
+        """``call(rows)`` over ``n`` rows in the pass's batches (halved as ``forward``'s are)."""
+        self._each(n, call)
 
     def vjp(self, layer: torch.nn.Module, hidden: torch.Tensor, cotangent: torch.Tensor, out: torch.Tensor) -> None:
         """``lw.vjp`` of ``cotangent [R, n, S, D]`` at ``hidden [n, S, D]`` into ``out``."""

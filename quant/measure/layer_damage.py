@@ -31,6 +31,10 @@ layer's projections, resolved like the plan does). Two methods:
   ranks the layers per scheme as the exact pass does to within the exact pass's own variation between calibration
   samples (STUDY.md).
 
+A MoE layer's branches differ from its clean forward only inside its MoE block: after its first scheme, the bounded
+pass runs the block alone on the block input that forward recorded and adds the recorded residual
+(``_BlockShortcut``; bit for bit the layer's own forward, checked once a pass).
+
 Both read every layer's weights once per walk (exact: one; bounded: two) and keep one copy of a layer's expert
 weights while its branches are made (beside the layer where its GPU has room, else in host memory; in the
 checkpoint's 16-bit dtype when that holds them exactly). The exact pass's activations stay on the device when they
@@ -39,6 +43,7 @@ fit ``Layerwise``'s activation budget, else on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -57,6 +62,7 @@ from quant.measure.damage_memory import (
     plan_memory,
 )
 from quant.models import ModelSource
+from quant.models.experts import moe_block
 from quant.models.layers import experts_of, release
 from quant.progress import step
 from quant.recipe import parse_scheme
@@ -248,8 +254,71 @@ def _bounded(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, parsed: d
 def working_streams(n_schemes: int, carry: int, draws: int) -> int:
     """Tensors like a layer's hidden states the walk back holds beside the clean inputs: the gradients at the
     ``carry + 1`` layer outputs its branches are valued at and the one below (R each), the branch being carried,
-    and the branches that reach the last layer (their exact KL is taken after the walk)."""
-    return draws * (carry + 2) + 1 + n_schemes * (carry + 1)
+    the branches that reach the last layer (their exact KL is taken after the walk), and the layer's MoE block
+    input and the residual beside it (``_BlockShortcut``)."""
+    return draws * (carry + 2) + 1 + n_schemes * (carry + 1) + 2
+
+
+class _BlockShortcut:
+    """A MoE layer's branches differ from its clean forward only inside the MoE block (the router and attention are
+    never quantized, and every branch starts from the clean input): the first scheme's forward records, batch by
+    batch, the block's input ``x`` and the residual it is added to (hooks on the block and on
+    ``post_attention_layernorm``, whose input that residual is); the other schemes then run the block alone,
+    ``out = residual + block(x)``, the very operations the layer's own forward ends with in every family quant runs
+    (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, Mixtral, OLMoE). The pass checks that once, on its first MoE layer, against a
+    whole forward (``check``), and runs whole forwards when it does not hold."""
+
+    def __init__(self, source: ModelSource, layer: torch.nn.Module, like: torch.Tensor, memory: PassMemory):
+        found = moe_block(source.family, layer)
+        norm = getattr(layer, "post_attention_layernorm", None)
+        self.block = found[1] if found else None
+        self.ok = self.block is not None and isinstance(norm, torch.nn.Module)
+        self.rows = slice(0, 0)
+        self.handles = []
+        if self.ok:
+            self.residual = empty_stream(like.shape, like.dtype, memory.working, memory.pinned)
+            self.x = empty_stream(like.shape, like.dtype, memory.working, memory.pinned)
+            self.handles = [norm.register_forward_pre_hook(lambda _m, a: self._keep(self.residual, a[0])),
+                            self.block.register_forward_pre_hook(lambda _m, a: self._keep(self.x, a[0]))]
+
+    def _keep(self, into: torch.Tensor, t: torch.Tensor) -> None:
+        into[self.rows] = t.detach().to(into.device, non_blocking=True)
+
+    def at(self, rows: slice) -> None:
+        """The rows of the batch the recording forward runs next."""
+        self.rows = rows
+
+    def stop_recording(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def run(self, batches: FittingBatches, out: torch.Tensor) -> torch.Tensor:
+        """``residual + block(x)`` into ``out``, batch by batch on the device."""
+
+        def call(rows: slice) -> None:
+            with torch.no_grad():
+                y = self.block(self.x[rows].to(batches.lw.device, non_blocking=True))
+                y = y[0] if isinstance(y, tuple) else y
+                out[rows] = (self.residual[rows].to(y.device, non_blocking=True) + y).to(out.device, non_blocking=True)
+
+        batches.each(out.shape[0], call)
+        return out
+
+    def check(self, batches: FittingBatches, layer: torch.nn.Module, clean_in: torch.Tensor) -> None:
+        """A whole forward of the first batch against the shortcut's; ``ok`` stays only where they agree (to the
+        float: bit for bit where the kernels are deterministic)."""
+        rows = slice(0, min(batches.rows, clean_in.shape[0]))
+        whole = batches.forward(layer, clean_in[rows], out=torch.empty_like(clean_in[rows]))
+        short = torch.empty_like(whole)
+        with torch.no_grad():
+            y = self.block(self.x[rows].to(batches.lw.device))
+            y = y[0] if isinstance(y, tuple) else y
+            short.copy_(self.residual[rows].to(y.device) + y)
+        scale = whole.abs().max().item()
+        self.ok = bool((whole - short).abs().max().item() <= 1e-6 * max(scale, 1e-30))
+        if not self.ok:
+            log.debug("layer damage: this model's layers do not end in residual + MoE block; whole forwards")
 
 
 def _clean_pass(lw: Layerwise, batches: FittingBatches, h: torch.Tensor, total: int, memory: PassMemory
@@ -328,6 +397,7 @@ def _walk_back(source: ModelSource, lw: Layerwise, batches: FittingBatches, inpu
     branches: list[_Branch] = []
     resident: dict[int, tuple] = {}  # decoder layer -> (its context, the layer): the ``carry`` above the current one
     host_originals: dict[tuple, torch.Tensor] = {}  # page-locked buffers reused layer after layer (ExpertOriginals)
+    trust_shortcut: bool | None = None  # _BlockShortcut: None until checked on the first MoE layer
     try:
         for idx in range(L - 1, moe[0] - 1, -1):
             for j in [j for j in resident if j > idx + carry]:
@@ -339,16 +409,31 @@ def _walk_back(source: ModelSource, lw: Layerwise, batches: FittingBatches, inpu
                 _check_window(layer, carry, min(carry, L - 1 - moe[0]))
             view = experts_of(source, layer, idx)
             if view is not None:
-                with ExpertOriginals(view, host_originals) as experts:
-                    for name, (bits, group) in parsed.items():
+                clean_in = inputs.get(idx)
+                shortcut = (_BlockShortcut(source, layer, clean_in, memory)
+                            if trust_shortcut is not False and len(parsed) > 1 else None)
+                with ExpertOriginals(view, host_originals) as experts, contextlib.ExitStack() as hooks:
+                    if shortcut is not None:
+                        hooks.callback(shortcut.stop_recording)
+                    for k, (name, (bits, group)) in enumerate(parsed.items()):
                         experts.write(bits, group)
                         b = _Branch(moe.index(idx), name, idx, min(idx + carry, L - 1), None)
-                        clean_in = inputs.get(idx)
                         out = empty_stream(clean_in.shape, clean_in.dtype, memory.working, memory.pinned)
-                        b.hidden = batches.forward(layer, clean_in, out=out)
+                        if k == 0 or shortcut is None or not shortcut.ok:
+                            b.hidden = batches.forward(layer, clean_in, out=out,
+                                                       before=shortcut.at if shortcut is not None else None)
+                            if shortcut is not None:
+                                shortcut.stop_recording()
+                        else:
+                            if trust_shortcut is None:  # once a pass: the shortcut against a whole forward
+                                shortcut.check(batches, layer, clean_in)
+                                trust_shortcut = shortcut.ok
+                            b.hidden = (shortcut.run(batches, out) if shortcut.ok
+                                        else batches.forward(layer, clean_in, out=out))
                         _carry(lw, batches, b, resident, inputs, final, grads)
                         done += 1 + b.stop - b.start
                         branches.append(b)
+                del shortcut
             del view  # it holds the layer's expert weights: gone before the next layer loads, not after
             if idx > moe[0]:
                 below = torch.empty_like(grads[idx])

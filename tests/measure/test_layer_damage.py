@@ -198,3 +198,32 @@ def test_a_carry_whose_layers_do_not_fit_the_gpu_is_refused_before_any_branch(so
     tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
     with pytest.raises(RecipeError, match="carry_layers 2 keeps 2 more decoder layer"):
         measure_layer_damage(source, tokens, Layerwise(source, "float32", "cuda", 2, World()), ("w4g32",), "bounded", 2)
+
+
+@pytest.mark.parametrize("model", ["qwen3-moe-tiny", "deepseek-v3-tiny", "mixtral-tiny", "olmoe-tiny"])
+def test_a_layer_s_later_schemes_run_its_moe_block_alone_with_the_figures_of_whole_forwards(model, monkeypatch):
+    """After a MoE layer's first scheme, the others run only its MoE block on the recorded block input, added to the
+    recorded residual: on every family the figures are those of whole layer forwards, bit for bit; and where the
+    check against a whole forward fails (a layer that does not end in residual + MoE block), whole forwards run."""
+    from quant.measure import layer_damage
+
+    src = resolve_model(f"builtin:{model}")
+    tokens = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(2))
+    schemes = ("w4g32", "w4g16", "w8g32")
+    runs = []
+    run_block = layer_damage._BlockShortcut.run
+    monkeypatch.setattr(layer_damage._BlockShortcut, "run",
+                        lambda self, *a: (runs.append(1), run_block(self, *a))[1])
+
+    def measure():
+        return measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2, World()), schemes).damage
+
+    short = measure()
+    assert len(runs) == (len(schemes) - 1) * len(src.moe_layers())
+    keep = layer_damage._BlockShortcut._keep
+    monkeypatch.setattr(layer_damage._BlockShortcut, "_keep", lambda self, into, t: keep(self, into, t * 1.001))
+    runs.clear()
+    whole = measure()  # the recorded residual and input are off: the check sends every branch through its layer
+    assert runs == []
+    for name in schemes:
+        assert torch.equal(short[name], whole[name]), name
