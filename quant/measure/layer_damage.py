@@ -293,14 +293,17 @@ class _BlockShortcut:
             h.remove()
         self.handles = []
 
+    @torch.no_grad()
+    def _output(self, rows: slice, device: torch.device) -> torch.Tensor:
+        y = self.block(self.x[rows].to(device, non_blocking=True))
+        y = y[0] if isinstance(y, tuple) else y
+        return self.residual[rows].to(device, non_blocking=True) + y  # the layer's own last step, same order
+
     def run(self, batches: FittingBatches, out: torch.Tensor) -> torch.Tensor:
         """``residual + block(x)`` into ``out``, batch by batch on the device."""
 
         def call(rows: slice) -> None:
-            with torch.no_grad():
-                y = self.block(self.x[rows].to(batches.lw.device, non_blocking=True))
-                y = y[0] if isinstance(y, tuple) else y
-                out[rows] = (self.residual[rows].to(y.device, non_blocking=True) + y).to(out.device, non_blocking=True)
+            out[rows] = self._output(rows, batches.lw.device).to(out.device, non_blocking=True)
 
         batches.each(out.shape[0], call)
         return out
@@ -310,11 +313,7 @@ class _BlockShortcut:
         float: bit for bit where the kernels are deterministic)."""
         rows = slice(0, min(batches.rows, clean_in.shape[0]))
         whole = batches.forward(layer, clean_in[rows], out=torch.empty_like(clean_in[rows]))
-        short = torch.empty_like(whole)
-        with torch.no_grad():
-            y = self.block(self.x[rows].to(batches.lw.device))
-            y = y[0] if isinstance(y, tuple) else y
-            short.copy_(self.residual[rows].to(y.device) + y)
+        short = self._output(rows, batches.lw.device).to(whole.device)
         scale = whole.abs().max().item()
         self.ok = bool((whole - short).abs().max().item() <= 1e-6 * max(scale, 1e-30))
         if not self.ok:
