@@ -142,11 +142,14 @@ def main() -> None:
 
 def layer_damage_phases(src: ModelSource, tokens: torch.Tensor, a: argparse.Namespace) -> None:
     """The bounded layer-damage pass, each phase and the calls inside it timed (device syncs around each)."""
+    import quant.measure.damage_memory as dm
     import quant.measure.layer_damage as ld
 
-    phases = ("_clean_pass", "_gradients", "_branch_pass", "_head_cotangents", "_value", "_write_rtn", "_branch_kl")
+    phases = ("_clean_pass", "_walk_back", "_head_cotangents", "_value", "_branch_kl")
     for name in phases:
         TIMERS.wrap(ld, name, name)
+    TIMERS.wrap(dm.ExpertOriginals, "write", "ExpertOriginals.write")
+    TIMERS.wrap(ld._BlockShortcut, "run", "_BlockShortcut.run")
     TIMERS.wrap(Layerwise, "vjp", "Layerwise.vjp")
     TIMERS.wrap(Layerwise, "forward", "Layerwise.forward")
     schemes = ("w4g128", "w4g64", "w4g32", "w8g128")
@@ -154,12 +157,12 @@ def layer_damage_phases(src: ModelSource, tokens: torch.Tensor, a: argparse.Name
         TIMERS.clear()
         sync()
         t0 = time.perf_counter()
-        out = ld.measure_layer_damage(src, tokens, Layerwise(src, "bfloat16", a.device, a.batch, world=World()),
-                                      schemes)
+        out = ld.measure_layer_damage(src, tokens, Layerwise(src, "float32", a.device, a.batch, world=World()),
+                                      schemes)  # the headline recipe's pass dtype
         sync()
         s = time.perf_counter() - t0
-        parts = ", ".join(f"{k} {TIMERS.get(k):.2f}" for k in (*phases, "Layerwise.vjp", "Layerwise.forward",
-                                                                "load_s"))
+        parts = ", ".join(f"{k} {TIMERS.get(k):.2f}" for k in (*phases, "ExpertOriginals.write", "_BlockShortcut.run",
+                                                                "Layerwise.vjp", "Layerwise.forward", "load_s"))
         print(f"layer damage run {rep}: {src.n_layers} layers x {tokens.shape[0]}x{tokens.shape[1]} tokens, "
               f"{out.layer_forwards} layer forwards: {s:.2f} s = {s / src.n_layers:.2f} s/layer; seconds: {parts}",
               flush=True)
