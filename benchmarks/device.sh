@@ -21,9 +21,11 @@
 #   headline48 the headline recipe (GPTQ, its layer-sensitivity pass included) through quant.run.pipeline.Run on
 #              48 Qwen3-30B-A3B layers (2 saved, tiled) at 512 x 2048: calibrate, profile, plan, quantize (node.py depth)
 #   dsv3-damage  the headline recipe with its layer-sensitivity pass on DeepSeek-V3-shaped layers (1 saved, tiled to
-#              $DSV3_LAYERS, default 6) at 32 x 2048 (the pass's 16 samples are the same at any calibration size; quantize
+#              $DSV3_LAYERS, default 12) at 32 x 2048 (the pass's 16 samples are the same at any calibration size; quantize
 #              is cheapest here): the pass's phases against quantize, both per layer (node.py depth). $DAMAGE_SET:
 #              space-separated recipe overrides for it (KEY=VALUE, node.py --set)
+#   expert-compute  quant's experts forward as the layer-damage pass runs it (bf16 experts, fp32 activations:
+#              widened, split bf16 products, at a scheme), DeepSeek-V3 and Qwen3-30B-A3B shapes (~1 min)
 #   x2         (2 GPUs) 1 vs 2 ranks on both shapes (Qwen3: ordered and reduce statistics), llm-compressor's
 #              distributed oneshot on 2 GPUs
 #   x2-awq     (2 GPUs) AWQ at 1 vs 2 ranks on both shapes (its searches divided over ranks)
@@ -48,7 +50,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|dsv3-damage|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|dsv3-damage|expert-compute|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -64,7 +66,9 @@ run() {  # run TASK COMMAND...: log, time, and free the scratch disk after
   local task=$1; shift
   local t0; t0=$(date +%s)
   echo "== $task: $*" | tee -a "$OUT/$task.log"
-  "$@" 2>&1 | grep --line-buffered -v -E "Warning|warn\(" | tee -a "$OUT/$task.log" | grep --line-buffered -E '^\{|^ *[0-9]|GPU|engine|passed|failed|^(stage|calibrate|profile|plan|quantize|export|eval|report) |projection|per rank' | tail -40
+  # every line as it comes (a run cut off at the call's limit still shows where it was): the log whole, the screen
+  # the result lines and quant's progress lines (benchmarks/node.py prints them as "progress ...")
+  "$@" 2>&1 | grep --line-buffered -v -E "Warning|warn\(" | tee -a "$OUT/$task.log" | grep --line-buffered -E '^\{|^ *[0-9]|GPU|engine|passed|failed|^(stage|calibrate|profile|plan|quantize|export|eval|report) |projection|per rank|^progress' 
   echo "== $task: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$task.log"
 }
 
@@ -164,8 +168,11 @@ for task in "$@"; do
                   --samples 512 --seqlen 2048 --ranks 1 --layer-damage --part depth --workdir "$W" ;;
     dsv3-damage)
       sets=(); for kv in ${DAMAGE_SET:-}; do sets+=(--set "$kv"); done
-      run dsv3-damage python3 benchmarks/node.py --shape deepseek-v3 --layers 1 --virtual-layers "${DSV3_LAYERS:-6}" \
+      run dsv3-damage python3 benchmarks/node.py --shape deepseek-v3 --layers 1 --virtual-layers "${DSV3_LAYERS:-12}" \
         --samples 32 --seqlen 2048 --ranks 1 --layer-damage --part depth "${sets[@]}" --workdir "$W" ;;
+    expert-compute)
+      run expert-compute python3 benchmarks/expert_compute.py --shape deepseek-v3 --tokens 16384
+      run expert-compute python3 benchmarks/expert_compute.py --shape qwen3-30b-a3b --tokens 16384 ;;
     x2)
       run x2 python3 benchmarks/distributed.py --shape qwen3-30b-a3b --layers 2 --samples 256 --seqlen 2048 \
         --ranks 1,2 --statistics ordered,reduce --error-samples 16 --llmcompressor 2 --workdir "$W"

@@ -125,6 +125,8 @@ class _DamagePhases(logging.Handler):
         self.last: dict[str, float] = {}
         self.first: float | None = None
         self.end: float | None = None
+        self.back: list[float] = []  # when each layer of the walk back was done
+        self.halved: list[str] = []  # FittingBatches' lines: the batch the device had no room for, halved
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
@@ -133,6 +135,10 @@ class _DamagePhases(logging.Handler):
         for phase in self.PHASES:
             if phase in msg:
                 self.last[phase] = record.created
+        if "back through" in msg:
+            self.back.append(record.created)
+        if "out of memory" in msg:
+            self.halved.append(msg)
         if msg.startswith("layer damage (") and self.first is not None:  # the pass's closing summary
             self.end = record.created
 
@@ -146,7 +152,30 @@ class _DamagePhases(logging.Handler):
                 start = self.last[phase]
         if self.end is not None:
             out["pass"] = round(self.end - self.first, 1)
+        if self.back and "clean through" in self.last:  # each layer of the walk back, from the last layer down
+            times = [self.last["clean through"], *self.back]
+            out["back_per_layer"] = [round(b - a, 1) for a, b in zip(times, times[1:], strict=False)]
+        if self.halved:
+            out["halved"] = self.halved
         return out
+
+
+class _Progress(logging.Handler):
+    """Every INFO line of quant's loggers printed as it comes (the writer rank's), with the seconds since the run
+    began and since the logger's previous line: a run cut off at a call's limit shows which stage and layer it
+    reached, and at what seconds per layer."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.t0 = time.perf_counter()
+        self.last: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        now = time.perf_counter()
+        since = now - self.last.get(record.name, self.t0)
+        self.last[record.name] = now
+        print(f"progress {now - self.t0:8.1f} s (+{since:6.1f}) {record.name.removeprefix('quant.')}: "
+              f"{record.getMessage()}", flush=True)
 
 
 def depth_worker(a: argparse.Namespace) -> None:
@@ -170,6 +199,10 @@ def depth_worker(a: argparse.Namespace) -> None:
                                                    a.layers, a.virtual_layers, done), daemon=True)
     if world.is_writer:
         pruner.start()
+    if world.is_writer:
+        quant_log = logging.getLogger("quant")
+        quant_log.addHandler(_Progress())
+        quant_log.setLevel(min(quant_log.getEffectiveLevel(), logging.INFO))
     phases = _DamagePhases()
     damage_log = logging.getLogger("quant.measure.layer_damage")
     damage_log.addHandler(phases)
@@ -185,8 +218,12 @@ def depth_worker(a: argparse.Namespace) -> None:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0  # reset when quantize began
     peaks = world.all_gather_object(round(peak / 1e9, 2))
     if world.is_writer:
+        stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
         Path(a.result).write_text(json.dumps({"wall_s": wall, "quantize_peak_gb_per_rank": peaks,
-                                              "layer_damage_s": phases.seconds()}))
+                                              "layer_damage_s": phases.seconds(),
+                                              # the allocator's cache flushes and failed allocations, whole run
+                                              "cuda_alloc_retries": stats.get("num_alloc_retries"),
+                                              "cuda_ooms": stats.get("num_ooms")}))
     close_world(world)
     exit_process(0)
 

@@ -88,6 +88,16 @@ def free_gpu_bytes(device: torch.device) -> int:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
+def transfer(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` between any two devices: a dtype change happens on the GPU's side (torch converts a copy
+    between host and GPU on the host, through a pageable temporary of the whole tensor), and the copy is asynchronous
+    only into GPU or page-locked memory, which later copies on the same stream read in order (``x.to("cpu",
+    non_blocking=True)`` hands back host memory before the transfer has landed in it)."""
+    if src.device != dst.device and src.dtype != dst.dtype:
+        src = src.to(dst.dtype) if src.device.type == "cuda" else src.to(dst.device, non_blocking=True)
+    dst.copy_(src, non_blocking=dst.device.type == "cuda" or dst.is_pinned())
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -194,8 +204,11 @@ class Layerwise:
     """Run a model layer by layer over fixed calibration tokens ``[N, S]``."""
 
     def __init__(self, source: ModelSource, dtype: str, device: str, batch_size: int, world: World,
-                 activation_budget_bytes: int = ACTIVATION_BUDGET_BYTES):
+                 activation_budget_bytes: int = ACTIVATION_BUDGET_BYTES, narrow_experts: bool = False):
+        """``narrow_experts``: routed experts stay in the checkpoint's narrower dtype (``load_layer``); the caller
+        computes them (``models.expert_compute``)."""
         self.source = source
+        self.narrow_experts = narrow_experts
         self.world = world
         self.n_rows = 0  # rows of the token set last embedded (all ranks)
         self.dtype = DTYPES[dtype]
@@ -204,7 +217,7 @@ class Layerwise:
         self.budget = activation_budget_bytes
         self.model = build_skeleton(source, self.dtype)
         self.runner = LayerRunner(self.model, self.device, self.dtype)
-        self.reader = LayerReader(source, world, self.device, self.dtype)
+        self.reader = LayerReader(source, world, self.device, None if narrow_experts else self.dtype)
 
     def _store(self, like_shape: tuple[int, ...]) -> torch.device:
         n_bytes = torch.Size(like_shape).numel() * torch.finfo(self.dtype).bits // 8
@@ -239,7 +252,8 @@ class Layerwise:
     def layer(self, idx: int, ahead: int | None = None) -> Iterator[nn.Module]:
         """Layer ``idx`` materialized on the device for the duration of the block; on a GPU layer ``ahead`` (default
         the next) is read meanwhile."""
-        layer = load_layer(self.source, self.model, idx, self.device, self.dtype, self.reader.take(idx, ahead))
+        layer = load_layer(self.source, self.model, idx, self.device, self.dtype, self.reader.take(idx, ahead),
+                           self.narrow_experts)
         self.reader.uploaded(idx)
         try:
             yield layer
@@ -258,7 +272,7 @@ class Layerwise:
         out = torch.empty_like(hidden) if out is None else out
 
         def keep(rows: slice, y: torch.Tensor) -> None:
-            out[rows] = y.to(out.device, non_blocking=True)
+            transfer(out[rows], y)
 
         self._batches(layer, hidden, before_batch, keep, after_step)
         return out
@@ -278,10 +292,10 @@ class Layerwise:
                     rows = slice(s, s + self.batch_size)
                     x = hidden[rows].to(self.device, non_blocking=True).requires_grad_()
                     y = self.runner(layer, x)
-                    cots = cotangent[:, rows].to(self.device, y.dtype, non_blocking=True)
+                    cots = cotangent[:, rows].to(self.device, non_blocking=True).to(y.dtype)
                     for r in range(cots.shape[0]):
                         (grad,) = torch.autograd.grad(y, x, cots[r], retain_graph=r + 1 < cots.shape[0])
-                        out[r, rows] = grad.to(out.device, non_blocking=True)
+                        transfer(out[r, rows], grad)
                     del y, x
         finally:
             for p in frozen:

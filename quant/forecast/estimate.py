@@ -46,10 +46,12 @@ from quant.forecast.layer_costs import (
     workload_of,
 )
 from quant.forecast.throughputs import THROUGHPUTS
-from quant.measure.damage_memory import EXPERT_CHUNK, ORIGINALS_MARGIN_BYTES, RTN_TEMP_BYTES_PER_ELEM, place
+from quant.io.staging import host_total_bytes
+from quant.measure.damage_memory import place
 from quant.measure.layer_damage import pass_cost, working_streams
 from quant.measure.profile import RoutingProfile
 from quant.models import ModelSource
+from quant.models.expert_compute import WIDEN_BYTES
 from quant.models.headers import Dims, dims
 from quant.models.source import layer_of_key
 from quant.plan.bitplan import BitPlan, plan_bits
@@ -106,84 +108,113 @@ def synthetic_profile(source: ModelSource) -> RoutingProfile:
 
 
 def _profile_stage(layers: list[LayerShape], run: Workload, d: Dims, recipe: Recipe,
-                   gpu_memory_gb: float) -> StageForecast:
-    t = THROUGHPUTS
-    seconds = sum(L.weight_bytes / t["load_bytes_per_s"] + run.tokens * L.active_params / t["profile_param_tokens_per_s"]
-                  for L in layers)
+                   gpu_memory_gb: float, host_bytes: float) -> StageForecast:
+    seconds = walk_seconds([(L.weight_bytes, run.tokens * L.active_params) for L in layers],
+                           THROUGHPUTS["profile_param_tokens_per_s"])
     worst = max((profile_memory(L, run, d) for L in layers), key=lambda m: m["total"])
     stage = StageForecast("profile", worst["total"], _host(layers, run, d), 0.0, seconds,
                           parts={k: v for k, v in worst.items() if k != "total"})
     ls = recipe.profile.layer_sensitivity
-    return stage if ls is None else _with_layer_damage(stage, layers, run, d, ls, gpu_memory_gb)
+    return stage if ls is None else _with_layer_damage(stage, layers, run, d, ls, gpu_memory_gb, host_bytes)
 
 
 def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Workload, d: Dims, ls,
-                       gpu_memory_gb: float) -> StageForecast:
-    """The profile stage plus quant.measure.layer_damage's pass (``ls.method``): its walks over the weights (in
-    ``ls.dtype``) and its layer forwards (``pass_cost``), at the pass's own rates (``damage_*`` in throughputs.py,
-    fp32; a 16-bit pass at the profile's). Its hidden states: exact, every branch on the GPU while they fit the
-    activation budget. Bounded, as the walk back holds them: always the ``carry + 1`` layers and the streams
-    ``damage_memory.place`` keeps on the GPU (the gradients and branches, then every layer's clean input or a window
-    of ``carry + 2``); then either a scheme being written (the originals, where ``originals_device`` finds room, the
-    round-to-nearest temporaries, one batch's forward) or the gradient carried down (one batch's autograd graph, ~3
-    forward transients), whichever is larger, at the batch ``FittingBatches`` halves down to until it fits."""
+                       gpu_memory_gb: float, host_bytes: float) -> StageForecast:
+    """The profile stage plus quant.measure.layer_damage's pass (``ls.method``): its walks over the weights (the
+    routed experts as stored, the rest in ``ls.dtype``) and its layer forwards (``pass_cost``), at the pass's own
+    rates (``damage_*`` in throughputs.py, fp32; a 16-bit pass at the profile's). Its hidden states: exact, every
+    branch on the GPU while they fit the activation budget. Bounded, as the walk back holds them (``_walk_back_memory``);
+    the host holds the pass's read-ahead (two layers as stored) and the streams ``damage_memory.place`` keeps there,
+    the temporary directory the clean inputs it sends to files."""
     dt = DTYPE_BYTES[ls.dtype]
     tokens = ls.n_samples * run.seq_len
     cost = pass_cost([(L.active_params, L.n_experts > 0) for L in layers], len(ls.schemes), tokens, ls.method,
                      ls.carry_layers, ls.draws)
     stream = tokens * d.hidden * dt
     worst = max(layers, key=lambda L: L.weight_bytes)
-    layer = worst.weight_bytes * dt / run.dtype_bytes
-    # the layer's expert weights while its schemes are written: exact in the checkpoint's dtype (compact_dtype)
-    originals = worst.n_experts * worst.expert_numel * min(dt, run.dtype_bytes)
+    layer = pass_layer_bytes(worst, run, dt)
+    # a range of experts widened (fp32) with its round-to-nearest temporaries (codes, scales, the dequantized copy)
+    widened = 3 * min(WIDEN_BYTES, worst.n_experts * worst.expert_numel * dt)
+    spilled = 0.0
     if ls.method == "exact":
         hidden = cost.streams * stream
-        parts = {"layer damage: layer": layer, "layer damage: original experts": originals,
-                 "layer damage: RTN of 16 experts": RTN_TEMP_BYTES_PER_ELEM * EXPERT_CHUNK * worst.expert_numel,
+        parts = {"layer damage: layer": layer, "layer damage: widened experts and their RTN": widened,
                  "layer damage: hidden states": hidden if hidden <= ACTIVATION_BUDGET_BYTES else 0.0}
         on_host = hidden - parts["layer damage: hidden states"]
-        gpu_pass, on_gpu_originals = sum(parts.values()), True
-    else:
-        parts, on_host, on_gpu_originals = _walk_back_memory(worst, layer, originals, stream, run, d, ls, len(layers),
-                                                             int(gpu_memory_gb * GB))
         gpu_pass = sum(parts.values())
-    t = THROUGHPUTS
-    load, rate = ((t["damage_load_bytes_per_s"], t["damage_param_tokens_per_s"]) if dt == 4
-                  else (t["load_bytes_per_s"], t["profile_param_tokens_per_s"]))
-    seconds = cost.weight_walks * sum(L.weight_bytes for L in layers) / load + cost.param_tokens / rate
+    else:
+        parts, on_host, spilled = _walk_back_memory(worst, layer, widened, stream, run, d, ls, len(layers),
+                                                    int(gpu_memory_gb * GB), host_bytes)
+        gpu_pass = sum(parts.values())
+    seconds = _pass_seconds(layers, cost, tokens, ls.method, dt)
     gpu = max(stage.gpu_bytes, gpu_pass)
-    host = HOST_BASE + layer + (0 if on_gpu_originals else originals) + on_host
+    host = HOST_BASE + 2 * worst.weight_bytes + on_host  # the pass's read-ahead: two staging buffers of a layer
     return dataclasses.replace(stage, gpu_bytes=gpu, host_bytes=max(stage.host_bytes, host),
-                               seconds=stage.seconds + seconds, parts=stage.parts if gpu == stage.gpu_bytes else parts,
+                               disk_bytes=stage.disk_bytes + spilled, seconds=stage.seconds + seconds,
+                               parts=stage.parts if gpu == stage.gpu_bytes else parts,
                                note=f"includes the layer-damage pass ({ls.method}): {cost.layer_forwards} layer "
-                                    f"forwards over {tokens} tokens")
+                                    f"forwards over {tokens} tokens" + (
+                                        f"; clean inputs {spilled / GB:.1f} GB in TMPDIR" if spilled else ""))
 
 
-def _walk_back_memory(worst: LayerShape, layer: float, originals: float, stream: float, run: Workload, d: Dims, ls,
-                      n_layers: int, card: int) -> tuple[dict[str, float], float, bool]:
+def walk_seconds(layers: list[tuple[float, float]], rate: float) -> float:
+    """One walk over ``layers`` (bytes read, param-tokens computed) with the next layer read while one computes
+    (``engine.layerwise.LayerReader``): the first layer's read, then each layer the longer of its read and its
+    compute, plus a fixed cost per layer (``layer_read_bytes_per_s``, ``walk_seconds_per_layer``)."""
+    t = THROUGHPUTS
+    read, fixed = t["layer_read_bytes_per_s"], t["walk_seconds_per_layer"]
+    if not layers:
+        return 0.0
+    return layers[0][0] / read + sum(max(n_bytes / read, work / rate) + fixed for n_bytes, work in layers)
+
+
+def _pass_seconds(layers: list[LayerShape], cost, tokens: int, method: str, dt: int) -> float:
+    """The pass's walks (bounded: the clean walk, one forward a layer, then the walk back, the rest of
+    ``cost.per_layer``; exact: one walk), at the pass's fp32 rate (``damage_param_tokens_per_s``; a 16-bit pass at the
+    profile's)."""
+    rate = THROUGHPUTS["damage_param_tokens_per_s" if dt == 4 else "profile_param_tokens_per_s"]
+    walks = [[1] * len(layers), [n - 1 for n in cost.per_layer]] if method == "bounded" else [list(cost.per_layer)]
+    return sum(walk_seconds([(L.weight_bytes, n * tokens * L.active_params)
+                             for L, n in zip(layers, walk, strict=True) if n > 0], rate) for walk in walks)
+
+
+def pass_layer_bytes(layer: LayerShape, run: Workload, dt: int) -> float:
+    """A decoder layer as the pass holds it: routed experts in the checkpoint's dtype (at most the pass's), the rest in
+    the pass's dtype (``damage_memory.pass_layer_bytes``)."""
+    experts = layer.n_experts * layer.expert_numel * run.dtype_bytes
+    return (layer.weight_bytes - experts) * dt / run.dtype_bytes + experts * min(dt, run.dtype_bytes) / run.dtype_bytes
+
+
+def _walk_back_memory(worst: LayerShape, layer: float, widened: float, stream: float, run: Workload, d: Dims, ls,
+                      n_layers: int, card: int, host_bytes: float) -> tuple[dict[str, float], float, float]:
     """The bounded pass's device peak on ``card`` bytes as parts that sum to it, the bytes it keeps on the host, and
-    whether the originals wait on the GPU (the phases in ``_with_layer_damage``'s docstring)."""
+    those it writes to files. Always the ``carry + 1`` layers and the streams ``damage_memory.place`` keeps on the
+    GPU (the gradients and branches, then every layer's clean input or a window of ``carry + 2``); then either a
+    scheme's branch (a range of experts widened with their round-to-nearest, one batch's forward, its routed rows in
+    quant's experts forward) or the gradient carried down (its own layer alone resident, one batch's autograd graph,
+    ~3 forward transients), whichever is larger, at the batch ``FittingBatches`` halves down to until it fits."""
     dt = DTYPE_BYTES[ls.dtype]
     n_inputs, n_working = n_layers + 1, working_streams(len(ls.schemes), ls.carry_layers, ls.draws)
-    working, inputs, _ = place(card, int(worst.weight_bytes / run.dtype_bytes), dt, int(stream), n_inputs, n_working,
-                               ls.carry_layers, 1 << 62)
-    resident = {"layer damage: layers (the one walked back and those kept above)": (1 + ls.carry_layers) * layer,
-                "layer damage: clean inputs": (n_inputs if inputs else ls.carry_layers + 2) * stream,
+    working, inputs, _ = place(card, int(layer), int(stream), n_inputs, n_working, ls.carry_layers, int(host_bytes))
+    layers_part = "layer damage: layers (the one walked back and those kept above)"
+    resident = {layers_part: (1 + ls.carry_layers) * layer,
+                "layer damage: clean inputs": (n_inputs if inputs == "device" else ls.carry_layers + 2) * stream,
                 "layer damage: gradients and branches": n_working * stream if working else 0.0}
-    held = sum(resident.values())
-    on_host = (0 if inputs else n_inputs * stream) + (0 if working else n_working * stream)
-    rtn = RTN_TEMP_BYTES_PER_ELEM * min(EXPERT_CHUNK, max(worst.n_experts, 1)) * worst.expert_numel
-    beside = held + originals + rtn + ORIGINALS_MARGIN_BYTES <= card  # damage_memory.originals_device
+    on_host = (n_inputs * stream if inputs == "host" else 0) + (0 if working else n_working * stream)
+    spilled = n_inputs * stream if inputs == "disk" else 0.0
     full = forward_transient(worst, run, d, 0) * dt / run.dtype_bytes  # one batch of the Layerwise rows
     rows, limit = run.batch, HEADROOM * card
     while True:
         fwd = full * rows / run.batch
-        write = {"layer damage: original experts": originals if beside else 0.0,
-                 "layer damage: RTN of 16 experts": rtn, "layer damage: a batch forward": fwd}
-        back = {"layer damage: backward through a layer": 3 * fwd}
-        phase = max(write, back, key=lambda p: sum(p.values()))
-        if held + sum(phase.values()) <= limit or rows == 1:  # FittingBatches halves the batch until it fits
-            return resident | phase, on_host, beside
+        routed = rows * run.seq_len * min(d.top_k, max(worst.n_experts, 1)) * d.hidden * dt
+        branch = {"layer damage: widened experts and their RTN": widened, "layer damage: a batch forward": fwd,
+                  "layer damage: its routed rows": routed}
+        # the backward pass runs with its own layer alone resident (those above are released once its branches
+        # are made)
+        back = resident | {layers_part: layer, "layer damage: backward through a layer": 3 * (fwd + routed)}
+        parts = max(resident | branch, back, key=lambda p: sum(p.values()))
+        if sum(parts.values()) <= limit or rows == 1:  # FittingBatches halves the batch until it fits
+            return parts, on_host, spilled
         rows //= 2
 
 
@@ -202,7 +233,7 @@ def _quantize_stage(layers: list[LayerShape], run: Workload, d: Dims) -> StageFo
     mems = [quantize_memory(L, run, d) for L in layers]
     worst = max(mems, key=lambda m: m["total"])
     store = sum(L.store_bytes for L in layers)
-    seconds = sum(quantize_seconds(L, run, d) for L in layers)
+    seconds = sum(quantize_seconds(L, run, d, read_ahead=i > 0) for i, L in enumerate(layers))
     return StageForecast("quantize", worst["total"], _host(layers, run, d), store, seconds,
                          parts={k: v for k, v in worst.items() if k != "total"})
 
@@ -307,7 +338,8 @@ def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: 
     ckpt = checkpoint_bytes(plan, source, profile, recipe.export.formats)
     tokens_bytes = recipe.calibration.n_samples * recipe.calibration.seq_len * 8
     profile_run = dataclasses.replace(run, batch=recipe.profile.batch_size)
-    profile_stage = _profile_stage(layers, profile_run, d, recipe, gpu_memory_gb)
+    host = host_memory_gb * GB if host_memory_gb is not None else host_total_bytes()
+    profile_stage = _profile_stage(layers, profile_run, d, recipe, gpu_memory_gb, host)
     stages = [StageForecast("calibrate", 0.0, HOST_BASE + tokens_bytes, tokens_bytes, 0.0), profile_stage,
               StageForecast("plan", 0.0, HOST_BASE, 0.0, 0.0), _quantize_stage(layers, run, d),
               _export_stage(recipe, layers, ckpt, gpus),

@@ -237,12 +237,19 @@ def quantize_memory(layer: LayerShape, run: Workload, d: Dims) -> dict[str, floa
     return {**parts, "total": sum(base.values()) + max(phase_experts, phase_linears)}
 
 
-def quantize_seconds(layer: LayerShape, run: Workload, d: Dims) -> float:
+def quantize_seconds(layer: LayerShape, run: Workload, d: Dims, read_ahead: bool = False) -> float:
     """Load, statistics (one pass per expert chunk), solve (GPTQ's fp32 work or AWQ's trial products) and
-    propagation."""
+    propagation. ``read_ahead``: the layer was read while the one before it computed (every layer but a stage's
+    first, ``engine.layerwise.LayerReader``), so it takes the longer of its load and its compute."""
     t = THROUGHPUTS
-    seconds = (layer.weight_bytes / t["load_bytes_per_s"]
-               + run.tokens * layer.active_params / run.gpus / t["forward_param_tokens_per_s"])
+    load = layer.weight_bytes / t["load_bytes_per_s"]
+    compute = _quantize_compute_seconds(layer, run, d)
+    return max(load, compute) if read_ahead else load + compute
+
+
+def _quantize_compute_seconds(layer: LayerShape, run: Workload, d: Dims) -> float:
+    t = THROUGHPUTS
+    seconds = run.tokens * layer.active_params / run.gpus / t["forward_param_tokens_per_s"]
     chunks = expert_pass_sizes(layer, run)
     if not run.hessians:
         return seconds + layer.weight_bytes / t["rtn_bytes_per_s"]

@@ -36,12 +36,18 @@ THROUGHPUTS = {
     "awq_search_flop_per_s": 4.0e13,
     # "Full depth, end to end" paragraph: profile 1.76 s/layer at 1.05 M tokens, of which 0.63 s loading
     "profile_param_tokens_per_s": 5.3e13,
-    # the layer-damage pass in fp32 (BENCHMARKS.md "The layer-damage pass at depth", 2026-12-02): its clean walks
-    # (Qwen3-30B-A3B, 48 layers: 12.0 s; DeepSeek-V3, 2 layers: 7.7 s) fit one read rate and one fp32 forward rate;
-    # the forward rate then set to the geometric mean of what the two whole passes (95.6 s, 29.8 s) leave after the
-    # reads: 1.3e13 and 1.8e13
-    "damage_load_bytes_per_s": 8.0e9,
-    "damage_param_tokens_per_s": 1.5e13,
+    # walks over the layers that read each one while the one before it computes (the profile stage and the
+    # layer-damage pass; BENCHMARKS.md "The headline recipe at DeepSeek-V3 depth", 2026-12-03), from the page cache: a
+    # layer takes the longer of its read and its compute, plus a fixed cost. On 12 tiled DeepSeek-V3 layers the
+    # profile's walk took 1.2 s a layer (0.72 s of forwards at the profile's rate) and the pass's clean walk 1.5 s
+    # (1.23 s of fp32 forwards): reads of 23 GB in about 1.1 s; Qwen3-30B-A3B's clean walk, 0.27 s a layer for
+    # 0.12 s of forwards, leaves the fixed 0.15 s
+    "layer_read_bytes_per_s": 20.0e9,
+    "walk_seconds_per_layer": 0.15,
+    # the layer-damage pass in fp32, bf16 experts widened as they run (same record): its walk back on 12 tiled
+    # DeepSeek-V3 layers (11.9 s a layer, 1.71e13 param-tokens/s) and on 48 tiled Qwen3-30B-A3B layers (1.46 s a layer,
+    # 1.38e13): their geometric mean
+    "damage_param_tokens_per_s": 1.55e13,
     # "Full depth, end to end": export wrote 17 GB in 50.3 s
     "export_bytes_per_s": 0.34e9,
     # "the first engine against llm-compressor" (be973b3): RTN solve 0.06 s/layer for a 1.25 GB layer

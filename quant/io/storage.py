@@ -9,7 +9,8 @@ artifact reads it whole once (a 600 GB model: minutes, shards hashed in parallel
 (damage anywhere is seen) and content-addressed (a copied model folder keeps its fingerprint). What it cannot see
 is a change that bypasses the file system's timestamps (writing the block device, setting the clock back).
 
-Temporaries carry the writing process's id (``.name.<pid>.tmp``, ``.name.tmp-<pid>``, ``quant-dense-<pid>-*``);
+Temporaries carry the writing process's id (``.name.<pid>.tmp``, ``.name.tmp-<pid>``, ``quant-dense-<pid>-*``,
+``quant-damage-<pid>-*``);
 ``remove_stale`` deletes those whose process is gone, so a kill -9 leaks nothing past the next run.
 """
 
@@ -27,8 +28,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _CHUNK = 8 << 20
-# pid of a temporary's writer: .manifest.json.123.tmp, .checkpoint.tmp-123, .checkpoint.old-123, quant-dense-123-x
-_TEMP_PID = re.compile(r"^\..+\.(\d+)\.tmp$|^\..+\.(?:tmp|old)-(\d+)$|^quant-dense-(\d+)-")
+# pid of a temporary's writer: .manifest.json.123.tmp, .checkpoint.tmp-123, .checkpoint.old-123, quant-dense-123-x,
+# quant-damage-123-x (the layer-damage pass's clean inputs)
+_TEMP_PID = re.compile(r"^\..+\.(\d+)\.tmp$|^\..+\.(?:tmp|old)-(\d+)$|^quant-(?:dense|damage)-(\d+)-")
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 

@@ -35,10 +35,11 @@ A MoE layer's branches differ from its clean forward only inside its MoE block: 
 pass runs the block alone on the block input that forward recorded and adds the recorded residual
 (``_BlockShortcut``; bit for bit the layer's own forward, checked once a pass).
 
-Both read every layer's weights once per walk (exact: one; bounded: two) and keep one copy of a layer's expert
-weights while its branches are made (beside the layer where its GPU has room, else in host memory; in the
-checkpoint's 16-bit dtype when that holds them exactly). The exact pass's activations stay on the device when they
-fit ``Layerwise``'s activation budget, else on the CPU.
+Both read every layer's weights once per walk (exact: one; bounded: two). A MoE layer's routed experts are computed
+by quant (``moe_layer``: ``models.expert_compute``), in the checkpoint's dtype where the caller's ``Layerwise`` keeps
+them narrow and widened to the pass's dtype as they run; a branch's round-to-nearest is applied as they are widened,
+so the weights are never written and no copy of them is kept. The exact pass's activations stay on the device when
+they fit ``Layerwise``'s activation budget, else on the CPU.
 """
 
 from __future__ import annotations
@@ -46,22 +47,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from quant.engine.layerwise import Layerwise, free_gpu_bytes
+from quant.algos.grid import QuantSpec, quantize_weight, shared_group_size
+from quant.engine.layerwise import Layerwise, free_gpu_bytes, transfer
 from quant.errors import NumericalError, RecipeError
 from quant.measure.damage_memory import (
-    ORIGINALS_MARGIN_BYTES,
+    FORWARD_MARGIN_BYTES,
     CleanInputs,
-    ExpertOriginals,
     FittingBatches,
     PassMemory,
     empty_stream,
     plan_memory,
 )
 from quant.models import ModelSource
+from quant.models.expert_compute import ExpertsCompute, Transform, install
 from quant.models.experts import moe_block
 from quant.models.layers import experts_of, release
 from quant.progress import step
@@ -147,6 +150,31 @@ def measure_layer_damage(source: ModelSource, tokens: torch.Tensor, lw: Layerwis
     return LayerDamage(damage, forwards)
 
 
+@contextlib.contextmanager
+def moe_layer(lw: Layerwise, idx: int, ahead: int | None = None
+              ) -> Iterator[tuple[torch.nn.Module, ExpertsCompute | None]]:
+    """Decoder layer ``idx`` on the device and, for a MoE layer, its routed experts computed by quant in the pass's
+    dtype (``models.expert_compute``: widened from the checkpoint's dtype where ``lw`` keeps them narrow, at a
+    scheme while ``compute.transform`` is set; the weights themselves are never written)."""
+    with lw.layer(idx, ahead) as layer:
+        view = experts_of(lw.source, layer, idx)
+        compute = None if view is None else install(view, lw.dtype)
+        del view  # the handle holds the layer's expert weights until it is removed, and no longer
+        try:
+            yield layer, compute
+        finally:
+            if compute is not None:
+                compute.remove()
+
+
+def at_scheme(compute: ExpertsCompute, bits: int, group: int) -> Transform:
+    """Round-to-nearest at ``bits`` (symmetric), one group size for the layer's projections (as the plan resolves
+    it), in the pass's dtype."""
+    view = compute.view
+    spec = QuantSpec(bits, shared_group_size(group, (view.gate_up.shape[2], view.down.shape[2])))
+    return lambda w: quantize_weight(w, spec, w.dtype).dequantize()
+
+
 def _progress(done: int, total: int, what: str, idx: int) -> None:
     log.info("layer damage: %s layer %d", what, idx, extra=step(STAGE, done, total, UNIT))
 
@@ -161,20 +189,18 @@ def _exact(source: ModelSource, tokens: torch.Tensor, lw: Layerwise,
     branches: list[_Branch] = []
     forwards = 0
     for idx in range(source.n_layers):
-        with lw.layer(idx) as layer:
+        with moe_layer(lw, idx) as (layer, compute):
             for b in branches:
                 lw.forward(layer, b.hidden, out=b.hidden)
-            view = experts_of(source, layer, idx)
-            if view is not None:
-                with ExpertOriginals(view) as experts:
-                    for name, (bits, group) in parsed.items():
-                        experts.write(bits, group)
-                        out = torch.empty(clean.shape, dtype=clean.dtype, device=store)
-                        branches.append(_Branch(moe.index(idx), name, idx, source.n_layers - 1,
-                                                lw.forward(layer, clean, out=out)))
+            if compute is not None:
+                for name, (bits, group) in parsed.items():
+                    compute.transform = at_scheme(compute, bits, group)
+                    out = torch.empty(clean.shape, dtype=clean.dtype, device=store)
+                    branches.append(_Branch(moe.index(idx), name, idx, source.n_layers - 1,
+                                            lw.forward(layer, clean, out=out)))
+                compute.transform = None
             forwards += len(branches) + 1
             clean = lw.forward(layer, clean, out=clean)
-            del view  # it holds the layer's expert weights: gone before the next layer loads, not after
         _progress(forwards, total, "exact: branches through", idx)
     kl = _branch_kl(lw, clean, [b.hidden for b in branches])
     damage = {name: torch.zeros(len(moe), dtype=torch.float64) for name in parsed}
@@ -188,13 +214,15 @@ class PassCost:
     """What ``measure_layer_damage`` runs (``quant estimate``'s forecast, the pass's progress total): layer forwards
     (a backward pass through a layer counts as ``BACKWARD_FORWARDS``), parameter-tokens, walks over the layers'
     weights, and the hidden-state tensors ``[N, S, D]`` held at once: in the pass's dtype, and gradients in
-    ``GRAD_DTYPE``."""
+    ``GRAD_DTYPE``. ``per_layer``: the layer forwards run at each decoder layer, over all walks (bounded: one of them
+    in the clean walk)."""
 
     layer_forwards: int
     param_tokens: float
     weight_walks: int
     streams: int
     grad_streams: int = 0
+    per_layer: tuple[int, ...] = ()
 
 
 def pass_cost(layers: list[tuple[float, bool]], n_schemes: int, n_tokens: int, method: str = "bounded",
@@ -214,9 +242,10 @@ def pass_cost(layers: list[tuple[float, bool]], n_schemes: int, n_tokens: int, m
             per_layer[idx] += n
     param_tokens = sum(n * n_tokens * active for n, (active, _) in zip(per_layer, layers, strict=True))
     if method == "exact":
-        return PassCost(sum(per_layer), param_tokens, 1, 1 + n_schemes * len(moe))
+        return PassCost(sum(per_layer), param_tokens, 1, 1 + n_schemes * len(moe), per_layer=tuple(per_layer))
     grads = draws * (carry + 2) if moe else 0  # the walk back's window (``_working_streams``)
-    return PassCost(sum(per_layer), param_tokens, 2, len(layers) + 2 + n_schemes * (1 + carry), grads)
+    return PassCost(sum(per_layer), param_tokens, 2, len(layers) + 2 + n_schemes * (1 + carry), grads,
+                    tuple(per_layer))
 
 
 def _walked_back(moe: list[int], n_layers: int) -> range:
@@ -246,8 +275,9 @@ def _bounded(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, parsed: d
     log.debug("layer damage: clean inputs on %s (pinned %s), working streams on %s", memory.inputs, memory.pinned,
               memory.working)
     batches = FittingBatches(lw)
-    inputs, final = _clean_pass(lw, batches, h, total, memory)
-    branches, done = _walk_back(source, lw, batches, inputs, final, parsed, carry, draws, seed, memory, L, total)
+    with CleanInputs(lw, memory) as inputs:
+        final = _clean_pass(lw, batches, h, total, inputs)
+        branches, done = _walk_back(source, lw, batches, inputs, final, parsed, carry, draws, seed, memory, L, total)
     return _estimate(branches, moe, L, parsed), done
 
 
@@ -282,7 +312,7 @@ class _BlockShortcut:
                             self.block.register_forward_pre_hook(lambda _m, a: self._keep(self.x, a[0]))]
 
     def _keep(self, into: torch.Tensor, t: torch.Tensor) -> None:
-        into[self.rows] = t.detach().to(into.device, non_blocking=True)
+        transfer(into[self.rows], t.detach())
 
     def at(self, rows: slice) -> None:
         """The rows of the batch the recording forward runs next."""
@@ -303,7 +333,7 @@ class _BlockShortcut:
         """``residual + block(x)`` into ``out``, batch by batch on the device."""
 
         def call(rows: slice) -> None:
-            out[rows] = self._output(rows, batches.lw.device).to(out.device, non_blocking=True)
+            transfer(out[rows], self._output(rows, batches.lw.device))
 
         batches.each(out.shape[0], call)
         return out
@@ -320,16 +350,15 @@ class _BlockShortcut:
             log.debug("layer damage: this model's layers do not end in residual + MoE block; whole forwards")
 
 
-def _clean_pass(lw: Layerwise, batches: FittingBatches, h: torch.Tensor, total: int, memory: PassMemory
-                ) -> tuple[CleanInputs, torch.Tensor]:
-    """Every decoder layer's clean input (kept where ``memory`` says) and the last layer's output (on the device)."""
-    inputs = CleanInputs(lw, memory)
+def _clean_pass(lw: Layerwise, batches: FittingBatches, h: torch.Tensor, total: int, inputs: CleanInputs
+                ) -> torch.Tensor:
+    """Every decoder layer's clean input into ``inputs``; the last layer's output (on the device)."""
     for idx in range(lw.source.n_layers):
         inputs.keep(idx, h)
-        with lw.layer(idx) as layer:
+        with moe_layer(lw, idx) as (layer, _):
             h = batches.forward(layer, h, out=h)
         _progress(idx + 1, total, "clean through", idx)
-    return inputs, h.to(lw.device)
+    return h.to(lw.device)
 
 
 def _head_cotangents(lw: Layerwise, final: torch.Tensor, draws: int, seed: int, memory: PassMemory) -> torch.Tensor:
@@ -355,7 +384,7 @@ def _head_cotangents(lw: Layerwise, final: torch.Tensor, draws: int, seed: int, 
             for r in range(draws):
                 y = torch.multinomial(probs, 1, generator=gen)
                 (g,) = torch.autograd.grad(logp.gather(1, y).sum(), x, retain_graph=r + 1 < draws)
-                out[r, rows] = g.to(out.device)
+                transfer(out[r, rows], g)
             del logp, probs, x
     release(norm)
     release(head)
@@ -384,7 +413,8 @@ def _walk_back(source: ModelSource, lw: Layerwise, batches: FittingBatches, inpu
     """From the last layer down to the first MoE layer, one weight read each: at layer ``idx`` (the ``carry`` layers
     above it still on the device, experts clean) each scheme's branch runs ``idx`` with its experts round-to-nearest
     and then the layers above, valued at every output it reaches with the gradient there; then the gradient is
-    carried down through ``idx`` (clean again). Branches that run the last layer also get their exact KL
+    carried down through ``idx`` (clean again), the layer above the next one's window released first (on a
+    DeepSeek-V3 layer in fp32, 46 GB more room for the backward pass's graph). Branches that run the last layer also get their exact KL
     (``fisher[L]``). Only the gradients of the ``carry + 1`` outputs above are kept, and each clean input until no
     branch is valued against it any more."""
     L, moe = source.n_layers, source.moe_layers()
@@ -394,28 +424,28 @@ def _walk_back(source: ModelSource, lw: Layerwise, batches: FittingBatches, inpu
         inputs.drop(j)  # below every branch
     grads = {L - 1: _head_cotangents(lw, final, draws, seed, memory)}
     branches: list[_Branch] = []
-    resident: dict[int, tuple] = {}  # decoder layer -> (its context, the layer): the ``carry`` above the current one
-    host_originals: dict[tuple, torch.Tensor] = {}  # page-locked buffers reused layer after layer (ExpertOriginals)
+    # decoder layer -> (its context, the layer): the ``carry`` above the current one
+    resident: dict[int, tuple[contextlib.AbstractContextManager, torch.nn.Module]] = {}
     trust_shortcut: bool | None = None  # _BlockShortcut: None until checked on the first MoE layer
     try:
         for idx in range(L - 1, moe[0] - 1, -1):
             for j in [j for j in resident if j > idx + carry]:
                 resident.pop(j)[0].__exit__(None, None, None)  # before the next layer loads
-            context = lw.layer(idx, ahead=idx - 1)
-            resident[idx] = (context, context.__enter__())
-            layer = resident[idx][1]
+            context = moe_layer(lw, idx, ahead=idx - 1)
+            layer, compute = context.__enter__()
+            resident[idx] = (context, layer)
             if idx == L - 1:
                 _check_window(layer, carry, min(carry, L - 1 - moe[0]))
-            view = experts_of(source, layer, idx)
-            if view is not None:
+            if compute is not None:
                 clean_in = inputs.get(idx)
                 shortcut = (_BlockShortcut(source, layer, clean_in, memory)
                             if trust_shortcut is not False and len(parsed) > 1 else None)
-                with ExpertOriginals(view, host_originals) as experts, contextlib.ExitStack() as hooks:
+                with contextlib.ExitStack() as hooks:
+                    hooks.callback(setattr, compute, "transform", None)  # the layer runs clean once its branches are made
                     if shortcut is not None:
                         hooks.callback(shortcut.stop_recording)
                     for k, (name, (bits, group)) in enumerate(parsed.items()):
-                        experts.write(bits, group)
+                        compute.transform = at_scheme(compute, bits, group)
                         b = _Branch(moe.index(idx), name, idx, min(idx + carry, L - 1), None)
                         out = empty_stream(clean_in.shape, clean_in.dtype, memory.working, memory.pinned)
                         if k == 0 or shortcut is None or not shortcut.ok:
@@ -433,8 +463,13 @@ def _walk_back(source: ModelSource, lw: Layerwise, batches: FittingBatches, inpu
                         done += 1 + b.stop - b.start
                         branches.append(b)
                 del shortcut
-            del view  # it holds the layer's expert weights: gone before the next layer loads, not after
+            del compute  # the layer's expert weights go with its context, not later
             if idx > moe[0]:
+                keep = max(idx, idx - 1 + carry)  # the next layer's window, and this layer for its backward pass
+                for j in [j for j in resident if j > keep]:
+                    resident.pop(j)[0].__exit__(None, None, None)  # every branch it carries is made
+                for j in [j for j in grads if j > keep]:
+                    del grads[j]
                 below = torch.empty_like(grads[idx])
                 batches.vjp(layer, inputs.get(idx), grads[idx], out=below)
                 grads[idx - 1] = below
@@ -460,7 +495,7 @@ def _check_window(layer: torch.nn.Module, carry: int, above: int) -> None:
         return
     layer_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     free = free_gpu_bytes(dev)
-    if above * layer_bytes + ORIGINALS_MARGIN_BYTES > free:
+    if above * layer_bytes + FORWARD_MARGIN_BYTES > free:
         raise RecipeError(f"profile.layer_sensitivity.carry_layers {carry} keeps {above} more decoder layer(s) of "
                           f"{layer_bytes / 1e9:.1f} GB on the GPU during the walk back, and it has {free / 1e9:.1f} GB "
                           "free: use a smaller carry_layers, or method exact")

@@ -162,20 +162,24 @@ def _stacked(source: ModelSource, idx: int, blocks: list[list[torch.Tensor]], de
 
 
 def load_layer(source: ModelSource, model: nn.Module, idx: int, device, dtype: torch.dtype,
-               raw: dict | None = None) -> nn.Module:
+               raw: dict | None = None, narrow_experts: bool = False) -> nn.Module:
     """Materialize decoder layer ``idx`` of the meta skeleton on ``device`` with its checkpoint weights (``raw``: the
-    layer's on-disk tensors when the caller has read them, e.g. ahead of time)."""
+    layer's on-disk tensors when the caller has read them, e.g. ahead of time). ``narrow_experts``: the routed
+    experts stay in the dtype they are read in where that is narrower than ``dtype`` (exact: a bf16 checkpoint's
+    experts beside an fp32 layer; their forward must then widen them, ``models.expert_compute``)."""
     layer = decoder_layers(model)[idx]
     found = moe_block(source.family, layer)
     moe_attr = found[0] if found else "mlp"
     cast = lambda k, v: v if k.endswith(_KEEP_FP32) or not v.is_floating_point() else v.to(dtype)  # noqa: E731
-    raw, fused = _layer_state(source, idx, device, moe_attr, raw, dtype)
+    raw, fused = _layer_state(source, idx, device, moe_attr, raw, None if narrow_experts else dtype)
     state = {k: cast(k, v) for k, v in raw.items()}
+    if fused is not None:
+        fused = tuple(t if narrow_experts and _narrower(t.dtype, dtype) else cast("", t) for t in fused)
     per_expert = per_expert_layout(source.family, layer, idx)
     if fused is not None and per_expert is not None:
-        per_expert.attach(*(cast("", t) for t in fused))
+        per_expert.attach(*fused)
     elif fused is not None:
-        state[f"{moe_attr}.experts.gate_up_proj"], state[f"{moe_attr}.experts.down_proj"] = (cast("", t) for t in fused)
+        state[f"{moe_attr}.experts.gate_up_proj"], state[f"{moe_attr}.experts.down_proj"] = fused
     missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
     if per_expert is not None:
         missing = [k for k in missing if not k.startswith(per_expert.prefix + ".")]
@@ -187,6 +191,31 @@ def load_layer(source: ModelSource, model: nn.Module, idx: int, device, dtype: t
     if still_meta:
         raise ModelError(f"{source.path}: layer {idx} left tensors unloaded: {still_meta[:3]}")
     return layer
+
+
+# bytes of an element as read: an FP8 release's weights are read dequantized, in 16 bits; integers are kept as stored
+_FLOAT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 2, "F8_E5M2": 2}
+_OTHER_BYTES = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def layer_bytes(source: ModelSource, idx: int, dtype: torch.dtype, narrow_experts: bool = False) -> int:
+    """Bytes of decoder layer ``idx`` as ``load_layer`` materializes it in ``dtype`` (``narrow_experts``: the routed
+    experts in the narrower dtype they are read in)."""
+    keys = source.layer_keys(idx)
+    shapes, stored = source.shapes(), source.dtypes()
+    routed = {k for by_expert in _expert_keys(source, idx, keys).values() for k in by_expert.values()}
+    size = torch.finfo(dtype).bits // 8
+    total = 0
+    for k in keys:
+        n, name = torch.Size(shapes[k]).numel(), stored.get(k, "F32")
+        own = _FLOAT_BYTES.get(name) or _OTHER_BYTES.get(name, 4)
+        kept = k.endswith(_KEEP_FP32) or name not in _FLOAT_BYTES  # as read, like load_layer
+        total += n * (own if kept else min(size, own) if narrow_experts and k in routed else size)
+    return total
+
+
+def _narrower(stored: torch.dtype, dtype: torch.dtype) -> bool:
+    return stored.is_floating_point and torch.finfo(stored).bits < torch.finfo(dtype).bits
 
 
 def release(module: nn.Module) -> None:

@@ -74,7 +74,7 @@ def _layer_damage(recipe: Recipe, source: ModelSource, calib: CalibrationSet, wo
 
     ls = recipe.profile.layer_sensitivity
     tokens = calib.tokens[spread_rows(calib.tokens.shape[0], ls.n_samples)]
-    lw = Layerwise(source, ls.dtype, recipe.quantize.device, recipe.profile.batch_size, world)
+    lw = Layerwise(source, ls.dtype, recipe.quantize.device, recipe.profile.batch_size, world, narrow_experts=True)
     return measure_layer_damage(source, tokens, lw, ls.schemes, ls.method, ls.carry_layers, ls.draws,
                                 seed=calib.seed).damage
 

@@ -1,4 +1,5 @@
-"""quant.engine.layerwise's layer reader: the read-ahead copy in page-locked memory on a GPU."""
+"""quant.engine.layerwise's layer reader (the read-ahead copy in page-locked memory on a GPU) and its copies between
+host and GPU."""
 
 import mmap
 import threading
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from quant.dist.world import World
-from quant.engine.layerwise import LayerReader
+from quant.engine.layerwise import LayerReader, Layerwise, transfer
 from quant.io.staging import copy_into
 from quant.models import resolve_model
 from quant.models.layers import read_layer_tensors
@@ -88,3 +89,55 @@ def test_staging_declines_every_later_read_once_cuda_refuses_a_registration(monk
     s = staging.Staging(1 << 30)
     assert s.into(0)(4096) is None and s.into(1)(4096) is None and s.into(0)(8192) is None
     assert calls == [4096] and s.used == [False, False]
+
+
+def test_transfer_on_one_device_converts_and_copies():
+    src = torch.randn(3, 5).bfloat16()
+    dst = torch.empty(3, 5)
+    transfer(dst, src)
+    assert torch.equal(dst, src.float())
+    back = torch.empty(3, 5, dtype=torch.bfloat16)
+    transfer(back, dst)
+    assert torch.equal(back, src)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pinned", [True, False])
+def test_transfer_between_host_and_gpu_lands_every_value_converting_on_the_gpu(pinned, monkeypatch):
+    """From the GPU into host memory (page-locked or not) and back, widening and narrowing: every value lands before
+    anything reads it (``x.to("cpu", non_blocking=True)`` hands back page-locked memory the transfer has not yet
+    filled), and no dtype change runs on the host (torch converts a copy between host and GPU there, through a
+    temporary of the whole tensor)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    on_gpu = torch.randn(64, 1024, 1024, generator=gen, device="cuda")  # 256 MB: the transfer outlasts a host copy
+    host = torch.empty(on_gpu.shape, dtype=torch.bfloat16, pin_memory=pinned)
+    host_conversions = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        out = real_to(self, *args, **kwargs)
+        if self.device.type == "cpu" and out.device.type == "cuda" and out.dtype != self.dtype:
+            host_conversions.append((self.dtype, out.dtype))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    transfer(host, on_gpu)
+    want = on_gpu.bfloat16().cpu()
+    assert torch.equal(host, want)
+    back = torch.empty(on_gpu.shape, device="cuda")
+    transfer(back, host)
+    assert torch.equal(back, want.cuda().float()) and not host_conversions
+
+
+@pytest.mark.gpu
+def test_a_layer_forward_into_page_locked_host_memory_holds_the_gpu_s_outputs():
+    """Layerwise.forward's batches written into a page-locked host tensor (activations kept off the GPU) are the
+    outputs of the same forward kept on the GPU, bit for bit."""
+    src = resolve_model("builtin:qwen3-moe-tiny")
+    lw = Layerwise(src, "float32", "cuda", 2, World())
+    hidden = torch.randn(8, 64, src.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with lw.layer(0) as layer:
+        on_gpu = lw.forward(layer, hidden.cuda())
+        host = lw.forward(layer, hidden, out=torch.empty(hidden.shape, pin_memory=True))
+        torch.cuda.synchronize()
+    assert torch.equal(host, on_gpu.cpu())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -56,3 +57,11 @@ def test_node_benchmark_runs_the_whole_pipeline_to_depth_and_keeps_only_the_save
     assert math.isclose(parts["report"], breadth["stages"]["report"]["wall_s"])
     assert math.isclose(parts["card"], breadth["stages"]["card"]["wall_s"])
     assert "projection, 6 layers on 2 rank(s)" in p.stdout
+    # the depth run's progress as it goes (the writer's lines): every stage, and every virtual layer of profile and
+    # quantize, with the seconds since the previous line
+    progress = [ln for ln in p.stdout.splitlines() if ln.startswith("progress ")]
+    for stage in ("calibrate", "profile", "plan", "quantize"):
+        assert any(f"stage {stage}: done" in ln for ln in progress), stage
+    for idx in range(3):
+        assert any(f"measure.profile: profile layer {idx}:" in ln for ln in progress)
+        assert any(re.search(rf"\(\+ *[\d.]+\) engine.quantize: layer {idx}: ", ln) for ln in progress)

@@ -1,5 +1,10 @@
-"""Where the layer-damage pass keeps its streams and original experts: the placement rule on real shapes, the exact
-compact copy of the originals, and (on a GPU) the same figures whichever way the clean inputs are kept."""
+"""Where the layer-damage pass keeps its layers and streams: the placement rule on real shapes, a layer's bytes with
+its experts narrow, clean inputs in files (the same figures, nothing left behind), and (on a GPU) the same figures
+whichever way the clean inputs are kept."""
+
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,15 +12,18 @@ import torch
 from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.errors import RecipeError
+from quant.io.storage import temp_pid
 from quant.measure import damage_memory
-from quant.measure.damage_memory import CleanInputs, ExpertOriginals, PassMemory, compact_dtype, place
+from quant.measure.damage_memory import CleanInputs, PassMemory, pass_layer_bytes, place
 from quant.measure.layer_damage import measure_layer_damage
 from quant.models import resolve_model
-from quant.models.layers import ExpertsView
 
 GB = 1 << 30
 H200_FREE = 138 * GB
+H100_FREE = 78 * GB
 HOST = 128 * GB
+QWEN3_LAYER = 128 * 3 * 768 * 2048 * 2 + 4 * 2048 * 4096 * 4  # experts in bf16, attention in fp32
+DSV3_LAYER = 256 * 3 * 2048 * 7168 * 2 + 200_000_000 * 4
 
 
 def _stream(n_samples: int, seq_len: int, hidden: int, dtype_bytes: int = 4) -> int:
@@ -23,59 +31,73 @@ def _stream(n_samples: int, seq_len: int, hidden: int, dtype_bytes: int = 4) -> 
 
 
 def test_every_stream_of_a_qwen3_pass_48_layers_deep_stays_on_an_h200():
-    """The headline pass (fp32, 16 x 2048 tokens, 4 schemes, carry 1): 49 inputs of 268 MB and 12 working streams are
-    16 GB, over the 8 GB activation budget that sent them all to pageable host memory."""
-    numel = 128 * 3 * 768 * 2048 + 4 * 2048 * 4096  # one layer: 128 experts, attention
-    working, inputs, _ = place(H200_FREE, numel, 4, _stream(16, 2048, 2048), 49, 12, 1, HOST)
-    assert working and inputs
+    """The headline pass (fp32, 16 x 2048 tokens, 4 schemes, carry 1): 49 inputs of 268 MB and 14 working streams."""
+    assert place(H200_FREE, QWEN3_LAYER, _stream(16, 2048, 2048), 49, 14, 1, HOST)[:2] == (True, "device")
 
 
-def test_a_deepseek_v3_pass_keeps_its_inputs_on_the_host_and_a_window_on_the_device():
-    """DeepSeek-V3 (61 layers, fp32 layers of 46 GB, two resident): the working streams fit beside the layers and the
-    originals, the 62 inputs (940 MB each) do not; they are page-locked while a quarter of the host holds them."""
-    numel = 256 * 3 * 2048 * 7168 + 200_000_000
+def test_a_deepseek_v3_pass_keeps_every_stream_on_an_h200_and_spills_its_inputs_on_an_h100():
+    """DeepSeek-V3 (61 layers; 24 GB layers with bf16 experts, two resident): on an H200 the working streams and the
+    62 inputs (940 MB each) fit beside them; on an 80 GB card the inputs go to the host while a quarter of it holds
+    them, else to files, and the host holds no stream that grows with depth."""
     stream = _stream(16, 2048, 7168)
-    assert place(H200_FREE, numel, 4, stream, 62, 12, 1, HOST) == (True, False, False)  # 58 GB > HOST / 4
-    assert place(H200_FREE, numel, 4, stream, 62, 12, 1, 1 << 40)[2]
+    assert place(H200_FREE, DSV3_LAYER, stream, 62, 14, 1, HOST) == (True, "device", True)
+    assert place(H100_FREE, DSV3_LAYER, stream, 62, 14, 1, HOST) == (True, "disk", True)
+    assert place(H100_FREE, DSV3_LAYER, stream, 62, 14, 1, 1 << 40) == (True, "host", True)
     # with no room for the inputs' window beside the working streams, the window wins
-    tight = (2 * 4 + 2) * numel + damage_memory.ORIGINALS_MARGIN_BYTES + 12 * stream
-    assert place(tight, numel, 4, stream, 62, 12, 1, HOST)[:2] == (False, False)
-    assert place(tight + 3 * stream, numel, 4, stream, 62, 12, 1, HOST)[:2] == (True, False)
+    tight = 2 * DSV3_LAYER + damage_memory.FORWARD_MARGIN_BYTES + 14 * stream
+    assert place(tight, DSV3_LAYER, stream, 62, 14, 1, HOST)[:2] == (False, "disk")
+    assert place(tight + 3 * stream, DSV3_LAYER, stream, 62, 14, 1, HOST)[:2] == (True, "disk")
 
 
-def test_a_compact_copy_is_taken_only_where_it_is_exact():
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(20, 8, 16, generator=gen)
-    assert compact_dtype((w,)) == torch.float32
-    assert compact_dtype((w.bfloat16().float(),)) == torch.bfloat16
-    assert compact_dtype((w.half().float(),)) == torch.float16  # 10-bit mantissas: not bf16's 7
-    odd = w.bfloat16().float()
-    odd[19, 7, 15] += 2.0**-20  # one value in the last chunk of experts is not bf16
-    assert compact_dtype((w.bfloat16().float(), odd)) == torch.float32
-    assert compact_dtype((w.bfloat16(),)) == torch.bfloat16  # already 16 bits: nothing narrower to try
+def test_a_layer_s_bytes_count_its_experts_narrow_where_the_pass_keeps_them_so():
+    src = resolve_model("builtin:deepseek-v3-tiny")
+    wide = Layerwise(src, "float32", "cpu", 2, World())
+    narrow = Layerwise(src, "float32", "cpu", 2, World(), narrow_experts=True)
+    moe = src.moe_layers()[0]
+    experts = sum(m.numel for m in src.modules.values() if m.layer == moe and m.kind == "expert")
+    assert pass_layer_bytes(wide) - pass_layer_bytes(narrow) == 2 * experts  # fp32 -> bf16
+    with narrow.layer(moe) as layer:
+        held = [*layer.parameters(), *layer.buffers()]
+        assert sum(t.numel() * t.element_size() for t in held) == pass_layer_bytes(narrow)
 
 
-def _view(gate_up: torch.nn.Parameter, down: torch.nn.Parameter) -> ExpertsView:
-    return ExpertsView(torch.nn.Module(), gate_up, down, torch.nn.functional.silu, lambda route: None)
+def test_clean_inputs_in_files_give_the_figures_of_inputs_in_memory_and_leave_nothing(monkeypatch, tmp_path):
+    from quant.measure import layer_damage
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    src = resolve_model("builtin:deepseek-v3-tiny")
+    tokens = torch.randint(0, 100, (3, 32), generator=torch.Generator().manual_seed(5))
+    run = lambda: measure_layer_damage(  # noqa: E731
+        src, tokens, Layerwise(src, "float32", "cpu", 2, World(), narrow_experts=True), ("w4g32", "w8g32")).damage
+    in_memory = run()
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(layer_damage, "plan_memory", lambda *a, **k: PassMemory(cpu, cpu, False, spill=True))
+    files, write = [], CleanInputs._write
+    monkeypatch.setattr(CleanInputs, "_write", lambda self, i, h: (files.append(i), write(self, i, h))[1])
+    stale = tmp_path / f"{damage_memory.SPILL_PREFIX}999999999-x"  # a killed run's
+    stale.mkdir()
+    spilled = run()
+    assert files == list(range(src.n_layers))
+    for name in in_memory:
+        assert torch.equal(in_memory[name], spilled[name]), name
+    assert list(tmp_path.iterdir()) == []  # its own files and the stale run's are gone
+    assert temp_pid(f"{damage_memory.SPILL_PREFIX}{os.getpid()}-abc") == os.getpid()
 
 
-def test_originals_kept_compact_restore_the_layer_bit_for_bit_and_write_the_same_rtn():
-    gen = torch.Generator().manual_seed(1)
-    gate_up = torch.nn.Parameter(torch.randn(20, 64, 32, generator=gen).bfloat16().float())
-    down = torch.nn.Parameter(torch.randn(20, 32, 32, generator=gen).bfloat16().float())
-    before = (gate_up.detach().clone(), down.detach().clone())
-    view = _view(gate_up, down)
-    with ExpertOriginals(view) as experts:
-        assert all(o.dtype == torch.bfloat16 for o in experts.originals)
-        experts.write(4, 32)
-        written = (gate_up.detach().clone(), down.detach().clone())
-    assert torch.equal(gate_up, before[0]) and torch.equal(down, before[1])
-    full = (torch.nn.Parameter(before[0].clone()), torch.nn.Parameter(before[1].clone()))
-    full_view = _view(*full)
-    with ExpertOriginals(full_view) as experts:
-        experts.originals = tuple(p.detach().clone() for p in full)  # the full-precision copy
-        experts.write(4, 32)
-        assert torch.equal(full[0], written[0]) and torch.equal(full[1], written[1])
+def test_clean_inputs_are_refused_in_one_line_where_nothing_can_hold_them(monkeypatch):
+    lw = Layerwise(resolve_model("builtin:qwen3-moe-tiny"), "float32", "cpu", 2, World())
+    lw.device = torch.device("cuda", 0)  # placement only: nothing runs on it
+    monkeypatch.setattr(damage_memory, "free_gpu_bytes", lambda d: 0)
+    monkeypatch.setattr(damage_memory, "host_available_bytes", lambda: 4 * GB)
+    monkeypatch.setattr(damage_memory, "free_bytes", lambda p: GB)
+    with pytest.raises(RecipeError, match=r"clean inputs \(8.6 GB\) fit neither the GPU, the host's memory"):
+        damage_memory.plan_memory(lw, 1 << 30, 8, 2, 1)
+    monkeypatch.setattr(damage_memory, "host_available_bytes", lambda: 64 * GB)  # over a quarter: files, but no room
+    memory = damage_memory.plan_memory(lw, 1 << 30, 20, 2, 1)
+    assert memory.inputs.type == "cpu" and not memory.spill
+    monkeypatch.setattr(damage_memory, "free_bytes", lambda p: 1 << 50)
+    assert damage_memory.plan_memory(lw, 1 << 30, 20, 2, 1).spill
+    assert Path(tempfile.gettempdir()).is_dir()
 
 
 def test_clean_inputs_hand_back_copies_not_the_walks_own_tensor():

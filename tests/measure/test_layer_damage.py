@@ -46,8 +46,9 @@ def test_matches_whole_model_reference(source):
     for row in (0, len(moe) - 1):
         for name, bits, group in (("w2g32", 2, 32), ("w4g16", 4, 16)):
             want = _reference_kl(source, tokens, moe[row], bits, group)
-            # fp32 noise of a KL between nearly equal distributions is ~1e-8 absolute
-            assert damage[name][row].item() == pytest.approx(want, rel=2e-3, abs=5e-8), (row, name)
+            # fp32 noise of a KL between nearly equal distributions is ~5e-8 absolute (the W8 figures here are
+            # +-5e-8: noise alone), and the two sides sum in different orders (grouped experts, whole-model kernels)
+            assert damage[name][row].item() == pytest.approx(want, rel=2e-3, abs=1e-7), (row, name)
     assert (damage["w2g32"] > damage["w4g32"]).all() and (damage["w4g32"] > damage["w8g32"]).all()
     # smaller groups, less damage: over the model (one layer's KL on 72 positions of a random model is noise-sized)
     assert damage["w4g16"].sum() < damage["w4g32"].sum()
@@ -151,28 +152,18 @@ def test_a_model_whose_output_is_not_finite_is_one_numerical_error(source, tmp_p
         measure_layer_damage(bad, tokens, Layerwise(bad, "float32", "cpu", 2, World()), ("w4g32",))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_originals_on_the_gpu_give_the_figures_of_originals_on_the_host(source, monkeypatch):
-    """With room on the GPU a layer's original experts wait beside it (no copy up per scheme); the figures are those of
-    the host path, bit for bit; without room they go to the host."""
-    from quant.measure import damage_memory
-
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("method", ["bounded", "exact"])
+def test_experts_kept_in_the_checkpoint_s_bf16_give_the_figures_of_fp32_copies(source, device, method):
+    """The pass's routed experts stay in the checkpoint's bf16 (half a layer's bytes) and are widened as they run:
+    the figures of a pass whose layers hold fp32 copies, bit for bit; the layers' expert weights are never written."""
     tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
-    with Layerwise(source, "float32", "cuda", 2, World()).layer(source.moe_layers()[0]) as layer:
-        view = experts_of(source, layer, source.moe_layers()[0])
-        assert damage_memory.originals_device(view).type == "cuda"
-        assert damage_memory.originals_device(view, margin_bytes=1 << 60).type == "cpu"
-        del view
-    seen = []
-    real = damage_memory.originals_device
-    monkeypatch.setattr(damage_memory, "originals_device", lambda view, **kw: seen.append(real(view, **kw)) or seen[-1])
-    on_gpu = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cuda", 2, World()), SCHEMES)
-    assert seen and all(d.type == "cuda" for d in seen)
-    monkeypatch.setattr(damage_memory, "originals_device", lambda view, **kw: torch.device("cpu"))
-    on_host = measure_layer_damage(source, tokens, Layerwise(source, "float32", "cuda", 2, World()), SCHEMES)
+    run = lambda narrow: measure_layer_damage(  # noqa: E731
+        source, tokens, Layerwise(source, "float32", device, 2, World(), narrow_experts=narrow), SCHEMES, method).damage
+    narrow, wide = run(True), run(False)
     for name in SCHEMES:
-        assert torch.equal(on_gpu.damage[name], on_host.damage[name]), name
+        assert torch.equal(narrow[name], wide[name]), name
 
 
 def test_more_label_draws_change_the_bounded_figures_not_the_exact_ones(source):
@@ -194,7 +185,7 @@ def test_a_carry_whose_layers_do_not_fit_the_gpu_is_refused_before_any_branch(so
     from quant.errors import RecipeError
     from quant.measure import layer_damage
 
-    monkeypatch.setattr(layer_damage, "ORIGINALS_MARGIN_BYTES", 1 << 60)
+    monkeypatch.setattr(layer_damage, "FORWARD_MARGIN_BYTES", 1 << 60)
     tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
     with pytest.raises(RecipeError, match="carry_layers 2 keeps 2 more decoder layer"):
         measure_layer_damage(source, tokens, Layerwise(source, "float32", "cuda", 2, World()), ("w4g32",), "bounded", 2)
