@@ -142,13 +142,14 @@ def main() -> None:
 
 def layer_damage_phases(src: ModelSource, tokens: torch.Tensor, a: argparse.Namespace) -> None:
     """The bounded layer-damage pass, each phase and the calls inside it timed (device syncs around each)."""
-    import quant.measure.damage_memory as dm
     import quant.measure.layer_damage as ld
+    import quant.models.expert_compute as ec
 
     phases = ("_clean_pass", "_walk_back", "_head_cotangents", "_value", "_branch_kl")
     for name in phases:
         TIMERS.wrap(ld, name, name)
-    TIMERS.wrap(dm.ExpertOriginals, "write", "ExpertOriginals.write")
+    TIMERS.wrap(ec, "_fused_forward", "experts forward")  # install() binds it: wrapped before the pass starts
+    TIMERS.wrap(ec.ExpertsCompute, "widen", "ExpertsCompute.widen")  # widening, and round-to-nearest at a scheme
     TIMERS.wrap(ld._BlockShortcut, "run", "_BlockShortcut.run")
     TIMERS.wrap(Layerwise, "vjp", "Layerwise.vjp")
     TIMERS.wrap(Layerwise, "forward", "Layerwise.forward")
@@ -157,11 +158,12 @@ def layer_damage_phases(src: ModelSource, tokens: torch.Tensor, a: argparse.Name
         TIMERS.clear()
         sync()
         t0 = time.perf_counter()
-        out = ld.measure_layer_damage(src, tokens, Layerwise(src, "float32", a.device, a.batch, world=World()),
-                                      schemes)  # the headline recipe's pass dtype
+        lw = Layerwise(src, "float32", a.device, a.batch, world=World(), narrow_experts=True)  # as the pipeline's
+        out = ld.measure_layer_damage(src, tokens, lw, schemes)  # the headline recipe's pass dtype
         sync()
         s = time.perf_counter() - t0
-        parts = ", ".join(f"{k} {TIMERS.get(k):.2f}" for k in (*phases, "ExpertOriginals.write", "_BlockShortcut.run",
+        parts = ", ".join(f"{k} {TIMERS.get(k):.2f}" for k in (*phases, "experts forward", "ExpertsCompute.widen",
+                                                                "_BlockShortcut.run",
                                                                 "Layerwise.vjp", "Layerwise.forward", "load_s"))
         print(f"layer damage run {rep}: {src.n_layers} layers x {tokens.shape[0]}x{tokens.shape[1]} tokens, "
               f"{out.layer_forwards} layer forwards: {s:.2f} s = {s / src.n_layers:.2f} s/layer; seconds: {parts}",
