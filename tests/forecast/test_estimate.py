@@ -519,3 +519,55 @@ def test_small_models_are_forecast_at_their_own_scale(quant_cache):
     export = next(s for s in f.stages if s.stage == "export")
     assert profile.gpu_bytes < 0.5e9, profile
     assert export.host_bytes < 3.5e9, export  # python and torch, not a 5 GB shard for a 26 MB checkpoint
+
+
+RECORDS_DIR = REPO / "benchmarks" / "records"
+H200_GB = 143_771 * 2**20 / 1e9  # the H200's memory as torch reports it
+
+
+def _headline_at_depth(path: Path, samples: int, *extra: str):
+    recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model=str(path), overrides=(
+        "quantize.algorithm=gptq", f"calibration.n_samples={samples}", "calibration.seq_len=2048", *extra))
+    return {s.stage: s for s in forecast(recipe, load_headers(str(path)), gpu_memory_gb=H200_GB, host_memory_gb=128).stages}
+
+
+@pytest.mark.parametrize("record", ["2026-12-03-deepseek-v3-headline-12-layers",
+                                    "2026-12-03-qwen3-30b-a3b-headline-48-layers"])
+def test_the_headline_at_depth_is_forecast_against_its_measurements(record, shapes_dir):
+    """The headline recipe (GPTQ, its layer-damage pass) from calibrate to quantize as node.py's depth part measured it
+    on one H200 (benchmarks/records/: 12 tiled DeepSeek-V3 layers at 32 x 2048, 48 tiled Qwen3-30B-A3B layers at
+    512 x 2048): the pass's seconds (the profile forecast's with the pass less without it), the quantize stage's
+    seconds and the profile stage's peak, each within 20 %."""
+    rec = json.loads((RECORDS_DIR / f"{record}.json").read_text())
+    depth, samples = rec["depth"], int(rec["calibration"].split(" x ")[0])
+    path = shapes_dir(rec["shape"], rec["virtual_layers"])
+    with_pass, without = _headline_at_depth(path, samples), _headline_at_depth(path, samples,
+                                                                               "profile.layer_sensitivity=null")
+    profile = with_pass["profile"]
+    assert profile.gpu_bytes / 1e9 == pytest.approx(depth["stages"]["profile"]["peak_gb"], rel=0.2), profile.parts
+    assert profile.seconds - without["profile"].seconds == pytest.approx(depth["layer_damage_s"]["pass"], rel=0.2)
+    assert with_pass["quantize"].seconds == pytest.approx(depth["stages"]["quantize"]["wall_s"], rel=0.2)
+    assert sum(profile.parts.values()) == pytest.approx(profile.gpu_bytes)  # the parts name the whole peak
+
+
+def test_deepseek_v3_at_full_depth_is_accepted_on_one_h200_host_whose_memory_does_not_grow_with_depth(shapes_dir):
+    """61 DeepSeek-V3 layers (702 B parameters) with the headline recipe at 32 x 2048 on one H200 and a 128 GB host:
+    the forecast accepts the run (the pass's host memory was 129.8 GB and refused when its fp32 layers and every clean
+    input sat in host memory), the profile's host peak is at most 64 GB and the same at 12 layers as at 61."""
+    from quant.forecast.estimate import check_fits
+
+    recipe = lambda path: load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model=str(path), overrides=(  # noqa: E731
+        "calibration.n_samples=32", "calibration.seq_len=2048"))
+    hosts = {}
+    for layers in (12, 61):
+        path = shapes_dir("deepseek-v3", layers)
+        f = forecast(recipe(path), load_headers(str(path)), gpu_memory_gb=141, host_memory_gb=128)
+        check_fits(f, recipe(path))
+        hosts[layers] = next(s for s in f.stages if s.stage == "profile").host_bytes
+    assert hosts[61] <= 64e9 and hosts[61] == hosts[12]
+    # an 80 GB card: the clean inputs no longer fit beside the walk back, nor in a quarter of the host: files
+    path = shapes_dir("deepseek-v3", 61)
+    profile = next(s for s in forecast(recipe(path), load_headers(str(path)), gpu_memory_gb=80,
+                                       host_memory_gb=128).stages if s.stage == "profile")
+    assert profile.host_bytes <= 64e9 and profile.disk_bytes == pytest.approx(62 * 16 * 2048 * 7168 * 4)
+    assert "clean inputs 58.3 GB in TMPDIR" in profile.note
