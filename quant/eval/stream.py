@@ -150,17 +150,23 @@ def streamed_proxies(base: ModelSource, shipped: ModelSource, tokens: torch.Tens
         n = base.n_layers
         log.info("eval: %d layers of each model, %d samples", n, tokens.shape[0], extra=step("eval", 0, 2 * n))
         lw_base = Layerwise(base, dtype, str(device), batch, walk)
-        hidden_base, head_base = lw_base.final_hidden(tokens, _progress("base", 0, n))
+        hidden_base, head_base = lw_base.final_hidden(tokens, _progress(walk, "base", 0, n))
         mine = tokens[lw_base.my_rows()] if walk.distributed else tokens
         lw_quant = Layerwise(shipped, dtype, str(device), batch, walk)
-        hidden_quant, head_quant = lw_quant.final_hidden(tokens, _progress("quantized", n, n))
+        hidden_quant, head_quant = lw_quant.final_hidden(tokens, _progress(walk, "quantized", n, n))
         sums.score(hidden_base, head_base, hidden_quant, head_quant, mine, lw_base.device)
     return sums.reduce(world).metrics()
 
 
-def _progress(model: str, before: int, n_layers: int):
-    """``on_layer`` for one model's walk: a progress step per layer, counted over both models' layers."""
-    return lambda idx: log.info("eval: %s layer %d", model, idx, extra=step("eval", before + idx + 1, 2 * n_layers))
+def _progress(world: World, model: str, before: int, n_layers: int):
+    """``on_layer`` for one model's walk: a progress step per layer, counted over both models' layers, then a stop
+    request honoured (every rank of the walk after the same layer)."""
+
+    def on_layer(idx: int) -> None:
+        log.info("eval: %s layer %d", model, idx, extra=step("eval", before + idx + 1, 2 * n_layers))
+        world.raise_if_stopped(f"eval: {model} layer {idx}")
+
+    return on_layer
 
 
 def layer_world(world: World, device) -> World:

@@ -175,8 +175,11 @@ def at_scheme(compute: ExpertsCompute, bits: int, group: int) -> Transform:
     return lambda w: quantize_weight(w, spec, w.dtype).dequantize()
 
 
-def _progress(done: int, total: int, what: str, idx: int) -> None:
+def _progress(lw: Layerwise, done: int, total: int, what: str, idx: int) -> None:
+    """One progress line per layer walked, then a stop request (SIGTERM, SIGUSR1, the stop file) honoured: the pass
+    ends after the layer in hand, not after its remaining walks."""
     log.info("layer damage: %s layer %d", what, idx, extra=step(STAGE, done, total, UNIT))
+    lw.world.raise_if_stopped(f"layer damage: {what} layer {idx}")
 
 
 def _exact(source: ModelSource, tokens: torch.Tensor, lw: Layerwise,
@@ -201,7 +204,7 @@ def _exact(source: ModelSource, tokens: torch.Tensor, lw: Layerwise,
                 compute.transform = None
             forwards += len(branches) + 1
             clean = lw.forward(layer, clean, out=clean)
-        _progress(forwards, total, "exact: branches through", idx)
+        _progress(lw, forwards, total, "exact: branches through", idx)
     kl = _branch_kl(lw, clean, [b.hidden for b in branches])
     damage = {name: torch.zeros(len(moe), dtype=torch.float64) for name in parsed}
     for b, value in zip(branches, kl, strict=True):
@@ -357,7 +360,7 @@ def _clean_pass(lw: Layerwise, batches: FittingBatches, h: torch.Tensor, total: 
         inputs.keep(idx, h)
         with moe_layer(lw, idx) as (layer, _):
             h = batches.forward(layer, h, out=h)
-        _progress(idx + 1, total, "clean through", idx)
+        _progress(lw, idx + 1, total, "clean through", idx)
     return h.to(lw.device)
 
 
@@ -477,7 +480,7 @@ def _walk_back(source: ModelSource, lw: Layerwise, batches: FittingBatches, inpu
             for j in [j for j in grads if j > idx - 1 + carry]:
                 del grads[j]  # every branch valued there is made
             inputs.drop(idx + carry + 1)  # the clean output of layer idx + carry: no later branch reaches it
-            _progress(done, total, "back through", idx)
+            _progress(lw, done, total, "back through", idx)
     finally:
         for context, _ in resident.values():
             context.__exit__(None, None, None)

@@ -449,6 +449,7 @@ def profile_routing(source: ModelSource, calib: CalibrationSet, lw: Layerwise,
                      max(min_tokens, 1), extra=done)
         else:
             log.info("profile layer %d: dense", idx, extra=done)
+        lw.world.raise_if_stopped(f"profile layer {idx} of {source.n_layers}")  # every rank, after the same layer
     layers = sorted(per_layer)
     stack = lambda key: torch.stack([per_layer[i].stat(key).cpu() for i in layers])  # noqa: E731
     return RoutingProfile(

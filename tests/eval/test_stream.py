@@ -310,3 +310,34 @@ def test_layer_walks_share_reads_only_where_the_backend_can_carry_them():
     assert evalstream.layer_world(nccl, torch.device("cuda", 0)) is nccl
     assert evalstream.layer_world(gloo, "cpu") is gloo
     assert evalstream.layer_world(one, "cpu") is one
+
+
+def test_a_stop_request_ends_the_streamed_eval_after_the_layer_in_hand(exported):
+    """SIGTERM during the streamed proxies (a 61-layer model's walk takes minutes) ends the eval after the layer in
+    hand, as the quantize stage does, with the stop error."""
+    import logging
+
+    from quant.errors import StopRequested
+
+    src = resolve_model(MODEL)
+    shipped = ShippedCheckpoint(exported / "checkpoint", src, torch.bfloat16)
+    tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    world, seen = World(), []
+
+    class StopAtBaseLayer1(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+            if record.getMessage() == "eval: base layer 1":
+                world.stop.set("SIGTERM")
+
+    logger, handler = logging.getLogger("quant.eval.stream"), StopAtBaseLayer1(logging.INFO)
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with pytest.raises(StopRequested, match="after eval: base layer 1; rerun"):
+            streamed_proxies(src, shipped, tokens, "bfloat16", "cpu", 2, world)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert seen[-1] == "eval: base layer 1"

@@ -222,3 +222,42 @@ def test_a_layer_s_later_schemes_run_its_moe_block_alone_with_the_figures_of_who
     assert runs == []
     for name in schemes:
         assert torch.equal(short[name], whole[name]), name
+
+
+class _StopAt(logging.Handler):
+    """Sets ``world``'s stop flag (as the CLI's SIGTERM handler does) when a logger's line is ``at``, and keeps every
+    line after that one."""
+
+    def __init__(self, world, at: str):
+        super().__init__(logging.INFO)
+        self.world, self.at, self.after = world, at, None
+
+    def emit(self, record):
+        if self.after is not None:
+            self.after.append(record.getMessage())
+        elif record.getMessage() == self.at:
+            self.world.stop.set("SIGTERM")
+            self.after = []
+
+
+@pytest.mark.parametrize("method, at", [("bounded", "clean through layer 1"), ("bounded", "back through layer 2"),
+                                        ("exact", "exact: branches through layer 1")])
+def test_a_stop_request_ends_the_pass_after_the_layer_in_hand(source, method, at):
+    """SIGTERM in the pass (its clean walk or its walk back) ends it after that layer with the stop error (exit 75
+    from the CLI), not after the rest of the pass: a scheduler's grace period is a layer's time, not a pass's."""
+    from quant.errors import StopRequested
+
+    lw = Layerwise(source, "float32", "cpu", 2, World())
+    stop = _StopAt(lw.world, f"layer damage: {at}")
+    logger = logging.getLogger("quant.measure.layer_damage")
+    logger.addHandler(stop)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    try:
+        with pytest.raises(StopRequested, match=f"after layer damage: {at}; rerun"):
+            measure_layer_damage(source, tokens, lw, ("w4g32",), method)
+    finally:
+        logger.removeHandler(stop)
+        logger.setLevel(level)
+    assert stop.after == []  # nothing ran after the layer in hand

@@ -405,3 +405,35 @@ def test_the_log_lines_and_the_report_count_cold_experts_and_usage_ratios_alike(
     for m in logged:
         assert f"layer {m[1]}: {m[2]}" in report
     assert not re.search(r"[\[\]{}]", report), report  # text, never a Python list, tuple or dict
+
+
+def test_a_stop_request_ends_the_profile_after_the_layer_in_hand():
+    """SIGTERM during the routing profile ends it after the layer in hand with the stop error (every rank after the
+    same layer: the request is agreed over ranks, as in quantize)."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from quant.errors import StopRequested
+
+    src = resolve_model("builtin:qwen3-moe-tiny")
+    calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 2, 32, 0)
+    lw, seen = Layerwise(src, "float32", "cpu", 2, World()), []
+
+    class StopAtLayer1(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+            if record.getMessage().startswith("profile layer 1:"):
+                lw.world.stop.set("SIGTERM")
+
+    logger, handler = logging.getLogger("quant.measure.profile"), StopAtLayer1(logging.INFO)
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with pytest.raises(StopRequested, match=f"after profile layer 1 of {src.n_layers}; rerun"):
+            profile_routing(src, calib, lw)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert seen[-1].startswith("profile layer 1:")
