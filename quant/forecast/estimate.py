@@ -48,7 +48,7 @@ from quant.forecast.layer_costs import (
 from quant.forecast.throughputs import THROUGHPUTS
 from quant.io.staging import host_total_bytes
 from quant.measure.damage_memory import place
-from quant.measure.layer_damage import pass_cost, working_streams
+from quant.measure.layer_damage import pass_carry, pass_cost, pass_samples, working_streams
 from quant.measure.profile import RoutingProfile
 from quant.models import ModelSource
 from quant.models.expert_compute import WIDEN_BYTES
@@ -61,6 +61,7 @@ from quant.recipe import Recipe, parse_scheme
 GB = 1e9
 HOST_BASE = 3 * GB  # python, torch, CUDA host state
 HEADROOM = 0.95  # share of the card a forecast may fill
+MAX_MEMORY_GB = 1e6  # the largest GPU or host memory a forecast takes (a petabyte): byte counts stay exact integers
 # assumed, not measured: what the run directory's storage absorbs from all ranks' shard writes together (local NVMe
 # RAID or a parallel file system); the export forecast scales with ranks up to it
 STORAGE_BYTES_PER_S = 5e9
@@ -127,7 +128,8 @@ def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Work
     the host holds the pass's read-ahead (two layers as stored) and the streams ``damage_memory.place`` keeps there,
     the temporary directory the clean inputs it sends to files."""
     dt = DTYPE_BYTES[ls.dtype]
-    tokens = ls.n_samples * run.seq_len
+    tokens = pass_samples(ls.n_samples, run.n_samples) * run.seq_len  # as the run clamps them
+    ls = ls.model_copy(update={"carry_layers": pass_carry(ls.carry_layers, len(layers))})
     cost = pass_cost([(L.active_params, L.n_experts > 0) for L in layers], len(ls.schemes), tokens, ls.method,
                      ls.carry_layers, ls.draws)
     stream = tokens * d.hidden * dt
@@ -352,11 +354,12 @@ def forecast(recipe: Recipe, source: ModelSource, gpus: int = 1, gpu_memory_gb: 
 def check_machine(gpus: int, gpu_memory_gb: float, host_memory_gb: float | None = None) -> None:
     """The job's machine as given on the command line: at least one GPU, memories finite and positive."""
     def positive(x: float) -> bool:
-        return math.isfinite(x) and x > 0
+        return math.isfinite(x) and 0 < x <= MAX_MEMORY_GB
 
     if gpus < 1 or not positive(gpu_memory_gb) or (host_memory_gb is not None and not positive(host_memory_gb)):
-        raise PlanError(f"--gpus must be >= 1 and --gpu-memory-gb and --host-memory-gb finite and > 0, got {gpus}, "
-                        f"{gpu_memory_gb:g} and {host_memory_gb if host_memory_gb is None else f'{host_memory_gb:g}'}")
+        raise PlanError(f"--gpus must be >= 1 and --gpu-memory-gb and --host-memory-gb finite and > 0 (at most "
+                        f"{MAX_MEMORY_GB:g} GB), got {gpus}, {gpu_memory_gb:g} and "
+                        f"{host_memory_gb if host_memory_gb is None else f'{host_memory_gb:g}'}")
 
 
 def _gb(b: float) -> str:

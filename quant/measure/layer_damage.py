@@ -99,10 +99,23 @@ class _Branch:
 
 
 def spread_rows(n_total: int, n: int) -> torch.Tensor:
-    """``min(n, n_total)`` sample indices spread evenly over ``[0, n_total)`` (calibration rows are grouped by
-    source, so the first rows would all come from one domain)."""
-    n = min(n, n_total)
+    """``pass_samples(n, n_total)`` sample indices spread evenly over ``[0, n_total)`` (calibration rows are grouped
+    by source, so the first rows would all come from one domain)."""
+    n = pass_samples(n, n_total)
     return torch.arange(n) * n_total // n
+
+
+def pass_samples(n_samples: int, calibration_samples: int) -> int:
+    """The samples the pass runs on (``profile.layer_sensitivity.n_samples``): at most the calibration set's. The run
+    (``spread_rows``) and quant estimate both take it from here."""
+    return min(n_samples, calibration_samples)
+
+
+def pass_carry(carry: int, n_layers: int) -> int:
+    """The carry a bounded pass runs with (``profile.layer_sensitivity.carry_layers``): at most the layers above the
+    first, since a branch stops at the last layer whatever its carry. The pass and quant estimate both take it from
+    here."""
+    return max(1, min(carry, n_layers - 1))
 
 
 def _store(lw: Layerwise, clean: torch.Tensor, n_streams: int) -> torch.device:
@@ -269,6 +282,7 @@ def _branch_layers(moe: list[int], n_layers: int, n_schemes: int, carry: int) ->
 def _bounded(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, parsed: dict[str, tuple[int, int]],
              carry: int, draws: int, seed: int) -> tuple[dict[str, torch.Tensor], int]:
     L, moe = source.n_layers, source.moe_layers()
+    carry = pass_carry(carry, L)
     total = pass_cost([(0.0, i in moe) for i in range(L)], len(parsed), 0, "bounded", carry, draws).layer_forwards
     log.info("layer damage: %d layers forward, then back with gradients and branches carried %d layer(s)", L,
              carry, extra=step(STAGE, 0, total, UNIT))

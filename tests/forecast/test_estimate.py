@@ -469,9 +469,10 @@ def test_a_forecast_over_the_hosts_memory_is_refused(quant_cache, capsys):
 
 
 @pytest.mark.parametrize("option", [("--gpu-memory-gb", "nan"), ("--gpu-memory-gb", "inf"), ("--gpu-memory-gb", "0"),
+                                    ("--gpu-memory-gb", "1e300"), ("--host-memory-gb", "1e300"),
                                     ("--host-memory-gb", "nan"), ("--host-memory-gb", "-1"), ("--gpus", "0")])
 def test_a_machine_that_cannot_exist_is_one_error_line(option, quant_cache, capsys):
-    """Before: --gpu-memory-gb nan exited 0."""
+    """--gpu-memory-gb nan exited 0 and 1e300 ended in an internal error (a float byte count cast to an integer)."""
     from tests.export.test_gptq_format import quant_cli
 
     code, _, err = quant_cli(capsys, "estimate", str(REPO / "recipes" / "mixed_int8_int4.yaml"), *option)
@@ -571,3 +572,31 @@ def test_deepseek_v3_at_full_depth_is_accepted_on_one_h200_host_whose_memory_doe
                                        host_memory_gb=128).stages if s.stage == "profile")
     assert profile.host_bytes <= 64e9 and profile.disk_bytes == pytest.approx(62 * 16 * 2048 * 7168 * 4)
     assert "clean inputs 58.3 GB in TMPDIR" in profile.note
+
+
+def test_the_forecast_clamps_the_pass_as_the_run_does(quant_cache):
+    """profile.layer_sensitivity.n_samples over the calibration's and carry_layers over the depth: the run takes the
+    calibration's samples and the layers there are (``layer_damage.pass_samples``, ``pass_carry``), and so does the
+    forecast (it forecast 196,608 GB of clean inputs for n_samples 1e9 with 32 calibration samples, and refused a run
+    that works; carry 30 and carry 3 on a 4-layer model, the same run, got two peaks)."""
+    import torch
+
+    from quant.dist.world import World
+    from quant.engine.layerwise import Layerwise
+    from quant.measure.layer_damage import measure_layer_damage, spread_rows
+
+    def profile(*overrides):
+        recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", overrides=overrides)
+        stage = next(s for s in forecast(recipe, load_headers(recipe.model.path)).stages if s.stage == "profile")
+        return stage.gpu_bytes, stage.host_bytes, stage.seconds, stage.note
+
+    assert profile("profile.layer_sensitivity.n_samples=1000000000") == profile(
+        "profile.layer_sensitivity.n_samples=32")  # the recipe's 32 calibration samples
+    assert profile("profile.layer_sensitivity.carry_layers=30") == profile("profile.layer_sensitivity.carry_layers=3")
+    src = resolve_model("builtin:qwen3-moe-tiny")  # 4 layers
+    assert len(spread_rows(32, 1_000_000_000)) == 32
+    tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    ran = {carry: measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2, World()), ("w4g32",),
+                                       "bounded", carry) for carry in (3, 30)}
+    assert ran[3].layer_forwards == ran[30].layer_forwards
+    assert all(torch.equal(ran[3].damage[k], ran[30].damage[k]) for k in ran[3].damage)
