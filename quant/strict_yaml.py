@@ -118,29 +118,31 @@ def decode(raw: bytes, what: str, err: type[Exception]) -> str:
         raise err(f"{what} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
 
 
-def plain(value: Any, where: str, err: type[Exception]) -> Any:
+def plain(value: Any, where: str, err: type[Exception], root: str = "the document") -> Any:
     """Deep copy of loaded data, checking that it holds only plain values (string keys, 64-bit integers,
-    strings without control characters)."""
+    strings without control characters). ``where``: the dotted path so far; ``root``: what the document is, named in
+    messages about the document itself (a ``--set`` value's key)."""
+    name = f"'{where}'" if where else root
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
-                raise err(f"key {k!r} in '{where or 'the document'}' is not a string")
-            check_text(k, f"a key in '{where or 'the document'}'", err)
-            out[k] = plain(v, f"{where}.{k}" if where else k, err)
+                raise err(f"key {k!r} in {name} is not a string")
+            check_text(k, f"a key in {name}", err)
+            out[k] = plain(v, f"{where}.{k}" if where else k, err, root)
         return out
     if isinstance(value, list):
-        return [plain(v, f"{where}[{i}]", err) for i, v in enumerate(value)]
+        return [plain(v, f"{where or root}[{i}]", err, root) for i, v in enumerate(value)]
     if isinstance(value, bool) or value is None or isinstance(value, float):
         return value
     if isinstance(value, int):
         if not -(2**63) <= value < 2**63:
-            raise err(f"'{where}': integer {value} does not fit in 64 bits")
+            raise err(f"{name}: integer {value} does not fit in 64 bits")
         return value
     if isinstance(value, str):
-        check_text(value, f"the value of '{where}'", err)
+        check_text(value, f"the value of {name}", err)
         return value
-    raise err(f"'{where}' holds a {type(value).__name__}, not a plain value")
+    raise err(f"{name} holds a {type(value).__name__}, not a plain value")
 
 
 def load(text: str, what: str, err: type[Exception]) -> Any:
@@ -158,4 +160,4 @@ def load(text: str, what: str, err: type[Exception]) -> Any:
         raise err(f"malformed YAML in {what}: {_problem(e)}") from None
     finally:
         loader.dispose()
-    return plain(data, "", err)
+    return plain(data, "", err, what)

@@ -1,11 +1,13 @@
 """Strict YAML: plain data only, duplicate keys, bounded nesting and alias expansion, UTF-8 without control chars."""
 
+import re
 import time
 
 import pytest
 
 from quant import strict_yaml
 from quant.errors import RecipeError
+from tests.conftest import REPO
 
 
 def load(text: str):
@@ -75,3 +77,16 @@ def test_values_must_be_plain():
         load("1: x")
     with pytest.raises(RecipeError, match="malformed YAML .*line 2"):
         load("a: 1\n---\nb: 2")
+
+
+@pytest.mark.parametrize("value, named", [("18446744073709551616", "--set calibration.seed: integer"),
+                                          ("[1, 18446744073709551616]", "'--set calibration.seed[1]': integer")])
+def test_a_set_value_that_is_not_plain_names_its_key(value, named):
+    """`--set calibration.seed=2**64` said "error: '': integer ... does not fit", naming no key, while the same value
+    in a recipe file names calibration.seed."""
+    from quant.recipe import load_recipe
+
+    with pytest.raises(RecipeError, match=re.escape(named) + " .*does not fit in 64 bits"):
+        load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", overrides=(f"calibration.seed={value}",))
+    with pytest.raises(RecipeError, match="'calibration.seed': integer 18446744073709551616 does not fit"):
+        load("calibration:\n  seed: 18446744073709551616")  # in a file: the dotted key
