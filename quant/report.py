@@ -4,12 +4,14 @@ artifact (profile, plan, quantize layer reports, eval, manifest)."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from quant.io.rundir import atomic_write_text
+from quant.io.storage import cache_root
 from quant.measure.profile import RoutingProfile, ratio_text
 from quant.models import ModelSource
 from quant.plan.bitplan import KEEP_BITS, BitPlan, by_bits
@@ -69,11 +71,21 @@ def _bit_map(plan: BitPlan, source: ModelSource, profile: RoutingProfile, path: 
     return _save(fig, path)
 
 
-def plot_all(plan: BitPlan, source: ModelSource, profile: RoutingProfile, out: Path) -> list[str]:
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, its font cache and configuration under quant's cache
+    (``MPLCONFIGDIR``, unless set: matplotlib would write them to ~/.cache/matplotlib and ~/.config/matplotlib, outside
+    the run directory and quant's cache)."""
+    os.environ.setdefault("MPLCONFIGDIR", str(cache_root() / "matplotlib"))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_all(plan: BitPlan, source: ModelSource, profile: RoutingProfile, out: Path) -> list[str]:
+    plt = pyplot()
 
     share = profile.share()
     order = torch.argsort(share, dim=1, descending=True)

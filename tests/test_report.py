@@ -1,5 +1,6 @@
 """The report's serving section: servable or not, the best plan vLLM/SGLang serve, and its predicted price."""
 
+import os
 import re
 
 from quant.report import serving_lines
@@ -68,3 +69,24 @@ def test_the_bits_figures_have_one_name_each_in_the_log_line_the_report_and_the_
         assert not re.search(r"average bits|bits per expert weight|traffic-weighted bits|\{\d", text), (where, text)
     assert "expert projections by bits 4: 81.25%, 8: 18.75%; routed traffic by bits 4: 47.7%, 8: 52.3%" in outputs["line"]
     assert "| 0 | 4: 39, 8: 9 | 4: 48.2%, 8: 51.8% | 6.072 |" in outputs["report"]
+
+
+def test_plots_keep_matplotlib_s_caches_under_quant_s_cache(tmp_path):
+    """A run with plots wrote matplotlib's font cache into ~/.cache/matplotlib and made ~/.config/matplotlib, outside
+    the run directory and quant's cache: they now live in $QUANT_CACHE/matplotlib (MPLCONFIGDIR, unless set)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, repo_pythonpath
+
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("MPLCONFIGDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")}
+    env.update(HOME=str(home), QUANT_CACHE=str(cache), PYTHONPATH=repo_pythonpath())
+    code = ("from quant.report import pyplot; plt = pyplot(); fig = plt.figure(); fig.text(0.5, 0.5, 'quant'); "
+            f"fig.savefig({str(tmp_path / 'x.png')!r})")
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (tmp_path / "x.png").stat().st_size > 0
+    assert not (home / ".cache").exists() and not (home / ".config").exists()
+    assert any((cache / "matplotlib").glob("fontlist*.json"))

@@ -186,10 +186,9 @@ def damage_table(data: dict) -> str:
 
 
 def plot(data: dict, path: Path) -> None:
-    import matplotlib
+    from quant.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     keys = [k for k in keys_run(data) if k.endswith("|gptq")]
     fig, ax = plt.subplots(figsize=(8, 4))
