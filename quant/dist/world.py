@@ -354,14 +354,26 @@ def env_local_world_size() -> int:
     return n
 
 
+def _job_wide(err: DistError) -> DistError:
+    """An error in a variable every rank of the job has alike (the launcher's sizes, quant's timeout): one error line
+    for the job, from rank 0 or the process alone; the other ranks exit with it, quietly (the CLI prints no line for
+    an error marked ``elsewhere``)."""
+    rank = os.environ.get("RANK", "").strip()
+    err.elsewhere = rank.isdigit() and int(rank) > 0
+    return err
+
+
 def init_world(device: str, timeout_s: float | None = None) -> World:
     """Join the process group the launcher set up (env:// rendezvous), or return a fresh size-1 world.
 
     ``device`` is the resolved device type of this job (``cuda`` or ``cpu``): NCCL for CUDA, gloo otherwise.
     Each CUDA rank uses GPU ``LOCAL_RANK``. ``timeout_s`` defaults to ``QUANT_DIST_TIMEOUT_S`` or 1800 s.
     """
-    timeout_s = collective_timeout_s(timeout_s)
-    size, local_size = env_world_size(), env_local_world_size()
+    try:
+        timeout_s = collective_timeout_s(timeout_s)
+        size, local_size = env_world_size(), env_local_world_size()
+    except DistError as e:
+        raise _job_wide(e) from None
     if size <= 1:
         return World(timeout_s=timeout_s, local_size=local_size)
     import torch.distributed as dist

@@ -458,3 +458,30 @@ def test_ranks_that_leave_after_an_error_exit_with_their_status_not_an_abort():
         for p in procs:
             p.join(timeout=120)
         assert [p.exitcode for p in procs] == [1, 1]
+
+
+@pytest.mark.parametrize("env", [{"QUANT_DIST_TIMEOUT_S": "nan"}, {"WORLD_SIZE": "abc"}, {"LOCAL_WORLD_SIZE": "x"}])
+def test_a_bad_job_wide_variable_is_one_error_line_for_the_job(monkeypatch, capsys, env):
+    """Every rank of a torchrun job has the same QUANT_DIST_TIMEOUT_S and sizes: a bad one printed the same error
+    line once per rank. Rank 0 prints it; the others exit with the same code and no line."""
+    from quant.cli import cli_exit_code
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "QUANT_DIST_TIMEOUT_S"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    codes, lines = {}, {}
+    for rank in ("0", "1", "3"):
+        monkeypatch.setenv("RANK", rank)
+        codes[rank] = cli_exit_code(["run", "recipes/mixed_int8_int4.yaml", "-o", "/nonexistent/never"])
+        lines[rank] = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(set(codes.values())) == 1 and codes["0"] != 0
+    assert len(lines["0"]) == 1 and next(iter(env)) in lines["0"][0]
+    assert lines["1"] == lines["3"] == []
+    with pytest.raises(DistError) as e:  # a rank's own variable stays that rank's line
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.delenv("QUANT_DIST_TIMEOUT_S", raising=False)
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        monkeypatch.setenv("LOCAL_RANK", "-1")
+        init_world("cpu")
+    assert not getattr(e.value, "elsewhere", False)
