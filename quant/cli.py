@@ -22,7 +22,7 @@ from typing import Annotated
 
 import typer
 
-from quant.errors import QuantError
+from quant.errors import QuantError, RecipeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
@@ -31,8 +31,21 @@ log = logging.getLogger("quant")
 EXIT_INTERNAL = 70  # sysexits.h EX_SOFTWARE: distinct from 1 (bad input) so scripts can tell a bug from a mistake
 EXIT_INTERRUPTED = 130
 
-RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML (see recipes/)")]
-OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="run directory (default runs/<name>)")]
+def _utf8_path(value: Path | None) -> Path | None:
+    """Every path argument as given, refused in one line where it is not valid UTF-8: a run directory's records, logs
+    and messages are UTF-8 text, and a name with undecodable bytes (a surrogate escape here) cannot be written there."""
+    if value is not None:
+        try:
+            os.fsdecode(value).encode("utf-8")
+        except UnicodeEncodeError:
+            shown = os.fsencode(value).decode("utf-8", "backslashreplace")
+            raise RecipeError(f"the path '{shown}' is not valid UTF-8: rename it, or pass another") from None
+    return value
+
+
+RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML (see recipes/)", callback=_utf8_path)]
+OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="run directory (default runs/<name>)",
+                                                callback=_utf8_path)]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override a recipe key: a.b=value (repeatable)")]
 ModelOpt = Annotated[str | None, typer.Option("--model", help="model folder, hub id or builtin:NAME")]
 ForceOpt = Annotated[str | None, typer.Option("--force", help="redo this stage and all later ones ('all': every stage)")]
@@ -157,7 +170,8 @@ def estimate(recipe: RecipeArg, set_: SetOpt = None, model: ModelOpt = None,
 
 
 @app.command()
-def inspect(checkpoint: Annotated[Path, typer.Argument(help="a checkpoint folder written by quant")]) -> None:
+def inspect(checkpoint: Annotated[Path, typer.Argument(help="a checkpoint folder written by quant",
+                                                      callback=_utf8_path)]) -> None:
     """Print the per-module bits table of a checkpoint (compressed-tensors or GPTQ format)."""
     from quant.export.inspect import format_table, read_checkpoint_bits
 
@@ -165,7 +179,7 @@ def inspect(checkpoint: Annotated[Path, typer.Argument(help="a checkpoint folder
 
 
 @app.command()
-def publish(run_dir: Annotated[Path, typer.Argument(help="a finished run directory")],
+def publish(run_dir: Annotated[Path, typer.Argument(help="a finished run directory", callback=_utf8_path)],
             repo_id: Annotated[str, typer.Option("--repo-id", help="ORG/NAME on the Hugging Face hub")],
             private: bool = False,
             fmt: Annotated[str | None, typer.Option("--format", help="the export format to upload (default: the "
@@ -211,7 +225,7 @@ def _write_crash_log(error: BaseException, directory: Path) -> Path | None:
     name = f"crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     for d in (directory, Path(tempfile.gettempdir())):
         try:
-            (d / name).write_text(f"quant {' '.join(sys.argv[1:])}\n{text}")
+            (d / name).write_text(f"quant {' '.join(sys.argv[1:])}\n{text}", errors="backslashreplace")
             return d / name
         except OSError:
             continue

@@ -1,5 +1,6 @@
 """The command line's own options and the checks it makes before any work (in process: ``cli_exit_code``)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -53,3 +54,27 @@ def test_eval_backend_vllm_without_vllm_names_the_pip_command(capsys, monkeypatc
     err = _one_error_line(capsys, cli_exit_code(["validate", HEADLINE, "--set", "eval.tasks=[quant_mmlu]",
                                                  "--set", "eval.backend=vllm"]))
     assert "pip install vllm" in err
+
+
+@pytest.mark.parametrize("args", [
+    ["run", "recipes/mixed_int8_int4.yaml", "-o", b"RUN\xffdir"],
+    ["profile", "recipes/mixed_int8_int4.yaml", "--output", b"RUN\xfe"],
+    ["run", b"RUN\xff.yaml"],
+    ["inspect", b"RUN\xffckpt"],
+    ["publish", b"RUN\xffrun", "--repo-id", "org/name"],
+])
+def test_a_path_that_is_not_utf8_is_one_error_line(args, tmp_path):
+    """A run directory whose name is not UTF-8 ended in three tracebacks, no error line and 0-byte crash logs (a
+    non-UTF-8 model.path was already refused): every path argument is checked before anything is written."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, repo_pythonpath
+
+    argv = [a.replace(b"RUN", os.fsencode(tmp_path) + b"/") if isinstance(a, bytes) else a for a in args]
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "TMPDIR": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "quant.cli", *argv], cwd=REPO, capture_output=True, env=env, timeout=300)
+    err = p.stderr.decode("utf-8", "replace")
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 1 and len(lines) == 1 and "is not valid UTF-8" in lines[0], err
+    assert "Traceback" not in err and not list(tmp_path.glob("crash-*")) and list(tmp_path.iterdir()) == []
