@@ -138,8 +138,8 @@ class _Tracker:
         self.layer_bytes: list[int] = []
         load, release = layerwise.load_layer, layerwise.release
 
-        def tracked_load(source, model, idx, device, dtype, raw=None):
-            layer = load(source, model, idx, device, dtype, raw)
+        def tracked_load(source, model, idx, device, dtype, raw=None, narrow_experts=False):
+            layer = load(source, model, idx, device, dtype, raw, narrow_experts)
             self.skeletons[id(model)] = model
             self.live_layers.add(id(layer))
             self.max_layers = max(self.max_layers, len(self.live_layers))
