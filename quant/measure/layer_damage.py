@@ -76,6 +76,9 @@ UNIT = "layer forwards"
 BACKWARD_FORWARDS = 2  # a backward pass through a layer counts as two forwards (progress, forecast)
 GRAD_DTYPE = torch.bfloat16  # gradients only weigh a perturbation (the Fisher form): bf16 halves what is kept
 HEAD_CHUNK_BYTES = 1 << 30  # the head's fp32 logits, softmax and gradient for a few sequences at a time
+# the flip law's exponent in the perturbation's relative size s = ‖Δ‖² / ‖h‖²: routing flips grow with the
+# perturbation's norm (s^0.5), the smooth second-order part with s itself
+FLIP_EXPONENTS = (0.5, 1.0)
 
 
 @dataclass(frozen=True)
@@ -533,17 +536,22 @@ def _carry(lw: Layerwise, batches: FittingBatches, b: _Branch, resident: dict[in
 
 
 def _law(points: list[tuple[float, float]]) -> tuple[float, float] | None:
-    """Least-squares ``log inc = a + b log s`` over ``(s, inc)`` points with both positive: ``(a, b)``, or None."""
+    """``log inc = a + b log s`` over ``(s, inc)`` points with both positive: ``(a, b)``, or None. ``b`` is the
+    least-squares slope held to ``FLIP_EXPONENTS`` (``a`` then fit to it): from a few points at nearly one size (the
+    W4 schemes, when a W8 branch's increase is not positive) the free slope can come out at -12, and the law then
+    prices a W8 branch, two decades smaller, at astronomic damage."""
     pts = [(math.log(s), math.log(inc)) for s, inc in points if s > 0 and inc > 0]
     if not pts:
         return None
+    lo, hi = FLIP_EXPONENTS
     if len(pts) == 1 or max(x for x, _ in pts) - min(x for x, _ in pts) < 1e-6:
-        b = 0.5  # flips scale with the perturbation's norm, not its square
-        return sum(y - b * x for x, y in pts) / len(pts), b
-    xs = torch.tensor([x for x, _ in pts], dtype=torch.float64)
-    ys = torch.tensor([y for _, y in pts], dtype=torch.float64)
-    fit = torch.linalg.lstsq(torch.stack([torch.ones_like(xs), xs], 1), ys[:, None]).solution[:, 0]
-    return fit[0].item(), fit[1].item()
+        b = lo  # flips scale with the perturbation's norm, not its square
+    else:
+        xs = torch.tensor([x for x, _ in pts], dtype=torch.float64)
+        ys = torch.tensor([y for _, y in pts], dtype=torch.float64)
+        fit = torch.linalg.lstsq(torch.stack([torch.ones_like(xs), xs], 1), ys[:, None]).solution[:, 0]
+        b = min(max(fit[1].item(), lo), hi)
+    return sum(y - b * x for x, y in pts) / len(pts), b
 
 
 def _estimate(branches: list[_Branch], moe: list[int], L: int,

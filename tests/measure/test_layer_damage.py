@@ -261,3 +261,22 @@ def test_a_stop_request_ends_the_pass_after_the_layer_in_hand(source, method, at
         logger.removeHandler(stop)
         logger.setLevel(level)
     assert stop.after == []  # nothing ran after the layer in hand
+
+
+def test_the_flip_law_prices_no_w8_branch_above_a_w4_one(request):
+    """Each MoE layer's flip law is fit over the branches that reach it; from a few W4 points at nearly one size
+    (OLMoE-tiny: the W8 branches' increases not positive) the free least-squares slope came out near -12, and the
+    law priced the W8 branches, two decades smaller, at 8.7e3 and 1.4e5 nats. The slope is held to FLIP_EXPONENTS:
+    more bits never cost more damage, and a W8 layer's figure is of its own size."""
+    from quant.measure import layer_damage
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    src = resolve_model("builtin:olmoe-tiny")
+    tokens = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(2))
+    d = measure_layer_damage(src, tokens, Layerwise(src, "float32", "cpu", 2, World()), ("w4g32", "w4g16", "w8g32")).damage
+    assert (d["w8g32"] <= d["w4g16"]).all() and (d["w8g32"].abs() < 1e-6).all(), d
+    steep = [(1e-4 * (1 + 1e-3 * i), 10.0 ** (-12 * i)) for i in range(3)]  # a slope of about -1e4 in log-log
+    assert layer_damage._law(steep)[1] == layer_damage.FLIP_EXPONENTS[0]
+    assert layer_damage._law([(1e-6, 1e-9), (1e-2, 1e3)])[1] == layer_damage.FLIP_EXPONENTS[1]
