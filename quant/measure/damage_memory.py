@@ -41,7 +41,7 @@ from quant.engine.layerwise import Layerwise, free_gpu_bytes
 from quant.errors import RecipeError
 from quant.io.staging import host_available_bytes
 from quant.io.storage import free_bytes, remove_stale
-from quant.models.layers import layer_bytes
+from quant.models.layers import largest_layer_bytes
 
 log = logging.getLogger("quant.measure.layer_damage")
 FORWARD_MARGIN_BYTES = 8 << 30  # free GPU memory beside what the walk back holds (a batch forward's transients)
@@ -62,7 +62,7 @@ class PassMemory:
 
 def pass_layer_bytes(lw: Layerwise) -> int:
     """The largest decoder layer's bytes as the pass holds it (routed experts narrow where ``lw`` keeps them so)."""
-    return max(layer_bytes(lw.source, i, lw.dtype, lw.narrow_experts) for i in range(lw.source.n_layers))
+    return largest_layer_bytes(lw.source, lw.dtype, lw.narrow_experts)
 
 
 def plan_memory(lw: Layerwise, stream_bytes: int, n_inputs: int, n_working: int, carry: int) -> PassMemory:

@@ -433,9 +433,9 @@ def _walk_back(source: ModelSource, lw: Layerwise, batches: FittingBatches, inpu
     """From the last layer down to the first MoE layer, one weight read each: at layer ``idx`` (the ``carry`` layers
     above it still on the device, experts clean) each scheme's branch runs ``idx`` with its experts round-to-nearest
     and then the layers above, valued at every output it reaches with the gradient there; then the gradient is
-    carried down through ``idx`` (clean again), the layer above the next one's window released first (on a
-    DeepSeek-V3 layer in fp32, 46 GB more room for the backward pass's graph). Branches that run the last layer also get their exact KL
-    (``fisher[L]``). Only the gradients of the ``carry + 1`` outputs above are kept, and each clean input until no
+    carried down through ``idx`` (clean again), the layer above the next one's window released first (a DeepSeek-V3
+    layer's 23.5 GB more room for the backward pass's graph). Branches that run the last layer also get their exact
+    KL (``fisher[L]``). Only the gradients of the ``carry + 1`` outputs above are kept, and each clean input until no
     branch is valued against it any more."""
     L, moe = source.n_layers, source.moe_layers()
     if not moe:

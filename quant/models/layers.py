@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from quant.errors import ModelError
+from quant.io.direct_read import TORCH_DTYPES
 from quant.models.experts import ExpertsView, experts_view, moe_block, per_expert_layout
 from quant.models.names import module_kind
 from quant.models.source import ModelSource
@@ -193,25 +194,25 @@ def load_layer(source: ModelSource, model: nn.Module, idx: int, device, dtype: t
     return layer
 
 
-# bytes of an element as read: an FP8 release's weights are read dequantized, in 16 bits; integers are kept as stored
-_FLOAT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 2, "F8_E5M2": 2}
-_OTHER_BYTES = {"I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-def layer_bytes(source: ModelSource, idx: int, dtype: torch.dtype, narrow_experts: bool = False) -> int:
-    """Bytes of decoder layer ``idx`` as ``load_layer`` materializes it in ``dtype`` (``narrow_experts``: the routed
-    experts in the narrower dtype they are read in)."""
-    keys = source.layer_keys(idx)
+def largest_layer_bytes(source: ModelSource, dtype: torch.dtype, narrow_experts: bool = False) -> int:
+    """Bytes of the largest decoder layer as ``load_layer`` materializes it in ``dtype`` (``narrow_experts``: the
+    routed experts in the narrower dtype they are read in), from the headers: floating tensors in ``dtype`` (an FP8
+    release's are read dequantized, in 16 bits), the rest and ``_KEEP_FP32`` tensors as stored."""
     shapes, stored = source.shapes(), source.dtypes()
-    routed = {k for by_expert in _expert_keys(source, idx, keys).values() for k in by_expert.values()}
     size = torch.finfo(dtype).bits // 8
-    total = 0
-    for k in keys:
-        n, name = torch.Size(shapes[k]).numel(), stored.get(k, "F32")
-        own = _FLOAT_BYTES.get(name) or _OTHER_BYTES.get(name, 4)
-        kept = k.endswith(_KEEP_FP32) or name not in _FLOAT_BYTES  # as read, like load_layer
-        total += n * (own if kept else min(size, own) if narrow_experts and k in routed else size)
-    return total
+    totals = []
+    for idx in range(source.n_layers):
+        keys = source.layer_keys(idx)
+        routed = {k for by_expert in _expert_keys(source, idx, keys).values() for k in by_expert.values()}
+        total = 0
+        for k in keys:
+            kind = TORCH_DTYPES.get(stored.get(k, "F32"), torch.float32)
+            read = max(2, kind.itemsize) if kind.is_floating_point else kind.itemsize
+            kept = k.endswith(_KEEP_FP32) or not kind.is_floating_point
+            total += torch.Size(shapes[k]).numel() * (
+                read if kept else min(size, read) if narrow_experts and k in routed else size)
+        totals.append(total)
+    return max(totals)
 
 
 def _narrower(stored: torch.dtype, dtype: torch.dtype) -> bool:
