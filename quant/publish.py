@@ -15,7 +15,7 @@ from pathlib import Path
 
 from quant.errors import CheckpointError, MissingDependency, PublishError, RunDirError
 from quant.export.writer import CARD, checkpoint_digest, read_manifest, verify_manifest
-from quant.io.rundir import MANIFEST, manifest_problem
+from quant.io.rundir import MANIFEST, manifest_problem, refuse_links
 
 RERUN = "re-run the `quant run` command that made this run directory (it redoes export and eval as needed)"
 
@@ -24,6 +24,7 @@ def _run_manifest(run_dir: Path) -> dict:
     manifest_path = run_dir / MANIFEST
     if not manifest_path.is_file():
         raise RunDirError(f"{run_dir} is not a quant run directory (no {MANIFEST})")
+    refuse_links(run_dir)  # the rule every command applies: an upload follows no link out of the run directory
     try:
         m = json.loads(manifest_path.read_bytes())
     except OSError as e:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from quant.errors import CheckpointError, ModelError
 from quant.export.targets import NotCompact, compact_match, compile_compact
+from quant.io.rundir import enclosing_run_dir, refuse_links
 from quant.models.source import open_safetensors, read_json_object
 from quant.serve.names import COMPRESSED_TENSORS_METHODS
 
@@ -97,6 +98,8 @@ def _gptq(cfg: dict, names: dict, patterns: _Patterns) -> dict[str, dict]:
 def read_checkpoint_bits(ckpt: Path) -> dict[str, dict]:
     """On-disk module name -> {bits, group_size, symmetric} or {keep: True} for 2-D float weights."""
     ckpt = Path(ckpt)
+    if (run_dir := enclosing_run_dir(ckpt)) is not None:  # a run's checkpoint: the run directory's link rule
+        refuse_links(run_dir)
     if not (ckpt / "config.json").is_file():
         raise CheckpointError(f"{ckpt} is not a checkpoint folder (no config.json)")
     qcfg = read_json_object(ckpt / "config.json", "not a checkpoint quant wrote", CheckpointError).get("quantization_config")

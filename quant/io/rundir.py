@@ -56,7 +56,7 @@ def hash_path(path: Path) -> str | None:
     h = hashlib.sha256()
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
     for p in files:
-        h.update(str(p.relative_to(path.parent if path.is_file() else path)).encode())
+        h.update(os.fsencode(p.relative_to(path.parent if path.is_file() else path)))  # any name, UTF-8 or not
         h.update(file_sha256(p).encode())
     return h.hexdigest()[:16]
 
@@ -146,6 +146,42 @@ def read_run_manifest(path: Path) -> dict:
         raise RunDirError(f"{path} is damaged or was edited ({problem}); remove the run directory or use another "
                           "--output")
     return data
+def first_link(root: Path) -> Path | None:
+    """The first symbolic link at any depth under ``root`` (``root`` itself may be one: the user chose where the run
+    lives), in a sorted top-down walk that follows no link, so every command names the same one; None when there
+    is none or ``root`` does not exist."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        here = Path(dirpath)
+        for name in sorted(dirnames + filenames):
+            if (here / name).is_symlink():
+                return here / name
+    return None
+
+
+def refuse_links(root: Path) -> None:
+    """The one link rule for a run directory, applied by every command that reads or writes one (run and its stage
+    commands, ``--dry-run``, publish, inspect): no entry at any depth is a symbolic link. quant writes, replaces,
+    hashes and uploads these files itself; through a link it would follow a file it does not own (an upload, a
+    stage's output or its freshness check would read or write what the link points to)."""
+    link = first_link(root)
+    if link is not None:
+        raise RunDirError(f"{link} is a symbolic link; quant follows no links in a run directory (at any depth): "
+                          "replace it by the file or folder itself, or put the whole run directory where it points, "
+                          "with --output")
+
+
+def enclosing_run_dir(checkpoint: Path) -> Path | None:
+    """The run directory a checkpoint folder was exported into: its parent (named as given, links not resolved),
+    when that holds a run manifest quant wrote; None for a checkpoint anywhere else (a hub download, a copy)."""
+    parent = Path(os.path.abspath(checkpoint)).parent
+    try:
+        data = json.loads((parent / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return parent if manifest_problem(data) is None and isinstance(data.get("stages"), dict) else None
+
+
 def _model_changed(path: Path, old: dict, new: dict) -> str:
     """Why a finished run directory refuses its model: the files differ from those it was made from. A builtin is
     rebuilt when a quant version defines it differently; a folder or hub model was copied, edited or re-fetched."""
@@ -170,23 +206,24 @@ class RunDir:
     def save_manifest(self, data: dict) -> None:
         atomic_write_text(self.path / MANIFEST, json.dumps(data, indent=1))
 
-    def claim(self, identity: dict, force: bool, managed: tuple[str, ...] = ()) -> dict:
+    def claim(self, identity: dict, force: bool) -> dict:
         """Create or reopen the run dir for ``identity`` (recipe hash, model); refuse a different run, and a symbolic
-        link in place of an entry quant writes (``managed``: names in the run directory)."""
+        link anywhere in it (``refuse_links``)."""
         try:
-            return self._claim(identity, force, managed)
+            return self._claim(identity, force)
         except OSError as e:
             raise environment_error(e, self.path) or RunDirError(f"cannot create or use run directory {self.path}: "
                                                                  f"{e.strerror or e}") from None
 
-    def _claim(self, identity: dict, force: bool, managed: tuple[str, ...]) -> dict:
+    def check_entries(self) -> None:
+        """What a run (or its dry run) refuses before reading anything: a file in place of the directory, and a
+        symbolic link anywhere in it."""
         if self.path.exists() and not self.path.is_dir():
             raise RunDirError(f"{self.path} is a file, not a run directory; use another --output")
-        for name in (MANIFEST, LOCK, *managed):
-            if (self.path / name).is_symlink():
-                raise RunDirError(f"{self.path / name} is a symbolic link; quant writes, replaces and removes "
-                                  f"{name} itself and follows no links in a run directory: remove the link (or put "
-                                  "the whole run directory where it points, with --output)")
+        refuse_links(self.path)
+
+    def _claim(self, identity: dict, force: bool) -> dict:
+        self.check_entries()
         if self.path.exists() and not (self.path / MANIFEST).is_file() and self._foreign() and not force:
             raise RunDirError(f"{self.path} exists and is not a quant run directory; use another --output or --force")
         self.path.mkdir(parents=True, exist_ok=True)

@@ -209,11 +209,6 @@ class Run:
             return list(DEPENDS[stage][2]) + list(LM_EVAL_RESULTS.values())
         return list(DEPENDS[stage][2])
 
-    def managed(self) -> tuple[str, ...]:
-        """Top-level names the stages write in the run directory (their outputs, the partial quantized store)."""
-        names = {o.split("/")[0] for stage in STAGES for o in self.outputs(stage)}
-        return tuple(sorted(names | {stages.PARTIAL}))
-
     def output_hashes(self, stage: str) -> dict[str, str | None]:
         """What each output holds now (None: missing or damaged). A checkpoint counts by the SHA-256 manifest it
         carries, verified file by file (digests cached by stat, so an unchanged checkpoint is not re-read). A
@@ -252,6 +247,7 @@ class Run:
         if m is None:
             self.check_arguments(until, force)
             self.check_model(until)
+            self.dir.check_entries()
             previous = self.dir.manifest()
             refusal = self.dir.refusal(previous, self.identity(), force is not None)
             if refusal is not None:
@@ -290,7 +286,7 @@ class Run:
         def claim() -> dict:  # on the writer, which resolves the model first (a hub model downloads once)
             self.check_model(until)  # a recipe the model cannot serve fails before any work
             previous = self.dir.manifest()
-            m = self.dir.claim(self.identity(), force=force is not None, managed=self.managed())
+            m = self.dir.claim(self.identity(), force=force is not None)
             p = self.preview(until, force, m, previous)
             log.log(logging.WARNING if p.changed else logging.INFO, "%s", p.line())
             m["recipe"] = self.recipe.model_dump(mode="json")
