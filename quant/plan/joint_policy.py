@@ -14,14 +14,21 @@ layer):
 
     damage(l, n, a, b) = W_n · D[l, a] + (1 - W_n) · D[l, b],   W_n = the n largest w[l, e] summed
 
-(the additive model the report's predicted KL uses for a layer that mixes schemes, ``quant.plan.servable``), and
-with its stored bits (codes plus one 16-bit scale per group, ``layer_policy.storage_per_expert``). With experts of
-one size the top-n set is the best hot group of size n under this model, so no other subset is tried. Options that
-another option of the same layer matches or beats on both storage and damage are dropped (a uniform one survives
-a split one that ties it: one kernel call instead of two), and ``layer_policy.choose_schemes`` picks one option per
-layer with the least summed damage within the budget. Its options include ``layer_sensitivity``'s, so its predicted
-damage is never higher; where a layer's experts weigh the same a split only interpolates between two uniform
-options, taken at most to spend what whole-layer steps leave unspent.
+(the additive model the report's predicted KL uses for a layer that mixes schemes, ``quant.plan.servable``), computed
+as ``D[l, a] + R_n · (D[l, b] - D[l, a])`` with ``R_n`` the other experts' weight summed, so a split whose rest
+carries no weight (experts the calibration never routed) ties uniform a exactly. Each option has its stored bits
+(codes plus one 16-bit scale per group, ``layer_policy.storage_per_expert``). With experts of one size the top-n set
+is the best hot group of size n under this model, so no other subset is tried. Options that another option of the
+same layer matches or beats on both storage and damage are dropped (a uniform one survives a split one that ties
+it: one kernel call instead of two), and ``layer_policy.choose_schemes`` picks one option per layer with the least
+summed damage within the budget. Its options include ``layer_sensitivity``'s, so its predicted damage is never
+higher; where a layer's experts weigh the same a split only interpolates between two uniform options, taken at most
+to spend what whole-layer steps leave unspent.
+
+A layer is split only where the split lowers its predicted damage (``unsplit``): a split the choice took whose
+layer has a uniform option of no more damage (dropped above for costing more) takes that option where the budget
+left unspent pays for it, the cheapest switches first. So a budget that fits every expert at the least damaging
+scheme gets ``layer_sensitivity``'s plan, not W8 on the routed experts and W4 on the never-routed ones.
 """
 
 from __future__ import annotations
@@ -75,6 +82,12 @@ def hot_sizes(n_experts: int) -> list[int]:
     return list(range(step, n_experts, step))
 
 
+def uniform_options(cost: torch.Tensor, damage: torch.Tensor) -> list[Option]:
+    """One layer's K uniform options: ``cost [E, K]`` each expert's stored bits per scheme, ``damage [K]``."""
+    total = cost.sum(dim=0)
+    return [Option(0, k, k, total[k].item(), damage[k].item()) for k in range(cost.shape[1])]
+
+
 def layer_options(cost: torch.Tensor, damage: torch.Tensor, weight: torch.Tensor) -> list[Option]:
     """One layer's options that nothing of the layer dominates, cheapest first (uniform before split on ties).
 
@@ -82,15 +95,16 @@ def layer_options(cost: torch.Tensor, damage: torch.Tensor, weight: torch.Tensor
     """
     E, K = cost.shape
     assert damage.shape == (K,) and weight.shape == (E,), (cost.shape, damage.shape, weight.shape)
-    cum_cost, cum_w, total = cost.cumsum(dim=0), weight.cumsum(dim=0), cost.sum(dim=0)
-    options = [Option(0, k, k, total[k].item(), damage[k].item()) for k in range(K)]
+    cum_cost, total = cost.cumsum(dim=0), cost.sum(dim=0)
+    rest_w = weight.flip(0).cumsum(dim=0).flip(0)  # rest_w[n]: experts n.. summed, exactly 0 where they weigh nothing
+    options = uniform_options(cost, damage)
     for a in range(K):
         for b in range(K):
             if a == b or not damage[a] < damage[b]:  # the hot group gets the scheme that damages less
                 continue
             for n in hot_sizes(E):
                 c = (cum_cost[n - 1, a] + total[b] - cum_cost[n - 1, b]).item()
-                d = (cum_w[n - 1] * damage[a] + (1 - cum_w[n - 1]) * damage[b]).item()
+                d = (damage[a] + rest_w[n] * (damage[b] - damage[a])).item()
                 options.append(Option(n, a, b, c, d))
     kept, least = [], math.inf
     for o in sorted(options, key=lambda o: (o.cost, o.damage, o.n_hot > 0)):
@@ -110,6 +124,24 @@ def choose_options(options: list[list[Option]], budget: float) -> list[Option]:
     return [opts[k] for opts, k in zip(options, choose_schemes(costs, damage, budget), strict=True)]
 
 
+def unsplit(chosen: list[Option], uniform: list[list[Option]], budget: float) -> list[Option]:
+    """``chosen`` (one option per layer) with each split layer switched to its cheapest option of ``uniform`` (the
+    layer's K uniform ones) that damages no more, where what ``chosen`` leaves of ``budget`` still pays for it (the
+    cheapest switches first): a layer stays split only where that lowers its predicted damage."""
+    spare = budget * (1 + 1e-12) - sum(o.cost for o in chosen)  # the tolerance of choose_schemes' own check
+    switches = []
+    for r, o in enumerate(chosen):
+        no_worse = [u for u in uniform[r] if u.damage <= o.damage]
+        if o.n_hot and no_worse:
+            switches.append((min(no_worse, key=lambda u: (u.cost, u.damage)), r))
+    out = list(chosen)
+    for u, r in sorted(switches, key=lambda s: (s[0].cost - chosen[s[1]].cost, s[1])):
+        if u.cost - chosen[r].cost <= spare:
+            spare -= u.cost - chosen[r].cost
+            out[r] = u
+    return out
+
+
 def joint(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec) -> dict[int, LayerGroups]:
     """MoE layer -> its expert scheme groups (at most two): least summed predicted damage within the budget."""
     damage_by_scheme = needs_damage(profile, "joint")
@@ -119,10 +151,13 @@ def joint(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpe
     damage = torch.stack([damage_by_scheme[n] for n in names], dim=1)  # [L, K]
     weight = expert_weights(profile, spec.split_by)
     order = torch.sort(weight, dim=1, descending=True, stable=True).indices  # ties: the lower expert index first
-    options = [layer_options(cost[r, order[r]], damage[r], weight[r, order[r]]) for r in range(len(profile.layers))]
+    rows = range(len(profile.layers))
+    options = [layer_options(cost[r, order[r]], damage[r], weight[r, order[r]]) for r in rows]
+    budget = budget_bits(modules, profile, spec)
+    chosen = unsplit(choose_options(options, budget), [uniform_options(cost[r, order[r]], damage[r]) for r in rows],
+                     budget)
     out = {}
-    for r, (layer, o) in enumerate(zip(profile.layers, choose_options(options, budget_bits(modules, profile, spec)),
-                                       strict=True)):
+    for r, (layer, o) in enumerate(zip(profile.layers, chosen, strict=True)):
         hot = frozenset(order[r, : o.n_hot].tolist())
         out[layer] = LayerGroups(parsed[o.rest], hot, parsed[o.hot] if hot else None)
     return out

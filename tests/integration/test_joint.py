@@ -65,3 +65,14 @@ def test_joint_recipe_writes_a_checkpoint_with_split_layers(tmp_path):
     stock = load_recipe(JOINT, overrides=(*FAST, "plan.target_runtime=vllm"))
     with pytest.raises(PlanError, match="cannot be served by vllm: .*plan.policy joint splits .*vllm-quant"):
         run(stock, tmp_path / "j", until="plan")
+
+
+def test_joint_recipe_at_a_budget_that_fits_all_w8_splits_no_layer(tmp_path):
+    """At 8 average bits every routed expert fits at W8; splitting off the experts calibration never routed (W4, no
+    predicted damage) would lower nothing, so the plan is all W8, one scheme group per layer."""
+    recipe = load_recipe(JOINT, overrides=(*FAST, "plan.budget_avg_bits=8"))
+    plan = BitPlan.load(run(recipe, tmp_path / "j8", until="plan").run_dir / "plan.json")
+    src = resolve_model(recipe.model.path)
+    experts = [plan.modules[n] for n, m in src.modules.items() if m.kind == "expert"]
+    assert experts and {(p.bits, p.group_size) for p in experts} == {(8, 128)}
+    assert {p.reason for p in experts} == {"joint:w8g128"}

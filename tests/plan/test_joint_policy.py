@@ -12,7 +12,7 @@ from quant.errors import PlanError
 from quant.measure.profile import RoutingProfile
 from quant.models import ModuleInfo, resolve_model
 from quant.plan.bitplan import plan_bits
-from quant.plan.joint_policy import expert_weights, hot_sizes, layer_options
+from quant.plan.joint_policy import expert_weights, hot_sizes, layer_options, uniform_options, unsplit
 from quant.plan.layer_policy import GRID, storage_bits
 from quant.plan.runtimes import problems_for
 from quant.recipe import PlanSpec
@@ -162,6 +162,44 @@ def test_concentrated_sensitivity_splits_layers_and_beats_the_per_layer_plan():
     assert joint.modules[f"layers.{split[0]}.experts.5.up"].reason == "joint:rest:w4g128"
 
 
+def _never_routed_case():
+    """4 layers x 8 experts; experts 5-7 of every layer never routed in calibration (no tokens, no sensitivity)."""
+    damage = {"w4g128": [1.0, 8.0, 2.0, 3.0], "w8g128": [0.05, 0.1, 0.05, 0.05]}
+    sens = torch.linspace(1.0, 0.2, 8, dtype=torch.float64).repeat(4, 1)
+    sens[:, 5:] = 0.0
+    counts = torch.ones(4, 8, dtype=torch.float64)
+    counts[:, 5:] = 0.0
+    return _profile(damage, sens, counts), _modules(4, 8)
+
+
+def test_never_routed_experts_are_not_split_off_when_every_expert_fits_at_w8():
+    """A split of the routed experts at W8 and the never-routed ones at W4 predicts the damage of all-W8 for less
+    storage; it lowers no damage, so where all-W8 fits every layer takes it, as ``layer_sensitivity`` does."""
+    prof, mods = _never_routed_case()
+    joint = plan_bits(prof, mods, _spec(8.0), "rtn", 4)
+    layer = plan_bits(prof, mods, PlanSpec(policy="layer_sensitivity", granularity="per_layer", budget_avg_bits=8.0),
+                      "rtn", 4)
+    experts = [n for n, m in mods.items() if m.kind == "expert"]
+    assert {(joint.modules[n].bits, joint.modules[n].group_size) for n in experts} == {(8, 128)}
+    assert {n: (joint.modules[n].bits, joint.modules[n].group_size) for n in joint.modules} == {
+        n: (layer.modules[n].bits, layer.modules[n].group_size) for n in layer.modules}
+    assert {joint.modules[n].reason for n in experts} == {"joint:w8g128"}  # no layer names a hot group
+
+
+def test_never_routed_experts_are_still_split_off_where_that_lowers_damage():
+    """Below all-W8 the budget cannot buy every layer W8; W4 on the never-routed experts frees the storage that buys
+    W8 for routed ones elsewhere, so the split layers predict less damage than any per-layer plan."""
+    prof, mods = _never_routed_case()
+    joint = plan_bits(prof, mods, _spec(6.5), "rtn", 4)
+    layer = plan_bits(prof, mods, PlanSpec(policy="layer_sensitivity", granularity="per_layer", budget_avg_bits=6.5),
+                      "rtn", 4)
+    split = {lay: s for lay, s in expert_schemes_by_layer(joint).items() if len(s) == 2}
+    assert split and _damage(joint, prof) < _damage(layer, prof)
+    assert _stored(joint, mods) <= 6.5 + 16 / 128 + 1e-9
+    for lay in split:
+        assert {e for e in range(8) if _expert_scheme(joint, lay, e) == (8, 128)} == set(range(5))
+
+
 def test_split_by_tokens_ranks_experts_by_routed_tokens():
     damage = {"w4g128": [5.0, 5.0], "w8g128": [0.1, 0.1]}
     counts = torch.ones(2, 8, dtype=torch.float64)
@@ -184,6 +222,21 @@ def test_layer_options_drop_dominated_ones_and_keep_uniform_on_ties():
     worse = layer_options(cost, torch.tensor([1.0, 2.0], dtype=torch.float64), torch.full((4,), 0.25))
     assert [(o.n_hot, o.rest) for o in worse] == [(0, 0)]
     assert hot_sizes(8) == list(range(1, 8)) and hot_sizes(256) == list(range(8, 256, 8))
+
+
+def test_a_split_whose_rest_weighs_nothing_ties_the_uniform_option_and_is_undone_where_that_fits():
+    cost = torch.tensor([[4.0, 8.0]] * 4, dtype=torch.float64)  # 4 experts, schemes (W4, W8)
+    damage = torch.tensor([4.0, 1.0], dtype=torch.float64)
+    weight = torch.tensor([0.6, 0.3, 0.1, 0.0], dtype=torch.float64)  # summed left to right: 0.9999999999999999
+    kept = layer_options(cost, damage, weight)
+    split = kept[-1]  # experts 0-2 at W8, the weightless one at W4: uniform W8's damage for less storage
+    assert (split.n_hot, split.hot, split.rest, split.cost, split.damage) == (3, 1, 0, 28.0, 1.0)
+    assert (0, 1, 1) not in [(o.n_hot, o.hot, o.rest) for o in kept]  # uniform W8: dominated by the split
+    uniform = uniform_options(cost, damage)
+    assert unsplit([split], [uniform], 32.0) == [uniform[1]]  # all-W8 fits: the same damage in one group
+    assert unsplit([split], [uniform], 31.0) == [split]  # it does not: the split is what the budget buys
+    lower = kept[-2]  # experts 0-1 at W8: no uniform option fits 28 bits with damage as low
+    assert lower.n_hot == 2 and unsplit([lower], [uniform], 28.0) == [lower]
 
 
 def test_joint_needs_measured_damage():
