@@ -6,6 +6,8 @@ served by vLLM with quant's plugin), each with GPTQ and RTN, at several calibrat
 A task (seed, size) gives ``{"seed", "size", "damage", "results": {"<configuration>|<algorithm>": metrics}}``;
 ``collect`` gathers the finished ones into ``servable.json``, the tables and ``report`` read that. The share of the
 per-expert plan's KL gain a plan keeps (``recovered``) is per seed, against that seed's own baseline and reference.
+A study may run only some configurations (``--configs``): a table has a column only for what was measured (no
+per-expert reference: no reference column; no reference or no baseline: no share of the gain kept).
 """
 
 from __future__ import annotations
@@ -50,20 +52,34 @@ def collect(seeds: list[int], out: Path, sizes: dict[str, int], **meta) -> dict:
     return data
 
 
+def by_seed(data: dict, size: str, key: str, metric: str) -> dict[int, float]:
+    """Seed (ascending) -> the metric, where that size ran the configuration and measured the metric."""
+    return {t["seed"]: t["results"][key][metric] for t in sorted(data["tasks"], key=lambda t: t["seed"])
+            if t["size"] == size and metric in t["results"].get(key, {})}
+
+
 def values(data: dict, size: str, key: str, metric: str) -> list[float]:
     """Per seed (ascending), where that size ran the configuration and measured the metric."""
-    return [t["results"][key][metric] for t in sorted(data["tasks"], key=lambda t: t["seed"])
-            if t["size"] == size and metric in t["results"].get(key, {})]
+    return list(by_seed(data, size, key, metric).values())
+
+
+def measured(data: dict, size: str, name: str) -> bool:
+    """Whether some algorithm's run of configuration ``name`` measured KL at ``size``."""
+    return any(values(data, size, f"{name}|{a}", "kl") for a in ALGORITHMS)
+
+
+def gain_measured(data: dict, size: str) -> bool:
+    """Whether ``size`` measured the baseline and the per-expert reference, which the share of the gain kept needs."""
+    return measured(data, size, BASELINE) and measured(data, size, REFERENCE)
 
 
 def recovered(data: dict, size: str, key: str) -> list[float]:
-    """Per seed: share of the per-expert plan's KL gain over uniform W4 g128 (same algorithm) this one keeps."""
+    """Per seed: share of the per-expert plan's KL gain over uniform W4 g128 (same algorithm) this one keeps; only
+    seeds that measured this plan, the baseline and the reference (none: empty)."""
     algo = key.split("|")[1]
-    base, ref = values(data, size, f"{BASELINE}|{algo}", "kl"), values(data, size, f"{REFERENCE}|{algo}", "kl")
-    mine = values(data, size, key, "kl")
-    if not mine:
-        return []
-    return [(b - m) / (b - r) for b, r, m in zip(base, ref, mine, strict=True)]
+    base, ref = (by_seed(data, size, f"{n}|{algo}", "kl") for n in (BASELINE, REFERENCE))
+    return [(base[s] - m) / (base[s] - ref[s]) for s, m in by_seed(data, size, key, "kl").items()
+            if s in base and s in ref]
 
 
 def _ms(xs: list[float], digits: int, scale: float = 1.0, unit: str = "") -> str:
@@ -87,15 +103,17 @@ def _served_by(v) -> str:
 
 
 def table_1x(data: dict) -> str:
+    gain = gain_measured(data, "1x")
     rows = ["| configuration | algorithm | vLLM/SGLang | avg expert bits | stored bits/weight | perplexity | "
-            "KL(bf16‖q) ×1e3 | top-1 agreement | next-line EM | per-expert KL gain kept |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "KL(bf16‖q) ×1e3 | top-1 agreement | next-line EM |" + (" per-expert KL gain kept |" if gain else ""),
+            "|" + "---|" * (9 + gain)]
     for key in keys_run(data):
         name, algo = key.split("|")
         v = lambda m, key=key: values(data, "1x", key, m)  # noqa: E731
+        kept = f" {_ms(recovered(data, '1x', key), 0, 100, ' %')} |" if gain else ""
         rows.append(f"| {name} | {algo.upper()} | {_served_by(v)} | {_ms(v('bits'), 2)} | "
                     f"{_ms(v('storage_bits'), 3)} | {_ms(v('ppl'), 3)} | {_ms(v('kl'), 2, 1e3)} | {_ms(v('top1'), 4)} | "
-                    f"{_ms(v('nextline_em'), 3)} | {_ms(recovered(data, '1x', key), 0, 100, ' %')} |")
+                    f"{_ms(v('nextline_em'), 3)} |{kept}")
     return "\n".join(rows)
 
 
@@ -107,43 +125,55 @@ def best_per_layer(data: dict, size: str, algo: str) -> str | None:
 
 
 def table_joint(data: dict, size: str) -> str:
-    """Per algorithm and seed: held-out KL ×1e3 (stored bits per expert weight) of the per-expert reference, the best
-    per-layer plan and each joint plan, with the joint plan's change against the best per-layer plan; then the mean."""
-    joints = [n for n, kw in CONFIGS.items() if kw.get("policy") == "joint"]
+    """Per algorithm and seed: held-out KL ×1e3 (stored bits per expert weight) of the per-expert reference (a column
+    only where ``size`` measured it), the best per-layer plan and each joint plan ``size`` measured, with the joint
+    plan's change against the best per-layer plan; then the mean. A dash where an algorithm or seed lacks one."""
+    ref = [REFERENCE] if measured(data, size, REFERENCE) else []
+    joints = [n for n, kw in CONFIGS.items() if kw.get("policy") == "joint" and measured(data, size, n)]
     rows = []
     for algo in ALGORITHMS:
         best = best_per_layer(data, size, algo)
-        mine = [f"{n}|{algo}" for n in joints if values(data, size, f"{n}|{algo}", "kl")]
-        if best is None or not mine:
+        if best is None or not any(values(data, size, f"{n}|{algo}", "kl") for n in joints):
             continue
-        cols = [f"{REFERENCE}|{algo}", best, *mine]
         if not rows:
-            rows = ["| algorithm | seed | " + " | ".join(c.split("|")[0] for c in cols[:2])
-                    + " | " + " | ".join(f"{c.split('|')[0]} | change" for c in mine) + " |",
-                    "|---|---|" + "---|" * (2 + 2 * len(mine))]
-        kl = {c: values(data, size, c, "kl") for c in cols}
-        bits = {c: values(data, size, c, "storage_bits") for c in cols}
-        seeds = sorted(t["seed"] for t in data["tasks"] if t["size"] == size and best in t["results"])
-        for i, seed in enumerate(seeds):
-            cells = [f"{1e3 * kl[c][i]:.2f} ({bits[c][i]:.3f})" for c in cols[:2]]
-            cells += [f"{1e3 * kl[c][i]:.2f} ({bits[c][i]:.3f}) | {100 * (kl[c][i] / kl[best][i] - 1):+.1f} %"
-                      for c in mine]
-            rows.append(f"| {algo.upper()} | {seed} | " + " | ".join(cells) + " |")
-        change = [_ms([k / b - 1 for k, b in zip(kl[c], kl[best], strict=True)], 1, 100, " %") for c in mine]
-        rows.append(f"| {algo.upper()} | mean | " + " | ".join(_ms(kl[c], 2, 1e3) for c in cols[:2]) + " | "
-                    + " | ".join(f"{_ms(kl[c], 2, 1e3)} | {ch}" for c, ch in zip(mine, change, strict=True)) + " |")
+            rows = ["| algorithm | seed | " + " | ".join([*ref, best.split("|")[0]] + [f"{n} | change" for n in joints])
+                    + " |", "|---|---|" + "---|" * (len(ref) + 1 + 2 * len(joints))]
+        rows += _joint_rows(data, size, algo, [f"{n}|{algo}" for n in ref], best, [f"{n}|{algo}" for n in joints])
     return "\n".join(rows)
+
+
+def _joint_rows(data: dict, size: str, algo: str, ref: list[str], best: str, mine: list[str]) -> list[str]:
+    """``table_joint``'s rows of one algorithm: one per seed that ran ``best``, then the mean."""
+    kl = {c: by_seed(data, size, c, "kl") for c in (*ref, best, *mine)}
+    bits = {c: by_seed(data, size, c, "storage_bits") for c in kl}
+
+    def cell(c: str, seed: int) -> str:
+        return f"{1e3 * kl[c][seed]:.2f} ({bits[c][seed]:.3f})" if seed in kl[c] else "—"
+
+    def change(c: str, seed: int) -> str:
+        return f"{100 * (kl[c][seed] / kl[best][seed] - 1):+.1f} %" if seed in kl[c] else "—"
+
+    rows = [f"| {algo.upper()} | {seed} | "
+            + " | ".join([cell(c, seed) for c in (*ref, best)] + [f"{cell(c, seed)} | {change(c, seed)}" for c in mine])
+            + " |" for seed in kl[best]]
+    means = [_ms(list(kl[c].values()), 2, 1e3) for c in (*ref, best)]
+    means += [f"{_ms(list(kl[c].values()), 2, 1e3)} | "
+              f"{_ms([k / kl[best][s] - 1 for s, k in kl[c].items() if s in kl[best]], 1, 100, ' %')}" for c in mine]
+    return [*rows, f"| {algo.upper()} | mean | " + " | ".join(means) + " |"]
 
 
 def table_scaling(data: dict) -> str:
     sizes = list(data["sizes"])
-    head = " | ".join(f"KL ×1e3 {s}" for s in sizes) + " | " + " | ".join(f"gain kept {s}" for s in sizes)
-    rows = [f"| configuration | algorithm | {head} | perplexity {sizes[-1]} |", "|---|---|" + "---|" * (2 * len(sizes) + 1)]
+    gains = [s for s in sizes if gain_measured(data, s)]  # the share of the gain kept: where it can be computed
+    head = " | ".join([f"KL ×1e3 {s}" for s in sizes] + [f"gain kept {s}" for s in gains])
+    rows = [f"| configuration | algorithm | {head} | perplexity {sizes[-1]} |",
+            "|---|---|" + "---|" * (len(sizes) + len(gains) + 1)]
     for key in keys_run(data):
         name, algo = key.split("|")
-        kl = " | ".join(_ms(values(data, s, key, "kl"), 2, 1e3) for s in sizes)
-        kept = " | ".join(_ms(recovered(data, s, key), 0, 100, " %") for s in sizes)
-        rows.append(f"| {name} | {algo.upper()} | {kl} | {kept} | {_ms(values(data, sizes[-1], key, 'ppl'), 3)} |")
+        cells = [_ms(values(data, s, key, "kl"), 2, 1e3) for s in sizes]
+        cells += [_ms(recovered(data, s, key), 0, 100, " %") for s in gains]
+        cells.append(_ms(values(data, sizes[-1], key, "ppl"), 3))
+        rows.append(f"| {name} | {algo.upper()} | {' | '.join(cells)} |")
     return "\n".join(rows)
 
 

@@ -1,6 +1,6 @@
 """The servable study's arithmetic (quant.study.servable, run by benchmarks/study_servable.py): the share of the
 per-expert plan's KL gain over uniform INT4 that a plan keeps, per seed then averaged, and tables over sizes that
-ran only some configurations."""
+ran only some configurations, or studies that ran only some (no reference, no baseline)."""
 
 import json
 import statistics
@@ -79,3 +79,27 @@ def test_joint_table_compares_each_seed_with_the_best_per_layer_plan():
     assert rows[4] == "| GPTQ | mean | 20.00 ± 0.00 | 15.50 ± 0.71 | 14.00 ± 2.83 | -10.0 ± 14.1 % |"
     assert len(rows) == 5  # no RTN results: no RTN rows
     assert ss.table_joint(data | {"tasks": [_task(0, "1x", {BASE: 0.04, REF: 0.02})]}, "1x") == ""
+
+
+def test_a_study_of_one_per_layer_and_one_joint_plan_reports_only_what_it_measured(tmp_path):
+    """``--configs "layer_sensitivity + g32/g64" "joint (by sensitivity) + g32/g64"``: no per-expert reference, no
+    uniform baseline, so no reference column and no share of its gain; the joint plan against the per-layer one."""
+    layer, joint = "layer_sensitivity + g32/g64", "joint (by sensitivity) + g32/g64"
+    kls = {f"{layer}|gptq": 0.016, f"{joint}|gptq": 0.012, f"{layer}|rtn": 0.030, f"{joint}|rtn": 0.033}
+    task = _task(0, "1x", kls)
+    for algo in ss.ALGORITHMS:
+        task["results"][f"{joint}|{algo}"] |= {"servable": False, "plugin": True, "storage_bits": 4.875}
+    data = {"sizes": {"1x": 32}, "seq_len": 256, "schemes": ss.SCHEMES, "missing": [], "tasks": [task]}
+    text = ss.report(data, tmp_path)
+    assert ss.REFERENCE not in text and ss.BASELINE not in text and "gain kept" not in text
+    rows = ss.table_joint(data, "1x").splitlines()
+    assert rows[0] == f"| algorithm | seed | {layer} | {joint} | change |" and rows[1] == "|---|---|---|---|---|"
+    assert rows[2:] == ["| GPTQ | 0 | 16.00 (4.625) | 12.00 (4.875) | -25.0 % |",
+                        "| GPTQ | mean | 16.00 ± 0.00 | 12.00 ± 0.00 | -25.0 ± 0.0 % |",
+                        "| RTN | 0 | 30.00 (4.625) | 33.00 (4.875) | +10.0 % |",
+                        "| RTN | mean | 30.00 ± 0.00 | 33.00 ± 0.00 | 10.0 ± 0.0 % |"]
+    assert "\n".join(rows) in text
+    one = next(r for r in ss.table_1x(data).splitlines() if r.startswith(f"| {joint} | GPTQ |"))
+    assert one == f"| {joint} | GPTQ | plugin | 4.50 ± 0.00 | 4.875 ± 0.000 | 35.012 ± 0.000 | 12.00 ± 0.00 | " \
+                  "0.9000 ± 0.0000 | 0.050 ± 0.000 |"
+    assert ss.table_scaling(data).splitlines()[0] == "| configuration | algorithm | KL ×1e3 1x | perplexity 1x |"
