@@ -61,6 +61,11 @@ def hash_path(path: Path) -> str | None:
     return h.hexdigest()[:16]
 
 
+def data_digest(data) -> str:
+    """Content hash of JSON-able data (dict keys sorted): what a stage reads of an artifact, not its file."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def _mb(n_bytes: float) -> str:
     return f"{n_bytes / 1e6:,.1f} MB" if n_bytes < 10e6 else f"{n_bytes / 1e6:,.0f} MB"
 

@@ -1,8 +1,10 @@
 """The one place where stage order lives: calibrate -> profile -> plan -> quantize -> export -> eval -> card -> report.
 
 Each stage is a function of typed inputs that writes its artifact into the run directory. The pipeline hashes
-every stage's inputs (recipe sections, model fingerprint, upstream outputs); a stage whose inputs did not
-change and whose outputs are intact is skipped, so rerunning a killed run resumes it. ``force`` redoes a
+every stage's inputs (recipe sections, model fingerprint, upstream outputs by content, or only the part of an
+upstream artifact the stage reads: ``READS``); a stage whose inputs did not change and whose outputs are intact is
+skipped, so rerunning a killed run resumes it, and a plan redone with new notes but the same module schemes leaves
+the checkpoint and its evaluation alone. ``force`` redoes a
 stage and everything after it. A stage that raises is recorded as failed and its outputs removed; a full disk or
 an unwritable path becomes one line naming the path.
 
@@ -14,7 +16,6 @@ stages are fresh, writes the manifest and runs the single-rank stages while the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 from quant.dist.world import World
 from quant.engine.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
 from quant.errors import GateFailed, QuantError, RunDirError, StopRequested
-from quant.io.rundir import RunDir, environment_error, hash_path
+from quant.io.rundir import RunDir, data_digest, environment_error, hash_path
 from quant.measure.profile import SCHEMA_VERSION as PROFILE_SCHEMA
 from quant.models import ModelSource, resolve_model
 from quant.plan.bitplan import SCHEMA_VERSION as PLAN_SCHEMA
@@ -53,13 +54,19 @@ DEPENDS = {
 # stages that read the model's tokenizer files (tokenize, or copy them into the checkpoint): the fingerprint covers
 # weights and config only, so a changed tokenizer redoes them
 TOKENIZES = ("calibrate", "export", "eval")
-# (stage, upstream stage) -> the digest of what the stage reads of that upstream's outputs, where that is less than
-# all of them: quantize reads the plan's modules and algorithm, not its headline or serving notes (which change
-# with export formats)
-READS = {("quantize", "plan"): stages.plan_digest_for_quantize}
-# the same, as the upstream will read once it is redone, where that is known before any work (the plan's modules
-# are a pure function of the profile and the recipe): a preview then says whether quantize will be redone
-PREDICTS = {("quantize", "plan"): stages.planned_digest_for_quantize}
+# (stage, upstream stage) -> what the stage reads of that upstream's artifact, where that is less than all of it:
+# its freshness hashes this view (``data_digest``), not the upstream's files, so an upstream redone with other notes
+# leaves it alone. quantize reads the plan's module schemes and algorithm, export and eval its module schemes (the
+# checkpoint follows from them and the quantized store, eval from the checkpoint); none reads the plan's headline,
+# serving notes (the predicted KL moves with the profile's damage figures) or rules' prose. The card and the report
+# print the plan's headline and serving notes: they read all of it, as every other stage reads its upstreams.
+READS = {("quantize", "plan"): stages.plan_for_quantize, ("export", "plan"): stages.plan_schemes,
+         ("eval", "plan"): stages.plan_schemes}
+# upstream named in READS -> (its artifact as the run directory holds it, None when missing or unreadable; the
+# artifact as it would write it now, made without any work from its own upstreams' artifacts and the recipe: the
+# plan's modules and algorithm are a pure function of the profile and the recipe). A preview reads the latter to
+# tell, before any work, whether a stage reading the upstream through READS will be redone.
+ARTIFACTS = {"plan": (stages.written_plan, stages.planned)}
 # stages every rank runs (``run_<stage>(..., world)``); the others run on the writer alone
 DISTRIBUTED = ("profile", "quantize", "export", "eval")
 STOP_FILE = "STOP"  # touch RUN_DIR/STOP to stop a run after the layer in hand (Slurm job scripts do)
@@ -79,13 +86,16 @@ def schema_current(path: Path, version: int) -> bool:
 @dataclass(frozen=True)
 class Preview:
     """What a run will do, known before any work: the recipe values that changed since the run directory's last
-    run (``key: old -> new``), the stages it will redo and those that are up to date."""
+    run (``key: old -> new``), the stages it will redo, those that are up to date, and those (``maybe``) redone
+    only if what they read of a redone stage's new artifact (``READS``) differs from what they read before, which is
+    known only once that stage has run (a plan made from a profile that is itself redone)."""
 
     run_dir: Path
     changed: tuple[str, ...]
     redo: tuple[str, ...]
     fresh: tuple[str, ...]
     new: bool
+    maybe: tuple[str, ...] = ()
 
     def line(self) -> str:
         if self.new:
@@ -93,8 +103,10 @@ class Preview:
         what = f"recipe changed since the last run ({'; '.join(self.changed)})" if self.changed else "recipe unchanged"
         if not self.redo:
             return f"{self.run_dir}: {what}; up to date, nothing to redo"
+        maybe = (f"; {', '.join(self.maybe)} only if what they read of the redone stages' outputs changes"
+                 if self.maybe else "")
         fresh = f" (up to date: {', '.join(self.fresh)})" if self.fresh else ""
-        return f"{self.run_dir}: {what}; will redo {', '.join(self.redo)}{fresh}"
+        return f"{self.run_dir}: {what}; will redo {', '.join(self.redo)}{maybe}{fresh}"
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -152,6 +164,11 @@ def share_fingerprint(world: World, source: ModelSource) -> str:
     return fingerprint
 
 
+def _view_digest(stage: str, upstream: str, artifact) -> str | None:
+    """The digest of what ``stage`` reads of ``upstream``'s ``artifact`` (``READS``); None without an artifact."""
+    return None if artifact is None else data_digest(READS[stage, upstream](artifact))
+
+
 class Run:
     """One recipe applied to one run directory."""
 
@@ -172,7 +189,8 @@ class Run:
                 "fingerprint": self.source.fingerprint}
 
     def input_hash(self, stage: str, m: dict, reads: dict | None = None) -> str:
-        """``reads``: upstream -> what ``stage`` will read of it (``PREDICTS``), in place of what it holds now."""
+        """``reads``: upstream -> what ``stage`` will read of it once it is redone (a preview's, ``_verdict``), in
+        place of what it reads of it now."""
         sections, upstream, _ = DEPENDS[stage]
         reads = reads or {}
         blob = {
@@ -184,12 +202,13 @@ class Run:
             blob["dataset"] = stages.dataset_hash(self.recipe.calibration.dataset)
         if stage in TOKENIZES:
             blob["tokenizer"] = self.source.tokenizer_digest()
-        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+        return data_digest(blob)
 
     def _upstream(self, stage: str, upstream: str, m: dict):
-        """What ``stage`` reads of ``upstream``'s outputs, as recorded (``READS``: a digest of the part it reads)."""
+        """What ``stage`` reads of ``upstream``'s outputs now: the digest of its view (``READS``) of the artifact in
+        the run directory, else the outputs as recorded."""
         if (stage, upstream) in READS:
-            return READS[stage, upstream](self.dir.path)
+            return _view_digest(stage, upstream, ARTIFACTS[upstream][0](self.dir.path))
         return m["stages"].get(upstream, {}).get("outputs")
 
     def outputs(self, stage: str) -> list[str]:
@@ -257,27 +276,35 @@ class Run:
         first_forced = 0 if force == "all" else (STAGES.index(force) if force else len(STAGES))
         todo = STAGES[: STAGES.index(until) + 1]
         redo: list[str] = []
+        maybe: list[str] = []
         for i, stage in enumerate(todo):
-            if i >= first_forced or self._stale(stage, m, redo):
-                redo.append(stage)
+            verdict = "redo" if i >= first_forced else self._verdict(stage, m, redo, maybe)
+            if verdict != "fresh":
+                (redo if verdict == "redo" else maybe).append(stage)
         new = not any(s.get("status") == "done" for s in m["stages"].values())
         return Preview(self.dir.path, recipe_changes((previous or {}).get("recipe"), self.recipe.model_dump(mode="json")),
-                       tuple(redo), tuple(s for s in todo if s not in redo), new)
+                       tuple(redo), tuple(s for s in todo if s not in redo + maybe), new, tuple(maybe))
 
-    def _stale(self, stage: str, m: dict, redo: list[str]) -> bool:
-        """Whether ``stage`` will be redone once the stages in ``redo`` are: its inputs changed, or an upstream it
-        reads is redone and what it will read of it is not known to stay the same (``PREDICTS``)."""
-        redone = [u for u in DEPENDS[stage][1] if u in redo]
-        reads = {}
-        for u in redone:
-            if (stage, u) not in PREDICTS or any(v in redo for v in DEPENDS[u][1]):
-                return True
+    def _verdict(self, stage: str, m: dict, redo: list[str], maybe: list[str]) -> str:
+        """``redo`` when ``stage`` will be redone once the stages in ``redo`` are: its inputs changed, or an upstream
+        it reads all of is redone (its new outputs taken to differ); ``maybe`` when that turns on what a redone upstream writes and is not known
+        before it runs (an upstream read through ``READS`` whose own upstreams are redone, or an upstream that is
+        ``maybe`` itself); ``fresh`` when it stays up to date. What it will read of an upstream redone from
+        artifacts in place is made now (``ARTIFACTS``), so a preview says what the run will do."""
+        reads, unknown = {}, False
+        for u in (u for u in DEPENDS[stage][1] if u in redo + maybe):
+            if (stage, u) not in READS and u in redo:
+                return "redo"
+            if (stage, u) not in READS or any(v in redo + maybe for v in DEPENDS[u][1]):
+                unknown = True
+                continue
             try:
-                reads[u] = PREDICTS[stage, u](self.recipe, self.source, self.dir.path)
+                reads[u] = _view_digest(stage, u, ARTIFACTS[u][1](self.recipe, self.source, self.dir.path))
             except (QuantError, OSError, ValueError):  # the upstream stage itself will say what is wrong
-                return True
-        h = self.input_hash(stage, m, reads)
-        return not self.dir.is_fresh(m, stage, h, lambda: self.output_hashes(stage))
+                return "redo"
+        if not self.dir.is_fresh(m, stage, self.input_hash(stage, m, reads), lambda: self.output_hashes(stage)):
+            return "redo"
+        return "maybe" if unknown else "fresh"
 
     def execute(self, until: str = "report", force: str | None = None) -> RunResult:
         w = self.world

@@ -16,7 +16,8 @@ from pathlib import Path
 from quant.calibration import CalibrationSet, build_calibration, load_manifest, resolve_dataset_path
 from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
-from quant.io.rundir import atomic_write_text, temp_path
+from quant.errors import QuantError
+from quant.io.rundir import atomic_write_text, data_digest, temp_path
 from quant.measure.profile import RoutingProfile, profile_routing
 from quant.models import ModelSource
 from quant.plan.bitplan import BitPlan, plan_bits
@@ -158,36 +159,40 @@ def check_disk(recipe: Recipe, source: ModelSource, run_dir: Path, stage: str) -
     check_free_disk(run_dir, need, with_store=stage == "quantize", existing_bytes=written)
 
 
-def _quantize_view(algorithm: str, modules: dict) -> str:
-    blob = json.dumps({"algorithm": algorithm, "modules": modules}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def plan_digest_for_quantize(run_dir: Path) -> str | None:
-    """Digest of what the quantize stage reads of ``plan.json``: each module's bits, group size and symmetry, and
-    the algorithm; not the rules' prose, the headline or the serving notes (None without a readable plan)."""
+def written_plan(run_dir: Path) -> BitPlan | None:
+    """The run directory's plan, None when it is missing or unreadable (the plan stage, redone, says why)."""
     try:
-        d = json.loads((run_dir / "plan.json").read_text())
-        modules = {n: [p["bits"], p["group_size"], p["symmetric"]] for n, p in d["modules"].items()}
-        return _quantize_view(d["algorithm"], modules)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return BitPlan.load(run_dir / "plan.json")
+    except (QuantError, OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def planned_digest_for_quantize(recipe: Recipe, source: ModelSource, run_dir: Path) -> str:
-    """``plan_digest_for_quantize`` of the plan the plan stage would make now from the run's profile (the plan's
-    modules are a pure function of it; nothing is written)."""
+def planned(recipe: Recipe, source: ModelSource, run_dir: Path) -> BitPlan:
+    """The plan the plan stage would write now from the run's profile, as far as its modules and algorithm go:
+    they are a pure function of the profile and the recipe (no headline or serving notes; nothing is written)."""
     profile = RoutingProfile.load(run_dir / "profile.json")
-    plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers,
+    return plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers,
                      recipe.export.formats)
-    return _quantize_view(plan.algorithm, {n: [p.bits, p.group_size, p.symmetric] for n, p in plan.modules.items()})
 
 
-def _partial_dir(recipe: Recipe, run_dir: Path) -> Path:
+def plan_schemes(plan: BitPlan) -> dict:
+    """What export and eval read of a plan: each module's bits (None: kept), group size and symmetry. The
+    checkpoint's config and tensors follow from them and the quantized store; eval reads them to tell whether
+    transformers loads the checkpoint as it is. Not the algorithm (quantize's output carries it), the rules' prose,
+    the headline or the serving notes."""
+    return {"modules": {n: [p.bits, p.group_size, p.symmetric] for n, p in plan.modules.items()}}
+
+
+def plan_for_quantize(plan: BitPlan) -> dict:
+    """What the quantize stage reads of a plan: each module's scheme (``plan_schemes``) and the algorithm."""
+    return {"algorithm": plan.algorithm, **plan_schemes(plan)}
+
+
+def _partial_dir(recipe: Recipe, run_dir: Path, plan: BitPlan) -> Path:
     """``quantize.partial/`` kept across crashes when its key (what quantize reads of the plan, the quantize
     section, tokens) still matches."""
     partial = run_dir / PARTIAL
-    key = hashlib.sha256(str(plan_digest_for_quantize(run_dir)).encode() + recipe.section_hash("quantize").encode()
+    key = hashlib.sha256(data_digest(plan_for_quantize(plan)).encode() + recipe.section_hash("quantize").encode()
                          + (run_dir / "calibration.safetensors").read_bytes()).hexdigest()[:16]
     if partial.exists() and (not (partial / "key").is_file() or (partial / "key").read_text() != key):
         shutil.rmtree(partial)
@@ -208,7 +213,7 @@ def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
     from quant.engine.quantize import quantize_model
 
     plan = BitPlan.load(run_dir / "plan.json")
-    partial = world.on_writer(lambda: _partial_dir(recipe, run_dir))
+    partial = world.on_writer(lambda: _partial_dir(recipe, run_dir, plan))
     # the engine's vocabulary: each quantized module's grid, and the algorithm's name
     reports = quantize_model(source, load_calibration(run_dir), plan.quantized_specs(), plan.algorithm,
                              recipe.quantize, _layerwise(recipe, source, recipe.quantize.batch_size, world), partial)
