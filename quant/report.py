@@ -15,6 +15,7 @@ from quant.io.storage import cache_root
 from quant.measure.profile import RoutingProfile, ratio_text
 from quant.models import ModelSource
 from quant.plan.bitplan import KEEP_BITS, BitPlan, by_bits
+from quant.plan.servable import RUNTIME_TITLES, same_size
 from quant.plan.summary import BITS_TERMS, PlanSummary, summarize
 from quant.recipe import Recipe
 
@@ -221,14 +222,20 @@ def serving_lines(serving: dict) -> list[str]:
     lines.append(f"- this plan's predicted KL on the calibration proxy: {_kl(serving['predicted_kl'])} "
                  f"(stored expert bits {serving['expert_storage_bits']:.3f})")
     if alt is None:
-        return lines + ["- no plan of measured vLLM/SGLang schemes fits this plan's size"]
+        return lines + ["- no plan of measured schemes that vLLM or SGLang serve at this model's widths fits this "
+                        "plan's size"]
     schemes = ", ".join(f"{layer}: {s}" for layer, s in alt["layers"].items())
-    lines.append(f"- best plan vLLM/SGLang serve at this size (`plan.policy: layer_sensitivity`): predicted KL "
+    who = "/".join(RUNTIME_TITLES[rt] for rt in alt.get("runtimes", ("vllm", "sglang")))
+    lines.append(f"- best plan {who} serve within this size (`plan.policy: layer_sensitivity`): predicted KL "
                  f"{alt['predicted_kl']:.4g} (stored expert bits {alt['expert_storage_bits']:.3f}); layers {schemes}")
     if blocked and serving["predicted_kl"] is not None:
         d = alt["predicted_kl"] - serving["predicted_kl"]
-        verdict = ("this plan is predicted better by that much: the price of serving it with vLLM/SGLang" if d > 0
-                   else "the servable plan is predicted at least as good")
+        if not same_size(alt["expert_storage_bits"], serving["expert_storage_bits"]):
+            verdict = ("not at equal size: no plan of whole-layer schemes fills this plan's storage, so part of the "
+                       "difference is the bits it leaves unspent")
+        else:
+            verdict = (f"this plan is predicted better by that much: the price of serving it with {who}" if d > 0
+                       else "the servable plan is predicted at least as good")
         lines.append(f"- servable plan minus this plan, predicted KL: {d:+.4g} ({verdict})")
     return lines + ["", "Calibration proxy: the sum over MoE layers of the KL of the model output when only that "
                     "layer's experts are quantized (round-to-nearest, measured in the profile on calibration "

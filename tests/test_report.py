@@ -21,6 +21,16 @@ def test_unservable_plan_names_the_best_servable_alternative_and_its_price():
     assert "+0.0066 (this plan is predicted better by that much" in "\n".join(serving_lines(worse))
 
 
+def test_a_smaller_servable_plan_is_not_priced_as_if_it_were_the_same_size():
+    """On the tiny builtin the report compared a 5.25-bit plan with a 4.50-bit one and called the difference the
+    price of serving: whole-layer schemes left 0.75 bits unspent."""
+    smaller = dict(PER_EXPERT, expert_storage_bits=5.25, predicted_kl=0.0100,
+                   best_servable=dict(PER_EXPERT["best_servable"], expert_storage_bits=4.50, runtimes=["vllm"]))
+    text = "\n".join(serving_lines(smaller))
+    assert "+0.0066 (not at equal size" in text and "price" not in text
+    assert "best plan vLLM serve within this size" in text and "(stored expert bits 4.500)" in text
+
+
 def test_servable_plan_and_missing_measurements():
     text = "\n".join(serving_lines(dict(PER_EXPERT, problems={"vllm": [], "sglang": []})))
     assert "servable by vllm and sglang" in text and "price" not in text

@@ -22,6 +22,7 @@ from quant.models import ModelSource
 from quant.models.source import layer_of_key
 from quant.plan.bitplan import Headline
 from quant.plan.runtimes import GPTQMODEL_NEEDS_GPTQ, TRANSFORMERS_NO_GPTQ
+from quant.plan.servable import RUNTIME_TITLES, same_size
 from quant.recipe import Recipe
 
 RUNTIMES = ("vllm-quant", "vllm", "sglang", "transformers", "gptqmodel")
@@ -222,10 +223,15 @@ def _servable_alternative(serving: dict | None, runtime_problems: dict[str, list
         return []
     ours = serving.get("predicted_kl")
     versus = f" against this checkpoint's {ours:.4g}" if ours is not None else ""
-    return [f"vLLM and SGLang run one scheme per MoE layer. The best such plan at this checkpoint's size "
-            f"(quant's `layer_sensitivity` policy, e.g. `recipes/mixed_vllm.yaml`) has a predicted KL of "
+    who = " and ".join(RUNTIME_TITLES[rt] for rt in alt.get("runtimes", ("vllm", "sglang")))
+    size = ("" if same_size(alt["expert_storage_bits"], serving["expert_storage_bits"]) else
+            f" It stores {alt['expert_storage_bits']:.3f} bits per expert weight against this checkpoint's "
+            f"{serving['expert_storage_bits']:.3f} (no plan of whole-layer schemes fills this size), so the two are "
+            "not compared at equal size.")
+    return [f"vLLM and SGLang run one scheme per MoE layer. The best such plan {who} serve within this checkpoint's "
+            f"size (quant's `layer_sensitivity` policy, e.g. `recipes/mixed_vllm.yaml`) has a predicted KL of "
             f"{alt['predicted_kl']:.4g}{versus} on the calibration proxy (sum of per-layer KLs measured on "
-            "calibration tokens).", ""]
+            f"calibration tokens).{size}", ""]
 
 
 def _serving(runtime_problems: dict[str, list[str]], fmt: str, repo: str, trust: bool,

@@ -13,6 +13,10 @@ Facts (read from vLLM 0.33, SGLang 0.5.23, transformers 5.17, GPTQModel 7.6; see
   load GPTQ MoE checkpoints at all.
 - quant's own vLLM plugin (``vllm-quant``, quant.serve) serves compressed-tensors checkpoints whose experts differ
   within a layer (``quant_method: moe-quant-mixed``): each scheme group on vLLM's Marlin MoE kernel.
+- Widths (``moe_width_problem``): vLLM runs Marlin MoE where it can (hidden a multiple of 128) and its Triton MoE
+  kernel otherwise (group-wise symmetric only); SGLang has Marlin MoE alone (hidden ÷ 128, intermediate ÷ 64), so
+  models narrower than that (the offline builtins: hidden 64) are not served by SGLang or by the plugin's mixed
+  layers whatever the plan.
 - GPTQModel unfuses experts into per-expert Linear modules and honours per-expert ``dynamic`` rules: the one
   runtime here that serves per-expert mixed bits (GPTQ format; it cannot read Mixtral's original
   ``block_sparse_moe.experts.N.w1`` names).
@@ -25,7 +29,7 @@ from collections import defaultdict
 from quant.errors import PlanError
 from quant.models import ModelSource
 from quant.models.families import STANDARD_EXPERT_GATE_NAMES, STANDARD_PROJ_NAMES
-from quant.models.names import block_name, expert_name, parse
+from quant.models.names import block_name, parse
 from quant.plan.bitplan import BitPlan
 
 RUNTIMES = ("any", "vllm", "vllm-quant", "sglang", "transformers", "gptqmodel")
@@ -107,6 +111,55 @@ def _moe_kernels(plan: BitPlan, source: ModelSource, runtime: str) -> list[str]:
     return []
 
 
+MARLIN_GROUPS = (32, 64, 128)
+
+
+def moe_width_problem(runtime: str, bits: int, group: int, symmetric: bool, hidden: int, intermediate: int) -> str | None:
+    """Why ``runtime``'s fused-MoE kernels on a CUDA GPU cannot take experts of this scheme at these widths (hidden
+    size, expert intermediate size at tensor-parallel size 1; ``group == hidden``: per channel), or None. Read from
+    vLLM 0.26 / 0.33 and SGLang 0.5.17 (docs/runtimes.md): vLLM runs an expert scheme on Marlin MoE where Marlin
+    takes it (hidden a multiple of 128, group 32/64/128 or per channel dividing the intermediate size) and on its
+    Triton MoE kernel otherwise (group-wise, symmetric, both widths multiples of the group); SGLang runs Marlin MoE
+    with no fallback (thread tiles of 128 along the hidden size and 64 along the intermediate one); quant's plugin
+    runs every scheme group of a mixed layer on Marlin MoE (``quant.serve.layout.check_servable``)."""
+    channel = group == hidden
+    divides = channel or (hidden % group == 0 and intermediate % group == 0)
+    if runtime == PLUGIN:
+        from quant.serve.layout import Scheme, check_servable
+
+        return check_servable(Scheme(bits, group, symmetric), hidden, intermediate)
+    if runtime == "sglang":
+        if hidden % 128 or intermediate % 64 or not divides:
+            return (f"sglang runs experts on Marlin MoE only, which needs the hidden size a multiple of 128 and the "
+                    f"expert intermediate size a multiple of 64 (and of the group size {group}); this model has "
+                    f"{hidden} and {intermediate}")
+        return None
+    marlin = hidden % 128 == 0 and (channel or (group in MARLIN_GROUPS and intermediate % group == 0))
+    if marlin or (not channel and symmetric and divides):
+        return None
+    why = "per-channel" if channel else ("asymmetric" if not symmetric else f"group {group} not dividing both widths")
+    return (f"{runtime} runs experts that Marlin MoE cannot take (it needs the hidden size a multiple of 128; this "
+            f"model has {hidden}, expert intermediate {intermediate}) on its Triton MoE kernel, which takes "
+            f"group-wise symmetric experts whose widths the group size divides, not {why} ones")
+
+
+def _moe_widths(plan: BitPlan, source: ModelSource, runtime: str, mixed: set[int] = frozenset()) -> list[str]:
+    """``moe_width_problem`` for each expert scheme of each MoE layer; ``mixed``: layers whose experts differ, which
+    quant's plugin runs on Marlin MoE (the others it leaves to vLLM's own MoE method)."""
+    seen = set()
+    for name, m in source.modules.items():
+        p = plan.modules[name]
+        if m.kind != "expert" or p.keep or parse(name).leaf != "gate" or (m.layer, _scheme(plan, name)) in seen:
+            continue
+        seen.add((m.layer, _scheme(plan, name)))
+        rules = PLUGIN if runtime == PLUGIN and m.layer in mixed else ("vllm" if runtime == PLUGIN else runtime)
+        why = moe_width_problem(rules, p.bits, p.group_size, p.symmetric, m.in_features, m.out_features)
+        if why is not None:
+            where = "quant's vLLM plugin runs a mixed MoE layer on Marlin MoE, which cannot take " if rules == PLUGIN else ""
+            return [f"{where}{why} ({name})"]
+    return []
+
+
 def _fused_shards(plan: BitPlan, source: ModelSource, runtime: str) -> list[str]:
     by_parent: dict[tuple, dict[str, tuple]] = defaultdict(dict)
     for name in source.modules:
@@ -170,33 +223,16 @@ def _gptqmodel(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> 
     return []
 
 
-def _mixed_layer_kernels(plan: BitPlan, source: ModelSource) -> list[str]:
-    """The plugin runs each scheme group of a mixed layer on vLLM's Marlin MoE kernel (quant.serve.layout)."""
-    from quant.serve.layout import Scheme, check_servable
-
-    mixed = {layer for layer, s in expert_schemes_by_layer(plan, source).items() if len(s) > 1}
-    for name, m in source.modules.items():
-        p = plan.modules[name]
-        if m.kind != "expert" or m.layer not in mixed or p.keep:
-            continue
-        gate = source.modules[expert_name(m.layer, m.expert, "gate")]
-        why = check_servable(Scheme(p.bits, p.group_size, p.symmetric), gate.in_features, gate.out_features)
-        if why is not None:
-            return [f"quant's vLLM plugin runs the experts of a mixed MoE layer on vLLM's Marlin MoE kernel, which "
-                    f"cannot take {why} ({name})"]
-    return []
-
-
 def _plugin(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) -> list[str]:
     """vLLM's own rules, except that the experts of one fused MoE layer may differ in bits and group size."""
     problems = _fused_shards(plan, source, "vllm") + _moe_kernels(plan, source, "vllm")
-    if any(len(s) > 1 for s in expert_schemes_by_layer(plan, source).values()):
-        problems += _mixed_layer_kernels(plan, source)
+    mixed = {layer for layer, s in expert_schemes_by_layer(plan, source).items() if len(s) > 1}
+    if mixed:
         if formats and "compressed-tensors" not in formats:
             problems.append(PLUGIN_NEEDS_CT)
     else:
         problems += _gptq_types(plan, "vllm", formats)
-    return problems
+    return problems + _moe_widths(plan, source, PLUGIN, mixed)
 
 
 def _vllm_expert_names(source: ModelSource, formats: tuple[str, ...]) -> list[str]:
@@ -228,7 +264,7 @@ def problems_for(plan: BitPlan, source: ModelSource, runtime: str, formats: tupl
     if runtime == "sglang" and "gptq" in formats and len(set().union(*expert_schemes_by_layer(plan, source).values())) > 1:
         problems.append("sglang's GPTQ-Marlin MoE ignores dynamic rules: GPTQ checkpoints need one expert scheme "
                         "for the whole model; export compressed-tensors for per-layer bits")
-    return problems
+    return problems + _moe_widths(plan, source, runtime)
 
 
 def check_runtime(plan: BitPlan, source: ModelSource, runtime: str, formats: tuple[str, ...] = ()) -> None:

@@ -6,10 +6,15 @@ a plan's *predicted KL* is the sum over MoE layers of its layer's damage. A laye
 measured scheme contributes that scheme's damage; a layer mixing schemes per expert contributes the damages of
 its schemes weighted by each expert's share of the layer's W4 output error (the profile's per-expert
 sensitivity probe; routed-token shares when it is absent). The alternative is ``layer_sensitivity`` over every
-measured scheme vLLM and SGLang run (int4 / int8, symmetric) within the plan's own storage budget.
+measured scheme vLLM and SGLang run (int4 / int8, symmetric) within the plan's own storage budget, each layer's
+schemes limited to those their fused-MoE kernels take at its widths (``runtimes.moe_width_problem``, the same rule
+the plan's own servability goes through); it names the runtimes that serve it, and may store fewer bits than the
+plan (whole-layer steps), which the report and the card then say.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -19,11 +24,18 @@ from quant.models import ModelSource
 from quant.models.names import PROJ, expert_name
 from quant.plan.bitplan import BitPlan
 from quant.plan.layer_policy import choose_schemes, layer_storage, storage_bits
-from quant.plan.runtimes import problems_for
+from quant.plan.runtimes import moe_width_problem, problems_for
 from quant.recipe import parse_scheme
 
 SERVING_RUNTIMES = ("vllm", "sglang")
+RUNTIME_TITLES = {"vllm": "vLLM", "sglang": "SGLang"}
 SERVED_BITS = (4, 8)
+SAME_SIZE = 0.005  # stored expert bits within this share of each other: plans of equal size
+
+
+def same_size(bits_a: float, bits_b: float) -> bool:
+    """Whether two plans' stored expert bits (per weight) count as the same size for comparing their damage."""
+    return abs(bits_a - bits_b) <= SAME_SIZE * max(bits_a, bits_b)
 
 
 def _expert_scheme(plan: BitPlan, source: ModelSource, layer: int, expert: int, measured: list[str]) -> str | None:
@@ -77,21 +89,46 @@ def expert_storage(plan: BitPlan, source: ModelSource) -> tuple[float, float]:
     return bits, numel
 
 
+def _layer_widths(source: ModelSource, layers: list[int]) -> list[tuple[int, int]]:
+    """Per MoE layer (``layers``, the profile's rows): its experts' (hidden, intermediate) sizes, from expert 0."""
+    return [(g.in_features, g.out_features) for g in (source.modules[expert_name(layer, 0, "gate")] for layer in layers)]
+
+
+def servers(source: ModelSource, profile: RoutingProfile, names: list[str]) -> dict[str, list[list[bool]]]:
+    """Runtime of ``SERVING_RUNTIMES`` -> ``[L][K]`` whether its fused-MoE kernels take measured scheme ``names[k]``
+    (symmetric, the group shared by the layer's projections) at layer l's widths (``runtimes.moe_width_problem``);
+    only runtimes that take some scheme in every layer."""
+    out = {}
+    for rt in SERVING_RUNTIMES:
+        takes = []
+        for hidden, inter in _layer_widths(source, profile.layers):
+            takes.append([moe_width_problem(rt, b, shared_group_size(g, {hidden, inter}), True, hidden, inter) is None
+                          for b, g in map(parse_scheme, names)])
+        if all(any(row) for row in takes):
+            out[rt] = takes
+    return out
+
+
 def best_servable(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> dict | None:
-    """The least-damage one-scheme-per-MoE-layer plan within this plan's expert storage, or None without damage."""
+    """The least-damage one-scheme-per-MoE-layer plan within this plan's expert storage, of the schemes the
+    runtimes of ``servers`` take at each layer's widths (``runtimes``: those that serve it), or None without damage
+    or without such a plan."""
     if profile.layer_damage is None:
         return None
     names = sorted((n for n in profile.layer_damage if parse_scheme(n)[0] in SERVED_BITS), key=parse_scheme)
-    if not names:
+    takes = servers(source, profile, names)
+    if not names or not takes:
         return None
+    allowed = torch.tensor([[all(t[r][k] for t in takes.values()) for k in range(len(names))]
+                            for r in range(len(profile.layers))])
     layer_bits = torch.stack([layer_storage(source.modules, profile, *parse_scheme(n)) for n in names], dim=1)
-    damage = torch.stack([profile.layer_damage[n] for n in names], dim=1)
+    damage = torch.stack([profile.layer_damage[n] for n in names], dim=1).double().masked_fill(~allowed, math.inf)
     budget, numel = expert_storage(plan, source)
-    if layer_bits.min(dim=1).values.sum().item() > budget:
+    if layer_bits.masked_fill(~allowed, math.inf).min(dim=1).values.sum().item() > budget:
         return None
     picks = choose_schemes(layer_bits, damage, budget)
     rows = range(len(profile.layers))
-    return {"policy": "layer_sensitivity",
+    return {"policy": "layer_sensitivity", "runtimes": list(takes),
             "layers": {str(layer): names[picks[r]] for r, layer in zip(rows, profile.layers, strict=True)},
             "predicted_kl": sum(damage[r, picks[r]].item() for r in rows),
             "expert_storage_bits": sum(layer_bits[r, picks[r]].item() for r in rows) / numel}

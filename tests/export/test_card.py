@@ -255,6 +255,20 @@ def test_serving_names_the_best_servable_plan_when_vllm_cannot_serve(builtin_sou
     assert "layer_sensitivity" not in _section(body, "Serving")
 
 
+def test_the_card_says_when_the_servable_plan_is_smaller(builtin_source):
+    problems = dict(ALL_OK, vllm=SERVING["problems"]["vllm"], sglang=SERVING["problems"]["sglang"])
+    smaller = dict(SERVING, expert_storage_bits=5.25,
+                   best_servable=dict(SERVING["best_servable"], expert_storage_bits=4.5, runtimes=["vllm"]))
+    serving = _section(_split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0",
+                                          serving=smaller))[1], "Serving")
+    assert "The best such plan vLLM serve within" in serving
+    assert "It stores 4.500 bits per expert weight against this checkpoint's 5.250" in serving
+    same = _section(_split(render_card(_recipe(), builtin_source, HEADLINE, None, problems, "0.1.0",
+                                       serving=dict(SERVING, expert_storage_bits=4.5,
+                                                    best_servable=smaller["best_servable"])))[1], "Serving")
+    assert "not compared at equal size" not in same
+
+
 def test_the_plugins_snippet_is_what_the_serving_tests_ran(builtin_source):
     """A per-expert checkpoint the plugin serves: install line and ``vllm serve`` (tests/serve/test_vllm.py);
     a plain compressed-tensors checkpoint stock vLLM cannot serve is named to the plugin explicitly."""

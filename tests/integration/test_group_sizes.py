@@ -120,3 +120,10 @@ def test_gptqmodel_target_needs_gptq_and_kernel_group_sizes(tmp_path):
     msg = _plan_error(tmp_path / "b", "qwen3-moe-tiny", "plan.target_runtime=gptqmodel", "export.formats=[gptq]",
                       "plan.group_size=16")
     assert "TorchAtenLinear) takes group sizes 32, 64, 128, 256, not 16" in msg and "BACKEND.TORCH" in msg
+
+
+def test_sglang_is_not_promised_a_model_narrower_than_its_marlin_tiles(tmp_path):
+    """The tiny builtins (hidden 64, expert intermediate 32): SGLang runs routed experts on Marlin MoE alone, which
+    tiles the hidden size by 128; a per-layer plan for it was planned, exported and carded as SGLang-servable."""
+    msg = _plan_error(tmp_path, "qwen3-moe-tiny", "plan.granularity=per_layer", "plan.target_runtime=sglang")
+    assert "Marlin MoE only" in msg and "this model has 64 and 32" in msg

@@ -122,3 +122,50 @@ def test_the_plugin_refuses_widths_its_kernel_cannot_tile(quant_cache):
     prof = RoutingProfile("fp", "m", list(range(tiny.n_layers)), 16, 4, 1000, [], counts, counts, z, z, z)
     plan = plan_bits(prof, tiny.modules, PlanSpec(top_fraction=0.2, group_size=32), "rtn", tiny.n_layers)
     assert "hidden size 64" in problems_for(plan, tiny, "vllm-quant")[0]
+
+
+@pytest.mark.parametrize("runtime, bits, group, symmetric, hidden, inter, served", [
+    ("vllm", 4, 32, True, 64, 32, True),  # Marlin cannot (hidden 64): vLLM's Triton MoE kernel takes it
+    ("vllm", 8, 32, True, 64, 32, True),
+    ("vllm", 4, 32, False, 64, 32, False),  # the Triton fallback takes symmetric experts only
+    ("vllm", 4, 64, True, 64, 64, False),  # per channel (group = hidden) off Marlin: not group-wise
+    ("vllm", 4, 128, True, 2048, 768, True),  # Qwen3-30B-A3B
+    ("vllm", 4, 128, False, 7168, 2048, True),  # DeepSeek-V3, zero points on Marlin
+    ("sglang", 4, 32, True, 64, 32, False),  # Marlin MoE only: hidden ÷ 128, intermediate ÷ 64
+    ("sglang", 4, 32, True, 128, 32, False),
+    ("sglang", 4, 64, True, 128, 64, True),
+    ("sglang", 8, 128, True, 2048, 768, True),
+    ("vllm-quant", 4, 32, True, 64, 32, False),  # a mixed layer runs on Marlin MoE
+    ("vllm-quant", 8, 128, True, 7168, 2048, True),
+])
+def test_the_moe_kernels_width_rules(runtime, bits, group, symmetric, hidden, inter, served):
+    from quant.plan.runtimes import moe_width_problem
+
+    assert (moe_width_problem(runtime, bits, group, symmetric, hidden, inter) is None) == served
+
+
+def _tiny_layer_plan(tiny):
+    counts = torch.ones(tiny.n_layers, 16, dtype=torch.float64)
+    z = torch.zeros_like(counts)
+    damage = {k: 1e-3 * torch.tensor([v] * tiny.n_layers, dtype=torch.float64)
+              for k, v in (("w4g32", 3.0), ("w4g64", 3.5), ("w8g32", 0.1))}
+    prof = RoutingProfile("fp", "m", list(range(tiny.n_layers)), 16, 4, 1000, [], counts, counts, z, z, z,
+                          layer_damage=damage)
+    return prof, plan_bits(prof, tiny.modules, PlanSpec(**dict(LAYER, budget_avg_bits=5.0), group_size=32),
+                           "rtn", tiny.n_layers)
+
+
+def test_every_claim_about_a_narrow_model_goes_through_the_width_rules(quant_cache):
+    """builtin:qwen3-moe-tiny (hidden 64, expert intermediate 32): a per-layer plan was claimed servable by SGLang,
+    whose Marlin MoE kernel cannot tile it; vLLM falls back to its Triton MoE kernel for symmetric experts only. The
+    plan's serving summary, and the best plan it names, follow the same rules."""
+    tiny = resolve_model("builtin:qwen3-moe-tiny")
+    prof, plan = _tiny_layer_plan(tiny)
+    assert problems_for(plan, tiny, "vllm") == [] and problems_for(plan, tiny, "vllm-quant") == []
+    assert "hidden size a multiple of 128" in problems_for(plan, tiny, "sglang")[0]
+    summary = serving_summary(plan, tiny, prof, ("compressed-tensors",))
+    assert summary["problems"]["sglang"] and summary["best_servable"]["runtimes"] == ["vllm"]
+    asym = plan_bits(prof, tiny.modules, PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=32,
+                                                  symmetric=False), "rtn", tiny.n_layers)
+    assert "Triton MoE kernel" in problems_for(asym, tiny, "vllm")[0]
+
