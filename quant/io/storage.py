@@ -44,6 +44,13 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache") / "quant"
 
 
+def assets_root() -> Path | None:
+    """``$QUANT_ASSETS``: a folder holding shipped model files (``<name>/``) where this copy of quant has no git
+    history to read them from (a GPU host the files were carried to, an installed wheel); None when unset."""
+    folder = os.environ.get("QUANT_ASSETS", "").strip()
+    return Path(folder) if folder else None
+
+
 def _stat_key(path: Path) -> list[int]:
     st = path.stat()
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from quant.errors import ModelError
-from quant.io.storage import cache_root, remove_stale
+from quant.io.storage import assets_root, cache_root, remove_stale
 
 BUILTIN_VERSION = 8  # 8: written by quant (seeded by tensor name), no longer by transformers' init
 _COMMON = dict(vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -49,8 +49,13 @@ ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3F
                  "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}
 INIT_STD = 0.02
 DEFAULT_BUILTIN = "qwen3-moe-tiny"
-# trained checkpoints that ship with the package (see benchmarks/reference_moe/)
-SHIPPED: dict[str, Path] = {"reference-moe": Path(__file__).parent / "assets" / "reference-moe"}
+# trained checkpoints quant ships (see benchmarks/reference_moe/): name -> the commit of quant's repository that
+# holds their files (``<name>/``); main reaches it as a merge parent, so every clone has it, while neither the work
+# tree, nor what travels to a GPU host, nor the wheel carries 43 MB of weights. ``assets/<name>.sha256`` pins every
+# file's digest: the files are taken from the commit, or from ``$QUANT_ASSETS/<name>/``, only when they match.
+SHIPPED: dict[str, str] = {"reference-moe": "314982bd3dee4f4aa8e3fc117614c356c44de62d"}
+SHIPPED_SUMS = Path(__file__).parent / "assets"
+REPOSITORY = Path(__file__).resolve().parents[2]  # a clone's work tree (quant/models/builtin.py inside it)
 LOGIT_SCALE = 4.0
 HOT_SCALE = 0.15  # router logit bonus per unit of the shared direction, for the hottest expert (then 0.75x, 0.5x)
 
@@ -70,7 +75,7 @@ def builtin_path(name: str) -> Path:
     """Folder of builtin ``name``, built (or unpacked) on first use, atomically: temp dir, then rename."""
     if name not in BUILTINS and name not in SHIPPED:
         raise ModelError(f"unknown builtin model '{name}'; builtins: {', '.join(builtin_names())}")
-    key = _spec_hash(name) if name in BUILTINS else (SHIPPED[name] / "SHA256SUMS").read_bytes().hex()[:10]
+    key = _spec_hash(name) if name in BUILTINS else hashlib.sha256(_pinned(name).read_bytes()).hexdigest()[:10]
     target = cache_root() / "builtin" / f"{name}-{key}"
     if (target / "quant_builtin.json").is_file():
         return target
@@ -78,7 +83,7 @@ def builtin_path(name: str) -> Path:
     remove_stale(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=f".tmp-{os.getpid()}", dir=target.parent))
     try:
-        _build(name, tmp) if name in BUILTINS else _unpack(SHIPPED[name], tmp)
+        _build(name, tmp) if name in BUILTINS else _unpack(name, tmp)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race; its copy is identical
@@ -89,22 +94,71 @@ def builtin_path(name: str) -> Path:
     return target
 
 
-def _unpack(assets: Path, out: Path) -> None:
-    """A shipped checkpoint: xz-compressed safetensors shards, checked against SHA256SUMS after unpacking."""
+def _pinned(name: str) -> Path:
+    return SHIPPED_SUMS / f"{name}.sha256"
+
+
+def _digests(name: str) -> dict[str, str]:
+    """File name -> SHA-256 of every file shipped as ``name`` (as stored: shards xz-compressed)."""
+    return {f: d for d, f in (line.split() for line in _pinned(name).read_text().splitlines() if line.strip())}
+
+
+def _git_file(name: str, file: str, out: Path) -> bool:
+    """``<name>/<file>`` of the commit ``SHIPPED[name]`` of the repository quant runs from, into ``out``; False
+    when there is no such repository, git, or commit (an installed wheel, a shallow clone)."""
+    import subprocess
+
+    if not (REPOSITORY / ".git").exists():
+        return False
+    try:
+        with open(out, "wb") as f:
+            done = subprocess.run(["git", "-C", str(REPOSITORY), "cat-file", "blob", f"{SHIPPED[name]}:{name}/{file}"],
+                                  stdout=f, stderr=subprocess.DEVNULL, check=False)
+    except OSError:  # no git
+        return False
+    return done.returncode == 0
+
+
+def _fetch_shipped(name: str, into: Path) -> None:
+    """Every file shipped as ``name`` into ``into``, from ``$QUANT_ASSETS/<name>/`` or the repository's commit, each
+    checked against the pinned digests."""
+    folder = assets_root()
+    for file, digest in _digests(name).items():
+        out = into / file
+        if folder is not None and (folder / name / file).is_file():
+            shutil.copyfile(folder / name / file, out)
+        elif not _git_file(name, file, out):
+            where = f"{folder / name} has no {file}, and " if folder is not None else ""
+            raise ModelError(f"builtin:{name} is not in this copy of quant: {where}its files live in commit "
+                             f"{SHIPPED[name][:12]} of quant's git repository, which {REPOSITORY} is not a full "
+                             f"clone of; use a git clone (not shallow), or set QUANT_ASSETS to a folder holding "
+                             f"{name}/ (`git archive {SHIPPED[name][:12]} {name} | tar -x -C FOLDER` in a clone)")
+        if hashlib.sha256(out.read_bytes()).hexdigest() != digest:
+            raise ModelError(f"builtin:{name}: {file} does not match its pinned SHA-256 (quant/models/assets/"
+                             f"{name}.sha256); the copy it came from is damaged or another version")
+
+
+def _unpack(name: str, out: Path) -> None:
+    """A shipped checkpoint: its files fetched (``_fetch_shipped``), the xz-compressed safetensors shards unpacked,
+    and checked against the SHA256SUMS shipped with them."""
     import lzma
 
-    for f in assets.iterdir():
+    stored = out / ".shipped"
+    stored.mkdir()
+    _fetch_shipped(name, stored)
+    for f in sorted(stored.iterdir()):
         if f.suffix == ".xz":
             with lzma.open(f) as src, open(out / f.stem, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 22)
         elif f.name != "SHA256SUMS":
             shutil.copy2(f, out / f.name)
-    for line in (assets / "SHA256SUMS").read_text().split("\n"):
+    for line in (stored / "SHA256SUMS").read_text().split("\n"):
         if line.strip():
             digest, fname = line.split()
             if hashlib.sha256((out / fname).read_bytes()).hexdigest() != digest:
-                raise ModelError(f"shipped checkpoint {assets.name}: {fname} does not match SHA256SUMS (corrupt install?)")
-    (out / "quant_builtin.json").write_text(json.dumps({"name": assets.name, "shipped": True}, indent=2))
+                raise ModelError(f"shipped checkpoint {name}: {fname} does not match SHA256SUMS (corrupt install?)")
+    shutil.rmtree(stored)
+    (out / "quant_builtin.json").write_text(json.dumps({"name": name, "shipped": True}, indent=2))
 
 
 def seeded_tensor(model: str, key: str, shape: tuple[int, ...]) -> torch.Tensor:
