@@ -44,13 +44,15 @@
 #              VLLM_USE_FLASHINFER_SAMPLER=0 python3 ...
 #   serve-tests  the serving tests (tests/serve: every checkpoint form served by vLLM from /tmp/vsite against its
 #              dequantized reference, the plugin, the refusals); the agreement table lands in $OUT/serve-report.json
+#   cold-load  benchmarks/cold_load.py: each of serve.py's layers / experts / bf16 checkpoints ($SERVE_LAYERS, default 4,
+#              Qwen3-30B-A3B-shaped layers) loaded by a vLLM engine with empty caches, then warm, with vLLM's phase times
 #   serve-bench  benchmarks/serve.py: vLLM throughput of bf16, W8, W4, the per-layer mix and the per-expert mix on a
 #              5-layer Qwen3-30B-A3B-shaped model (results after each model in $OUT/serve.json); SERVE_MODELS and
 #              SERVE_SHAPES pick models and prompt/generated shapes (one call runs ~4 models at one shape)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|dsv3-damage|expert-compute|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|dsv3-damage|expert-compute|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench|cold-load) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -140,6 +142,10 @@ for task in "$@"; do
     serve-bench) run serve-bench python3 benchmarks/serve.py --vllm-path /tmp/vsite --layers "${SERVE_LAYERS:-5}" \
                    --models ${SERVE_MODELS:-experts layers w4 bf16 w8} --shapes ${SERVE_SHAPES:-128/128 1024/128} \
                    --workdir "$W" --results "$OUT/serve.json" ;;
+    cold-load) run cold-load python3 benchmarks/serve.py --vllm-path /tmp/vsite --layers "${SERVE_LAYERS:-4}" \
+                 --models layers experts bf16 --workdir "$W" --part build
+               run cold-load python3 benchmarks/cold_load.py --vllm-path /tmp/vsite --workdir "$W" \
+                 --models ${COLD_MODELS:-layers experts bf16} ;;
     suite) run suite env QUANT_TEST_FAILLOG="$OUT/faillog.txt" QUANT_TEST_PROGRESS="$OUT/progress.txt" python3 -m pytest -p no:cacheprovider -n 16 -q -rfE \
              --tb=short --durations=30 --junitxml="$OUT/junit.xml" ;;
     gpu) run gpu python3 -m pytest -p no:cacheprovider -m gpu -q -rfE --tb=short ;;

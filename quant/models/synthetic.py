@@ -43,6 +43,9 @@ _SERVE = dict(vocab_size=512, hidden_size=256, num_attention_heads=4, num_key_va
 SHAPES |= {
     "serve-qwen3-moe": dict(_SERVE, model_type="qwen3_moe", intermediate_size=512, moe_intermediate_size=256,
                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+    # narrower than Marlin MoE tiles (hidden 64): vLLM runs its Triton MoE kernel, SGLang has none
+    "serve-qwen3-narrow": dict(_SERVE, model_type="qwen3_moe", hidden_size=64, intermediate_size=128,
+                               moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
     "serve-mixtral": dict(_SERVE, model_type="mixtral", intermediate_size=256, num_local_experts=8,
                           num_experts_per_tok=2),
     "serve-olmoe": dict(_SERVE, model_type="olmoe", intermediate_size=256, num_experts=8, num_experts_per_tok=2,

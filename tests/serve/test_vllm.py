@@ -57,6 +57,10 @@ CASES = {
     "deepseek-layers": ("serve-deepseek-v3", 3, dict(policy="uniform", group_size=128, granularity="per_layer",
                                                      target_runtime="vllm", layer_schemes={"1": "w8g128"}),
                         ["compressed-tensors", "gptq"]),
+    # experts narrower than Marlin MoE tiles (hidden 64, intermediate 32): vLLM's Triton MoE kernel, int4 and int8
+    "qwen3-narrow": ("serve-qwen3-narrow", 2, dict(policy="uniform", group_size=32, granularity="per_layer",
+                                                   target_runtime="vllm", layer_schemes={"0": "w8g32"},
+                                                   protect=dict(attention="keep")), ["compressed-tensors"]),
     # the headline plan: the most used 20 % of each layer's experts at 8 bits, the rest at 4 (quant's plugin)
     "qwen3-experts": ("serve-qwen3-moe", 3, dict(policy="top_fraction", top_fraction=0.25, group_size=128,
                                                  target_runtime="vllm-quant"), ["compressed-tensors", "gptq"]),
@@ -165,6 +169,9 @@ def served(tmp_path_factory):
     # Mixtral's experts are w1/w3/w2 on disk: the plugin looks them up by those names (--quantization moe-quant-mixed)
     spec_models.append({"name": "mixtral-layers/plugin", "path": str(runs["mixtral-layers"] / "checkpoint"),
                         "engine_args": {"quantization": "moe-quant-mixed"}})
+    # the plugin leaves a layer whose experts share one scheme to vLLM's own MoE method, narrow widths included
+    spec_models.append({"name": "qwen3-narrow/plugin", "path": str(runs["qwen3-narrow"] / "checkpoint"),
+                        "engine_args": {"quantization": "moe-quant-mixed"}})
     # the plugin's forward inside CUDA graphs (the default serving mode), against the reference served the same way
     spec_models.append({"name": "qwen3-experts/graphs", "path": str(runs["qwen3-experts"] / "checkpoint"),
                         "enforce_eager": False})
@@ -194,7 +201,8 @@ def _table(results: dict) -> list[dict]:
     rows = []
     for name in CASES:
         ref = results[f"{name}/ref"]
-        extra = {"qwen3-experts": ["graphs", "sequential", "overlapped", "stock"], "mixtral-layers": ["plugin"]}.get(name, [])
+        extra = {"qwen3-experts": ["graphs", "sequential", "overlapped", "stock"], "mixtral-layers": ["plugin"],
+                 "qwen3-narrow": ["plugin"]}.get(name, [])
         for fmt in CASES[name][3] + extra:
             r = results[f"{name}/{fmt}"]
             row = {"case": name, "format": fmt, "quantization": r.get("quantization"), "error": r.get("error")}
@@ -265,3 +273,21 @@ def test_the_plugin_serves_mixtral_by_its_own_expert_names(served):
     assert "error" not in got, got.get("traceback")
     assert got["quantization"] == "moe-quant-mixed"
     assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
+
+
+def test_experts_narrower_than_marlin_tiles_serve_as_the_runtime_check_says(served):
+    """hidden 64: Marlin MoE cannot tile it, so vLLM runs the experts on its Triton MoE kernel (what
+    ``plan.runtimes.moe_width_problem`` says, read from vLLM's source), stock and under quant's plugin, and the
+    check names SGLang (Marlin MoE only) as unable to serve it."""
+    from quant.models import ModelSource
+    from quant.plan.bitplan import BitPlan
+    from quant.plan.runtimes import problems_for
+
+    results, runs, models = served
+    plan, source = BitPlan.load(runs["qwen3-narrow"] / "plan.json"), ModelSource(models["qwen3-narrow"])
+    assert problems_for(plan, source, "vllm") == [] and problems_for(plan, source, "vllm-quant") == []
+    assert "Marlin MoE only" in problems_for(plan, source, "sglang")[0]
+    ref = results["qwen3-narrow/ref"]
+    for got in (results["qwen3-narrow/compressed-tensors"], results["qwen3-narrow/plugin"]):
+        assert "error" not in got, got.get("traceback")
+        assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
