@@ -8,3 +8,20 @@ PLUGIN_NAME = "moe_quant"
 PLUGIN_TARGET = "quant.serve.vllm_plugin:register"
 # the quant_method values of compressed-tensors checkpoints quant writes (what its own readers accept)
 COMPRESSED_TENSORS_METHODS = ("compressed-tensors", QUANT_METHOD)
+# the vLLM releases the plugin was served on (tests/serve on an H200): the plugin reaches into vLLM's fused-MoE
+# internals, which change from release to release, so it serves these minor versions and refuses others by name
+TESTED_VLLM = ("0.26.0",)
+SUPPORTED_VLLM_MINORS = ((0, 26),)
+VLLM_INSTALL = "pip install vllm==0.26.0"
+
+
+def vllm_version_problem(version: str) -> str | None:
+    """Why the plugin does not serve with vLLM ``version`` (``vllm.__version__``), or None when it does."""
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m and (int(m[1]), int(m[2])) in SUPPORTED_VLLM_MINORS:
+        return None
+    known = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM_MINORS)
+    return (f"quant's vLLM plugin ({QUANT_METHOD}) serves vLLM {known} (served on {', '.join(TESTED_VLLM)}), not "
+            f"vLLM {version}: {VLLM_INSTALL}, or serve a per-layer checkpoint (recipes/mixed_vllm.yaml) with stock vLLM")

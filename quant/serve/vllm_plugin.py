@@ -4,22 +4,45 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quant.serve.names import PLUGIN_NAME, PLUGIN_TARGET, QUANT_METHOD
+from quant.serve.names import PLUGIN_NAME, PLUGIN_TARGET, QUANT_METHOD, vllm_version_problem
 
 _registered = False
 
 
 def register() -> None:
-    """Make vLLM serve ``moe-quant-mixed`` checkpoints. vLLM calls this once in each of its processes."""
+    """Make vLLM serve ``moe-quant-mixed`` checkpoints. vLLM calls this once in each of its processes. On a vLLM
+    release the plugin does not support (``names.vllm_version_problem``) the name is registered to a config that
+    refuses every checkpoint with that one line, rather than to code written against other vLLM internals."""
     global _registered
     if _registered:
         return
+    import vllm
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-    from quant.serve.vllm_mixed import MixedExpertsConfig
+    problem = vllm_version_problem(vllm.__version__)
+    if problem is None:
+        from quant.serve.vllm_mixed import MixedExpertsConfig
 
-    register_quantization_config(QUANT_METHOD)(MixedExpertsConfig)
+        register_quantization_config(QUANT_METHOD)(MixedExpertsConfig)
+    else:
+        register_quantization_config(QUANT_METHOD)(_refusing_config(problem))
     _registered = True
+
+
+def _refusing_config(problem: str):
+    """A vLLM quantization config class whose checkpoints are refused with ``problem`` when vLLM reads them."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+    class UnsupportedVLLM(QuantizationConfig):
+        @classmethod
+        def get_name(cls):
+            return QUANT_METHOD
+
+        @classmethod
+        def from_config(cls, config):
+            raise ValueError(problem)
+
+    return UnsupportedVLLM
 
 
 def checkout_entry_point(folder: Path) -> Path:

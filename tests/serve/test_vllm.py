@@ -24,6 +24,7 @@ import pytest
 import torch
 import yaml
 
+from quant.serve.names import vllm_version_problem
 from quant.serve.vllm_plugin import checkout_entry_point
 from tests.conftest import REPO, repo_pythonpath
 
@@ -69,21 +70,26 @@ CASES = {
 }
 
 
-def _vllm_path() -> str | None:
-    return os.environ.get("QUANT_VLLM_PYTHONPATH")
+def vllm_paths() -> list[str]:
+    """``QUANT_VLLM_PYTHONPATH``: one folder per vLLM installation to serve with, ``os.pathsep`` between them (the
+    whole module runs against each: the serving matrix)."""
+    return [p for p in os.environ.get("QUANT_VLLM_PYTHONPATH", "").split(os.pathsep) if p]
 
 
-def _skip_reason() -> str | None:
+def _vllm_version(path: str) -> tuple[str | None, str | None]:
+    """(vLLM's version at ``path``, None) or (None, why the module is skipped there)."""
     if not torch.cuda.is_available():
-        return "needs a CUDA GPU (the GPU tier; see README 'Tests on a GPU')"
-    path = _vllm_path()
+        return None, "needs a CUDA GPU (the GPU tier; see README 'Tests on a GPU')"
     if not path:
-        return "set QUANT_VLLM_PYTHONPATH to a folder holding vLLM 0.26 (benchmarks/device.sh vllm-install)"
-    probe = subprocess.run([sys.executable, "-c", "import vllm"], env={**os.environ, "PYTHONPATH": path},
-                           capture_output=True, text=True)
+        return None, "set QUANT_VLLM_PYTHONPATH to folders holding vLLM (benchmarks/device.sh vllm-install)"
+    probe = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"],
+                           env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
     if probe.returncode:
-        return f"vLLM does not import from QUANT_VLLM_PYTHONPATH ({(probe.stderr.strip().splitlines() or ['?'])[-1]})"
-    return None
+        return None, f"vLLM does not import from {path} ({(probe.stderr.strip().splitlines() or ['?'])[-1]})"
+    return probe.stdout.strip().splitlines()[-1], None
+
+
+REPORT: list[dict] = []  # every vLLM's agreement rows, written to QUANT_SERVE_REPORT after each
 
 
 def _inputs(work: Path) -> tuple[Path, Path]:
@@ -135,10 +141,11 @@ def _greedy(a: dict, b: dict) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """Every case exported, dequantized and served; ``{model name: vllm_check result}`` plus the run folders."""
-    reason = _skip_reason()
+@pytest.fixture(scope="module", params=vllm_paths() or [""])
+def served(request, tmp_path_factory):
+    """Every case exported, dequantized and served by the vLLM at ``request.param``; ``{model name: vllm_check
+    result}`` plus the run folders and that vLLM's version."""
+    version, reason = _vllm_version(request.param)
     if reason:
         pytest.skip(reason)
     from quant.models.synthetic import build_model
@@ -187,13 +194,15 @@ def served(tmp_path_factory):
     spec = {"prompts": prompts, "max_model_len": 512, "greedy_tokens": GREEDY, "enforce_eager": True,
             "kv_cache_memory_bytes": 1 << 30, "models": spec_models}
     (work / "spec.json").write_text(json.dumps(spec))
-    path = os.pathsep.join([_vllm_path(), str(checkout_entry_point(work / "plugin")), str(REPO)])
+    path = os.pathsep.join([request.param, str(checkout_entry_point(work / "plugin")), str(REPO)])
     p = subprocess.run([sys.executable, "-m", "quant.serve.vllm_check", str(work / "spec.json"),
                         str(work / "served.json"), "--jobs", "8"], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": path}, timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
     results = json.loads((work / "served.json").read_text())
-    (Path(os.environ.get("QUANT_SERVE_REPORT", work / "report.json"))).write_text(json.dumps(_table(results), indent=1))
+    REPORT.extend({"vllm": version, **row} for row in _table(results))
+    (Path(os.environ.get("QUANT_SERVE_REPORT", work / "report.json"))).write_text(json.dumps(REPORT, indent=1))
+    results["vllm_version"] = version
     return results, runs, models
 
 
@@ -217,9 +226,20 @@ def _table(results: dict) -> list[dict]:
 REFUSED = {("qwen3-experts", "gptq"): "vllm", ("mixtral-layers", "compressed-tensors"): "vllm"}
 
 
+def _refused_by_version(results: dict, *names: str) -> bool:
+    """Whether this vLLM is one the plugin does not support; then every checkpoint ``names`` served through the
+    plugin was refused with the plugin's one line naming the versions it serves."""
+    problem = vllm_version_problem(results["vllm_version"])
+    for name in names if problem else ():
+        assert problem in results[name].get("error", ""), results[name]
+    return problem is not None
+
+
 @pytest.mark.parametrize("name,fmt", [(n, f) for n in CASES for f in CASES[n][3] if (n, f) not in REFUSED])
 def test_served_checkpoint_agrees_with_its_dequantized_reference(served, name, fmt):
     results, _, _ = served
+    if "experts" in name and fmt == "compressed-tensors" and _refused_by_version(results, f"{name}/{fmt}"):
+        return
     ref, got = results[f"{name}/ref"], results[f"{name}/{fmt}"]
     assert "error" not in ref, ref.get("traceback")
     assert "error" not in got, got.get("traceback")
@@ -233,6 +253,8 @@ def test_served_checkpoint_agrees_with_its_dequantized_reference(served, name, f
 
 def test_the_plugin_serves_inside_cuda_graphs(served):
     results, _, _ = served
+    if _refused_by_version(results, "qwen3-experts/graphs"):
+        return
     got, ref = results["qwen3-experts/graphs"], results["qwen3-experts/ref-graphs"]
     assert "error" not in got, got.get("traceback")
     assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
@@ -240,6 +262,8 @@ def test_the_plugin_serves_inside_cuda_graphs(served):
 
 def test_the_plugin_serves_its_scheme_groups_one_after_another_and_side_by_side(served):
     results, _, _ = served
+    if _refused_by_version(results, "qwen3-experts/sequential", "qwen3-experts/overlapped"):
+        return
     ref = results["qwen3-experts/ref"]
     sequential, overlapped = results["qwen3-experts/sequential"], results["qwen3-experts/overlapped"]
     for got in (sequential, overlapped):
@@ -269,6 +293,8 @@ def test_what_the_runtime_check_refuses_fails_loudly_in_vllm(served, name, fmt):
 
 def test_the_plugin_serves_mixtral_by_its_own_expert_names(served):
     results, _, _ = served
+    if _refused_by_version(results, "mixtral-layers/plugin"):
+        return
     got, ref = results["mixtral-layers/plugin"], results["mixtral-layers/ref"]
     assert "error" not in got, got.get("traceback")
     assert got["quantization"] == "moe-quant-mixed"
@@ -288,6 +314,7 @@ def test_experts_narrower_than_marlin_tiles_serve_as_the_runtime_check_says(serv
     assert problems_for(plan, source, "vllm") == [] and problems_for(plan, source, "vllm-quant") == []
     assert "Marlin MoE only" in problems_for(plan, source, "sglang")[0]
     ref = results["qwen3-narrow/ref"]
-    for got in (results["qwen3-narrow/compressed-tensors"], results["qwen3-narrow/plugin"]):
+    plugin = [] if _refused_by_version(results, "qwen3-narrow/plugin") else [results["qwen3-narrow/plugin"]]
+    for got in (results["qwen3-narrow/compressed-tensors"], *plugin):
         assert "error" not in got, got.get("traceback")
         assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
