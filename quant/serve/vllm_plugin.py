@@ -34,12 +34,29 @@ def _refusing_config(problem: str):
     from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
     class UnsupportedVLLM(QuantizationConfig):
+        """Every question vLLM asks of a checkpoint's config before building layers is answered with ``problem``."""
+
         @classmethod
         def get_name(cls):
             return QUANT_METHOD
 
         @classmethod
+        def get_config_filenames(cls):
+            return []
+
+        @classmethod
+        def get_min_capability(cls):
+            return 0
+
+        @classmethod
+        def get_supported_act_dtypes(cls):
+            raise ValueError(problem)
+
+        @classmethod
         def from_config(cls, config):
+            raise ValueError(problem)
+
+        def get_quant_method(self, layer, prefix):
             raise ValueError(problem)
 
     return UnsupportedVLLM
