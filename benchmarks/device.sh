@@ -44,6 +44,11 @@
 #              VLLM_USE_FLASHINFER_SAMPLER=0 python3 ...
 #   serve-tests  the serving tests (tests/serve: every checkpoint form served by vLLM from /tmp/vsite against its
 #              dequantized reference, the plugin, the refusals); the agreement table lands in $OUT/serve-report.json
+#   serve-recipes, serve-recipes-dsv3  benchmarks/serve.py on the shipped recipes' checkpoints (headline with vllm-quant,
+#              joint, per-layer, uniform W4/W8, bf16) of $SERVE_LAYERS Qwen3-30B-A3B layers (default 8) or DeepSeek-V3
+#              MoE layers (default 2: 45 GB in bf16, so one checkpoint beside it fits the 64 GB disk: SERVE_MODELS one
+#              at a time), each model served by $SERVE_PROCESSES processes (default 2) at 1/16/64/256 requests;
+#              SERVE_MODELS / SERVE_SHAPES cut one call's share (not yet run on a GPU)
 #   cold-load  benchmarks/cold_load.py: each of serve.py's layers / experts / bf16 checkpoints ($SERVE_LAYERS, default 4,
 #              Qwen3-30B-A3B-shaped layers) loaded by a vLLM engine with empty caches, then warm, with vLLM's phase times
 #   serve-bench  benchmarks/serve.py: vLLM throughput of bf16, W8, W4, the per-layer mix and the per-expert mix on a
@@ -52,7 +57,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|dsv3-damage|expert-compute|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench|cold-load) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|dsv3-damage|expert-compute|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench|cold-load|serve-recipes|serve-recipes-dsv3) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -142,6 +147,11 @@ for task in "$@"; do
     serve-bench) run serve-bench python3 benchmarks/serve.py --vllm-path /tmp/vsite --layers "${SERVE_LAYERS:-5}" \
                    --models ${SERVE_MODELS:-experts layers w4 bf16 w8} --shapes ${SERVE_SHAPES:-128/128 1024/128} \
                    --workdir "$W" --results "$OUT/serve.json" ;;
+    serve-recipes|serve-recipes-dsv3)  # what users ship: the shipped recipes' checkpoints, 2 processes a model
+      if [ "$task" = serve-recipes ]; then shape=qwen3-30b-a3b layers=${SERVE_LAYERS:-8}; else shape=deepseek-v3 layers=${SERVE_LAYERS:-2}; fi
+      run "$task" python3 benchmarks/serve.py --vllm-path /tmp/vsite --shape $shape --layers "$layers" \
+        --models ${SERVE_MODELS:-headline joint per-layer uniform-w4 uniform-w8 bf16} --shapes ${SERVE_SHAPES:-128/128 1024/128} \
+        --processes "${SERVE_PROCESSES:-2}" --workdir "$W-$task" --results "$OUT/$task.json" ;;
     cold-load) run cold-load python3 benchmarks/serve.py --vllm-path /tmp/vsite --layers "${SERVE_LAYERS:-4}" \
                  --models layers experts bf16 --workdir "$W" --part build
                run cold-load python3 benchmarks/cold_load.py --vllm-path /tmp/vsite --workdir "$W" \
