@@ -6,7 +6,7 @@ held-out text (calibration/heldout.yaml, fixed tokens): perplexity, KL(bf16 ‖ 
 agreement, and next-line exact match on held-out Python (CPython glob.py + string.py, never trained on).
 Mixed policies all give 6 of 32 experts per layer 8 bits (18.75 %), so their average expert bits are equal;
 attention is 8-bit in every quantized configuration; router, embeddings, lm_head bf16. Writes study.json,
-STUDY.md's tables and a plot. The held-out metrics are ``quant.study.heldout``'s; the servable study (one scheme
+STUDY.md's tables and a plot. The held-out metrics are ``studies.heldout``'s; the servable study (one scheme
 per MoE layer) is ``benchmarks/study_servable.py``. Usage (CPU, ~15 minutes on 2 cores, repository root):
 
     python benchmarks/study.py --seeds 0 1 2 --out study
@@ -32,7 +32,7 @@ from quant.models import resolve_model
 from quant.plan.bitplan import plan_bits
 from quant.plan.summary import summarize
 from quant.recipe import PlanSpec, QuantizeSpec
-from quant.study.heldout import (
+from studies.heldout import (
     apply_quantized,
     heldout_code_docs,
     load_model,

@@ -11,7 +11,7 @@ plan keep its lead" (``AT_SIZE``: uniform W4 g128, per-expert top-20 %, layer_se
 two joint configurations the study fits 25 minutes on 2 CPU cores; they add about a third to the 1× and 4× tasks.
 Metrics on the fixed held-out set of ``benchmarks/study.py`` (perplexity, KL(bf16‖q), top-1 agreement; next-line
 exact match for the GPTQ checkpoints at 1×, the study's costliest metric, which separates nothing on this model).
-The design (configurations, sizes) and the tables are ``quant.study.servable``; the calibration texts come from
+The design (configurations, sizes) and the tables are ``studies.servable``; the calibration texts come from
 ``benchmarks/reference_moe/build_corpus.py --calibration-manifest``.
 
 Runs (seed, size) tasks in ``--jobs`` worker processes of ``--threads`` threads each; ``--sizes`` and ``--configs``
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from quant.study.servable import (
+from studies.servable import (
     ALGORITHMS,
     AT_SIZE,
     CONFIGS,
@@ -68,7 +68,7 @@ def _init_worker(threads: int, n_lines: int) -> None:
 
     from quant.calibration import build_calibration
     from quant.models import resolve_model
-    from quant.study import heldout as study
+    from studies import heldout as study
 
     src = resolve_model("builtin:reference-moe")
     tok = AutoTokenizer.from_pretrained(src.path)
@@ -81,7 +81,7 @@ def _init_worker(threads: int, n_lines: int) -> None:
 
 
 def _evaluate(qdir: Path, with_lines: bool) -> dict:
-    from quant.study import heldout as study
+    from studies import heldout as study
 
     w = _WORKER
     model = study.load_model(w["src"].path)
@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--damage-method", choices=("bounded", "exact"), default="bounded",
                     help="the layer-damage pass (profile.layer_sensitivity.method)")
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
-                    help="configurations to run (quoted names of quant.study.servable.CONFIGS; default: all)")
+                    help="configurations to run (quoted names of studies.servable.CONFIGS; default: all)")
     ap.add_argument("--report-only", action="store_true",
                     help="tables of the tasks finished so far (a stopped run), without running any")
     a = ap.parse_args()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build, here (where PyPI is reachable), vLLM 0.26.0 for the lent GPU machines (x86-64, Python 3.12, torch
+# Build, here (where PyPI is reachable), vLLM 0.26.0 for GPU hosts without network access (x86-64, Python 3.12, torch
 # 2.11.0+cu130 in the image, no network there) as an installed site-packages folder, packed and split into parts
 # small enough that one `run` call carries one of them beside the working tree (64 MiB a call in all).
 #

@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "quant"
 PACKAGES = [
     {"cli", "console"},
     {"run"},
-    {"report", "publish", "study"},
+    {"report", "publish"},
     {"export", "forecast"},
     {"eval"},
     {"plan"},
@@ -173,3 +173,18 @@ def test_benchmarks_use_the_public_api_and_tests_never_import_them():
                 continue
             bad += [f"{rel}:{n.lineno}: imports {m}" for m in names if m.split(".")[0] in scripts]
     assert not bad, bad
+
+
+def test_the_installed_package_holds_neither_studies_nor_weights():
+    """What ``pip install`` ships (pyproject's packages and package data): no study code, no file over 1 MB, a few
+    MB in all; the studies and the reference MoE's weights stay with the repository."""
+    import fnmatch
+
+    import tomllib
+
+    cfg = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    data = cfg["package-data"]["quant"]
+    shipped = [p for p in PKG.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+               and (p.suffix == ".py" or any(fnmatch.fnmatch(str(p.relative_to(PKG)), g) for g in data))]
+    assert cfg["packages"]["find"]["include"] == ["quant*"] and not (PKG / "study").exists()
+    assert max(p.stat().st_size for p in shipped) < 1e6 and sum(p.stat().st_size for p in shipped) < 5e6

@@ -2,7 +2,7 @@
 
 ``train.py`` imports these functions for its periodic and final evaluation; run as a script it evaluates a saved
 checkpoint folder (CPU is enough: a few minutes on 2 cores). The held-out lines of the next-line metric are picked
-by ``quant.study.heldout.nextline_samples`` (the studies score the same lines), so quant must be importable
+by ``studies.heldout.nextline_samples`` (the studies score the same lines), so quant must be importable
 (installed, or ``PYTHONPATH=.`` from the repository root):
 
     python benchmarks/reference_moe/evaluate_reference.py --model runs/reference-moe/model \
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from quant.study.heldout import nextline_samples  # the held-out lines the studies score too
+from studies.heldout import nextline_samples  # the held-out lines the studies score too
 
 REPO = Path(__file__).resolve().parents[2]
 REPO_HELDOUT_TEXTS = ("calibration/data/heldout-apache-artistic-bsd.txt", "calibration/data/heldout-python-code.txt")

@@ -4,7 +4,7 @@ file giving more than a quarter, contexts cut at the end of the previous line; t
 from __future__ import annotations
 
 from quant.models import resolve_model
-from quant.study.heldout import heldout_code_docs, nextline_batch, nextline_samples
+from studies.heldout import heldout_code_docs, nextline_batch, nextline_samples
 
 
 def test_nextline_samples_and_their_batch(quant_cache):

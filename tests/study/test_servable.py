@@ -1,4 +1,4 @@
-"""The servable study's arithmetic (quant.study.servable, run by benchmarks/study_servable.py): the share of the
+"""The servable study's arithmetic (studies.servable, run by benchmarks/study_servable.py): the share of the
 per-expert plan's KL gain over uniform INT4 that a plan keeps, per seed then averaged, and tables over sizes that
 ran only some configurations, or studies that ran only some (no reference, no baseline)."""
 
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from quant.study import servable as ss
+from studies import servable as ss
 
 BASE, REF, LAYER = (f"{n}|gptq" for n in (ss.BASELINE, ss.REFERENCE, "layer_sensitivity W4/W8 g128"))
 

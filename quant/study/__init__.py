@@ -1,2 +1,0 @@
-"""The quality studies of STUDY.md: what they measure on held-out text (``heldout``) and the servable study's
-design and tables (``servable``); the scripts that run them are in ``benchmarks/``."""
