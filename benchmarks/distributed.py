@@ -2,7 +2,7 @@
 
 Builds (once) the random-weight model of ``benchmarks/engine.py`` (Qwen3-30B-A3B or DeepSeek-V3 layer shapes), then
 for each world size starts ``torchrun --standalone --nproc-per-node N`` on this script in worker mode: every rank
-runs ``profile_routing`` and ``quantize_model`` through ``quant.dist.world`` (NCCL) on the same seeded calibration tokens,
+runs ``profile_routing`` and ``quantize_model`` through ``quant.parallel.world`` (NCCL) on the same seeded calibration tokens,
 W4 g128 symmetric GPTQ on attention and experts (as engine.py); rank 0 writes timings and every rank's peak GPU
 memory. Afterwards the stored codes of every world size are compared byte for byte with the 1-GPU run's, and
 (``--error-samples``) both checkpoints get engine.py's layer-output error. ``--llmcompressor N`` then runs
@@ -106,10 +106,10 @@ def _torch_profile(on: bool):
 def worker(a: argparse.Namespace) -> None:
     """One rank: profile and quantize under the world torchrun set up; rank 0 writes the results file."""
     from quant.diag.memtrace import CudaTrace
-    from quant.dist.world import close_world, exit_process, init_world
     from quant.engine.layerwise import Layerwise
     from quant.engine.quantize import quantize_model
     from quant.measure.profile import profile_routing
+    from quant.parallel.world import close_world, exit_process, init_world
     from quant.recipe import QuantizeSpec
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -257,8 +257,8 @@ def main() -> None:
     for r in rows:
         r["identical_layer_files"] = same_codes(base, Path(r["qdir"]))
     if a.error_samples:
-        from quant.dist.world import World
         from quant.export.compressed_tensors import write_compressed_tensors
+        from quant.parallel.world import World
 
         src = ModelSource(model_dir)
         calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)

@@ -35,13 +35,13 @@ from quant.calibration import CalibrationSet
 from quant.calibration import random_calibration as calibration
 from quant.diag.calltime import CallTimes
 from quant.diag.memtrace import CudaTrace
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.engine.quantize import quantize_model
 from quant.eval.layer_error import checkpoint_layer_errors
 from quant.measure.profile import profile_routing
 from quant.models import ModelSource
 from quant.models.synthetic import SHAPES, TiledSource, build_model
+from quant.parallel.world import World
 from quant.plan.bitplan import plan_bits
 from quant.recipe import PlanSpec, QuantizeSpec
 

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from quant.calibration import random_calibration as calibration
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.models import ModelSource, synthetic
 from quant.models.synthetic import build_model
+from quant.parallel.world import World
 
 DTYPE = "bfloat16"
 MODES = ("whole", "streamed")

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from quant.dist.world import World
 from quant.engine.layerwise import LayerReader
 from quant.io.direct_read import read_into
 from quant.io.staging import copy_into
 from quant.models import ModelSource
+from quant.parallel.world import World
 
 
 def meminfo() -> str:

@@ -108,11 +108,11 @@ def worker(rank: int, a: argparse.Namespace, port: int, model_dir: str, out: str
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // a.ranks))
     from quant.diag.memtrace import LiveBytes
-    from quant.dist.world import close_world, exit_process, init_world
     from quant.engine.layerwise import Layerwise
     from quant.engine.quantize import quantize_model
     from quant.measure.profile import profile_routing
     from quant.models import ModelSource
+    from quant.parallel.world import close_world, exit_process, init_world
     from quant.plan.bitplan import plan_bits
     from quant.recipe import PlanSpec, QuantizeSpec
 

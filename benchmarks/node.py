@@ -180,8 +180,8 @@ class _Progress(logging.Handler):
 
 def depth_worker(a: argparse.Namespace) -> None:
     """One rank of the depth run: the pipeline up to quantize on the tiled source; rank 0 writes the result."""
-    from quant.dist.world import close_world, exit_process, init_world
     from quant.engine.layerwise import pick_device
+    from quant.parallel.world import close_world, exit_process, init_world
     from quant.recipe import load_recipe
     from quant.run import stages
     from quant.run.pipeline import Run

@@ -24,11 +24,11 @@ import torch
 
 from quant.calibration import random_calibration as calibration
 from quant.diag.calltime import CallTimes
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.measure.profile import profile_routing
 from quant.models import ModelSource
 from quant.models.synthetic import SHAPES, TiledSource, build_model
+from quant.parallel.world import World
 
 TIMERS = CallTimes()
 

@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from quant.dist.relay import Relay
-from quant.dist.world import World
 from quant.engine.hessians import ExpertStats, linear_stats
 from quant.models.experts import fused_view
+from quant.parallel.relay import Relay
+from quant.parallel.world import World
 
 
 def timed(fn, reps: int = 1) -> float:

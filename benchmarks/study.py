@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from quant.calibration import build_calibration
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.engine.quantize import quantize_model
 from quant.measure.profile import profile_routing
 from quant.models import resolve_model
+from quant.parallel.world import World
 from quant.plan.bitplan import plan_bits
 from quant.plan.summary import summarize
 from quant.recipe import PlanSpec, QuantizeSpec

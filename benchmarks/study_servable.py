@@ -118,11 +118,11 @@ def run_task(seed: int, size: str, manifest: str, work: Path, damage_method: str
     ``exact``), then every configuration of ``configs`` the size runs (``AT_SIZE``) x algorithm quantized and
     evaluated."""
     from quant.calibration import build_calibration
-    from quant.dist.world import World
     from quant.engine.layerwise import Layerwise
     from quant.engine.quantize import quantize_model
     from quant.measure.layer_damage import measure_layer_damage, spread_rows
     from quant.measure.profile import profile_routing
+    from quant.parallel.world import World
     from quant.plan.bitplan import plan_bits
     from quant.recipe import PlanSpec, QuantizeSpec
 

@@ -79,8 +79,8 @@ def _stop_signals(world):
 
 
 def _stage(until: str, recipe: Path, output: Path | None, overrides, model, force) -> None:
-    from quant.dist.world import close_world, init_world
     from quant.engine.layerwise import pick_device
+    from quant.parallel.world import close_world, init_world
     from quant.run.pipeline import run
 
     r = _recipe(recipe, overrides, model)
@@ -301,7 +301,7 @@ def _report_crash(e: _Crash, log_path: Path | None) -> int:
 
 
 def main() -> None:
-    from quant.dist.world import exit_process
+    from quant.parallel.world import exit_process
 
     exit_process(cli_exit_code())
 

@@ -21,7 +21,7 @@ PACKAGES = [
     {"engine"},
     {"calibration"},
     {"models"},
-    {"dist"},
+    {"parallel"},
     {"io", "diag"},
     {"algos"},
     {"recipe", "strict_yaml", "progress"},
@@ -39,7 +39,7 @@ MODULES = {
     "measure": [{"profile", "layer_damage"}, {"damage_memory"}],
     "engine": [{"quantize"}, {"algorithms"}, {"gptq_layer", "awq_layer"}, {"layer_job"}, {"rank_split", "hessians"},
                {"results", "solvers", "budgets", "layerwise", "qstore"}, {"routing"}],
-    "dist": [{"relay"}, {"world"}],
+    "parallel": [{"relay"}, {"world"}],
     "io": [{"rundir"}, {"storage", "staging", "direct_read"}],
     "diag": [{"memtrace", "hostsync", "calltime"}],
 }

@@ -3,7 +3,7 @@
 The planned experts' Hessians come in chunks that fit ``quantize.hessian_budget_gb`` (one calibration pass
 each, :meth:`LayerJob.expert_chunks`); the linears' Hessians are taken in the first pass and solved last. With
 several ranks each rank accumulates its own experts' Hessians from every rank's batches, in global batch order
-(``quant.dist.relay``), so every Hessian is the one a single process computes; or, when ``quantize.statistics``
+(``quant.parallel.relay``), so every Hessian is the one a single process computes; or, when ``quantize.statistics``
 asks for it and every expert fits one pass, each rank sums its own batches and the sums are added over ranks once.
 """
 
@@ -14,11 +14,11 @@ import logging
 
 import torch
 
-from quant.dist.relay import Relay
 from quant.engine.hessians import ExpertStats, close_linear_stats, linear_stats
 from quant.engine.layer_job import LayerJob
 from quant.engine.layerwise import Layerwise
 from quant.models.layers import ExpertsView
+from quant.parallel.relay import Relay
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,6 @@ import torch
 from torch import nn
 
 from quant.diag.hostsync import HostCopy, on_device
-from quant.dist.relay import Relay
-from quant.dist.world import World
 from quant.engine.routing import (
     Bucket,
     chunk_budget,
@@ -25,6 +23,8 @@ from quant.engine.routing import (
     with_zero_row,
 )
 from quant.models.layers import ExpertsView
+from quant.parallel.relay import Relay
+from quant.parallel.world import World
 
 
 def _native(x: torch.Tensor) -> bool:

@@ -16,7 +16,6 @@ from torch import nn
 
 from quant.algos.grid import QuantSpec
 from quant.diag.hostsync import on_device
-from quant.dist.world import World, even_ranges
 from quant.engine.budgets import expert_chunks, expert_hessian_bytes, reduce_asked, sub_batches
 from quant.engine.hessians import ExpertStats, LinearStats
 from quant.engine.rank_split import LinearGroup, expert_load, my_linear_groups, share_results
@@ -24,6 +23,7 @@ from quant.engine.results import LayerResults, Rows
 from quant.engine.solvers import Solver, solve_rtn
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, layer_weights, linears_of
+from quant.parallel.world import World, even_ranges
 from quant.recipe import QuantizeSpec
 
 

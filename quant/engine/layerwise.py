@@ -12,7 +12,7 @@ broadcasts it, so the disk (or page cache) is read once per node, not per GPU.
 In a world of several ranks the batches are dealt out round-robin: batch ``b`` (rows ``b * batch_size ..``)
 runs on rank ``b % size``, and a rank holds the activations of its own batches only (``embed`` keeps those
 rows). Batches run in steps of one batch per rank; ``after_step`` is called on every rank after every step
-(with or without a batch of its own), which is where ``quant.dist.relay`` exchanges what hooks captured.
+(with or without a batch of its own), which is where ``quant.parallel.relay`` exchanges what hooks captured.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from quant.dist.world import World
 from quant.errors import RecipeError
 from quant.io.staging import Staging, copy_into, host_available_bytes, pin_budget
 from quant.models import ModelSource
@@ -41,6 +40,7 @@ from quant.models.layers import (
     load_layer,
     release,
 )
+from quant.parallel.world import World
 
 log = logging.getLogger(__name__)
 ACTIVATION_BUDGET_BYTES = 8 << 30  # cached activations up to this size stay on the device (quant estimate too)

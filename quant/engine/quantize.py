@@ -11,7 +11,7 @@ recorded when it was written, is not recomputed (resume after a crash); a damage
 
 With several ranks (``lw.world``) each rank owns a contiguous range of a layer's experts, and the layer's other
 modules (solved in groups that share an input) go to ranks by estimated solve time (``dist.assign``, longest
-first onto the least-loaded rank). Calibration batches run data-parallel and ``quant.dist.relay`` hands each owner its
+first onto the least-loaded rank). Calibration batches run data-parallel and ``quant.parallel.relay`` hands each owner its
 experts' routed tokens (and every rank the other modules' inputs) in global batch order, so every Hessian, and
 so every code, is the one a single process computes. Owners exchange codes (``World.exchange_tensors``), every
 rank puts the dequantized layer together and propagates its own batches; only the writer writes the layer file.

@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from quant.calibration import build_calibration
-from quant.dist.world import World
 from quant.engine.layerwise import device_memory_bytes, pick_device
 from quant.errors import CheckpointError, RecipeError
 from quant.eval.shipped_gptq import GptqCheckpoint, dense_copy
@@ -43,6 +42,7 @@ from quant.models import ModelSource
 from quant.models.builtin import cache_root
 from quant.models.dequant import DequantizingSource
 from quant.models.layers import DTYPES
+from quant.parallel.world import World
 from quant.plan.bitplan import BitPlan
 from quant.recipe import EvalSpec, Recipe
 

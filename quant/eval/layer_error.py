@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.models import ModelSource
+from quant.parallel.world import World
 
 
 def dense_copy(checkpoint: Path, out: Path, device: str | torch.device = "cpu") -> Path:

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from quant.diag.hostsync import on_device
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.errors import CheckpointError
 from quant.models import ModelSource
 from quant.models.dequant import DequantizingSource
+from quant.parallel.world import World
 from quant.progress import step
 from quant.serve.names import COMPRESSED_TENSORS_METHODS
 

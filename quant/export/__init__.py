@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quant.dist.world import World
 from quant.export.writer import CARD, LM_EVAL_FILES, add_to_manifest, checkpoint_digest
 from quant.models import ModelSource
+from quant.parallel.world import World
 from quant.plan.bitplan import BitPlan
 from quant.recipe import Recipe
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from quant.dist.world import World
 from quant.engine.qstore import packed_words, with_codes
 from quant.export.targets import name_regexes
 from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
+from quant.parallel.world import World
 from quant.plan.bitplan import BitPlan
 from quant.plan.runtimes import expert_schemes_by_layer
 from quant.serve.names import QUANT_METHOD

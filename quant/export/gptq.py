@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from quant.dist.world import World
 from quant.engine.qstore import packed_words, with_codes
 from quant.errors import PlanError
 from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
 from quant.models.families import layer_rule
+from quant.parallel.world import World
 from quant.plan.bitplan import BitPlan
 
 GPTQ_BITS = (2, 4, 8)

@@ -21,13 +21,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from quant.dist.world import World
 from quant.errors import CheckpointError
 from quant.export.shards import Shard, index, plan_shards, plan_tensors, shard_owners, write_shard
 from quant.io.rundir import atomic_write_text, environment_error
 from quant.io.storage import file_sha256, file_stamp, remember_sha256
 from quant.models import ModelSource
 from quant.models.source import remote_code_files
+from quant.parallel.world import World
 from quant.plan.bitplan import BitPlan
 
 log = logging.getLogger(__name__)

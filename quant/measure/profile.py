@@ -21,7 +21,6 @@ import torch
 from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
 from quant.calibration import CalibrationSet
 from quant.diag.hostsync import on_device
-from quant.dist.relay import Relay
 from quant.engine.layerwise import Layerwise
 from quant.engine.routing import (
     chunk_budget,
@@ -35,6 +34,7 @@ from quant.engine.routing import (
 from quant.errors import ModelError
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of
+from quant.parallel.relay import Relay
 from quant.progress import step
 
 log = logging.getLogger(__name__)

@@ -14,12 +14,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from quant.calibration import CalibrationSet, build_calibration, load_manifest, resolve_dataset_path
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.errors import QuantError
 from quant.io.rundir import atomic_write_text, data_digest, temp_path
 from quant.measure.profile import RoutingProfile, profile_routing
 from quant.models import ModelSource
+from quant.parallel.world import World
 from quant.plan.bitplan import BitPlan, plan_bits
 from quant.plan.summary import summarize
 from quant.recipe import Recipe

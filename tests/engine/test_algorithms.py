@@ -6,7 +6,6 @@ import torch
 
 from quant.algos.grid import QuantSpec
 from quant.algos.rtn import rtn
-from quant.dist.world import World
 from quant.engine.algorithms import ALGORITHMS, algorithm
 from quant.engine.layer_job import LayerJob
 from quant.engine.layerwise import Layerwise
@@ -14,6 +13,7 @@ from quant.engine.solvers import solve_gptq, solve_rtn
 from quant.errors import QuantError
 from quant.models import resolve_model
 from quant.models.layers import layer_weights
+from quant.parallel.world import World
 from quant.recipe import QuantizeSpec
 
 

@@ -5,7 +5,6 @@ import torch
 
 import quant.engine.awq_layer as smooth
 from quant.calibration import build_calibration
-from quant.dist.world import World
 from quant.engine.budgets import expert_hessian_bytes
 from quant.engine.hessians import ExpertStats
 from quant.engine.layerwise import Layerwise
@@ -13,6 +12,7 @@ from quant.engine.qstore import layer_file, read_layer, read_params
 from quant.engine.quantize import quantize_model
 from quant.forecast.estimate import synthetic_profile
 from quant.models import resolve_model
+from quant.parallel.world import World
 from quant.plan.bitplan import plan_bits
 from quant.recipe import PlanSpec, QuantizeSpec
 

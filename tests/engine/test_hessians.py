@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from quant.dist.relay import Relay
-from quant.dist.world import World
 from quant.engine.hessians import ExpertStats, linear_stats
 from quant.engine.routing import load_buckets
 from quant.models.experts import ExpertsView, fused_view
+from quant.parallel.relay import Relay
+from quant.parallel.world import World
 
 E, D, I, K, T = 8, 32, 16, 2, 300
 

@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 
-from quant.dist.world import World
 from quant.engine.layerwise import LayerReader, Layerwise, transfer
 from quant.io.staging import copy_into
 from quant.models import resolve_model
 from quant.models.layers import read_layer_tensors
+from quant.parallel.world import World
 
 
 def test_copy_into_lays_tensors_out_aligned_in_one_buffer_or_leaves_them_when_declined():

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from quant.calibration import build_calibration
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.engine.qstore import layer_file, read_layer
 from quant.engine.quantize import quantize_model
 from quant.errors import NumericalError
 from quant.measure.profile import profile_routing
 from quant.models import resolve_model
+from quant.parallel.world import World
 from quant.plan.bitplan import plan_bits
 from quant.recipe import PlanSpec, QuantizeSpec
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant.dist.world import World
 from quant.engine import layerwise
 from quant.errors import CheckpointError, RecipeError
 from quant.eval import stream as evalstream
 from quant.eval.evaluate import evaluate_run, proxy_mode
 from quant.eval.stream import ProxySums, ShippedCheckpoint, streamed_proxies
 from quant.models import ModelSource, dequant, resolve_model
+from quant.parallel.world import World
 from quant.plan.bitplan import BitPlan
 from quant.recipe import load_recipe
 from quant.run.pipeline import run

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from quant.dist.world import World
 from quant.export.shards import Planned, plan_shards, plan_tensors, shard_owners
 from quant.models.headers import read_safetensors_header
+from quant.parallel.world import World
 
 
 def _tensors(sizes: list[int]) -> list[Planned]:

@@ -383,9 +383,9 @@ def test_the_layer_damage_forecast_counts_what_the_measurement_runs(quant_cache)
     methods, on the builtin families (DeepSeek-V3's first layer dense, OLMoE's, Mixtral's, Qwen3-MoE's routing)."""
     import torch
 
-    from quant.dist.world import World
     from quant.engine.layerwise import Layerwise
     from quant.measure.layer_damage import measure_layer_damage
+    from quant.parallel.world import World
 
     for name in ("qwen3-moe-tiny", "deepseek-v3-tiny"):
         src = resolve_model(f"builtin:{name}")
@@ -581,9 +581,9 @@ def test_the_forecast_clamps_the_pass_as_the_run_does(quant_cache):
     that works; carry 30 and carry 3 on a 4-layer model, the same run, got two peaks)."""
     import torch
 
-    from quant.dist.world import World
     from quant.engine.layerwise import Layerwise
     from quant.measure.layer_damage import measure_layer_damage, spread_rows
+    from quant.parallel.world import World
 
     def profile(*overrides):
         recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", overrides=overrides)

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant.dist.world import World
 from quant.engine.qstore import dequantize_2d, layer_file, load_into_layer, read_layer
 from quant.errors import StopRequested
 from quant.models import BUILTINS, resolve_model
+from quant.parallel.world import World
 from quant.recipe import load_recipe
 from quant.run.pipeline import STAGES, run
 

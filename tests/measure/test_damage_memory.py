@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.errors import RecipeError
 from quant.io.storage import temp_pid
@@ -17,6 +16,7 @@ from quant.measure import damage_memory
 from quant.measure.damage_memory import CleanInputs, PassMemory, pass_layer_bytes, place
 from quant.measure.layer_damage import measure_layer_damage
 from quant.models import resolve_model
+from quant.parallel.world import World
 
 GB = 1 << 30
 H200_FREE = 138 * GB

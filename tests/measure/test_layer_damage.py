@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.measure.layer_damage import STAGE, measure_layer_damage, pass_cost, spread_rows
 from quant.models import resolve_model
 from quant.models.layers import experts_of
+from quant.parallel.world import World
 from quant.progress import Step
 
 SCHEMES = ("w2g32", "w4g32", "w4g16", "w8g32")

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from quant.calibration import build_calibration
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.engine.routing import expert_intermediate, expert_output, load_buckets, with_zero_row
 from quant.measure.profile import PROBE_TOKENS, RoutingProfile, profile_routing
 from quant.models import BUILTINS, resolve_model
+from quant.parallel.world import World
 from quant.plan.bitplan import plan_bits
 from quant.recipe import PlanSpec
 

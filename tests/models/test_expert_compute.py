@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from quant.algos.grid import QuantSpec, quantize_weight
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.models import expert_compute, resolve_model
 from quant.models.expert_compute import install
 from quant.models.experts import moe_block
 from quant.models.layers import experts_of
+from quant.parallel.world import World
 
 FAMILIES = ["builtin:qwen3-moe-tiny", "builtin:deepseek-v3-tiny", "builtin:mixtral-tiny", "builtin:olmoe-tiny"]
 

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from quant.calibration import build_calibration
-from quant.dist.world import World
 from quant.engine.algorithms import ALGORITHMS
 from quant.engine.layer_job import LayerJob
 from quant.engine.layerwise import Layerwise
@@ -20,6 +19,7 @@ from quant.errors import ModelError
 from quant.measure.profile import profile_routing
 from quant.models import resolve_model
 from quant.models.layers import experts_of, layer_weights
+from quant.parallel.world import World
 from quant.plan.bitplan import plan_bits
 from quant.recipe import PlanSpec, QuantizeSpec
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from quant.dist.world import World
 from quant.engine.layerwise import Layerwise
 from quant.errors import ModelError
 from quant.models import BUILTINS, resolve_model
 from quant.models.families import FAMILIES
+from quant.parallel.world import World
 
 
 @pytest.mark.parametrize("name", list(BUILTINS))

@@ -9,7 +9,7 @@ a failed one (a rank died, hung or raised) raises :class:`~quant.errors.DistErro
 surviving rank instead of a hang.
 
 Stages ask the world which share of the work is theirs (``shard``, :func:`even_ranges`, :func:`assign`) and
-exchange results through its collectives (:meth:`World.exchange_tensors`, :class:`quant.dist.relay.Relay`); only the
+exchange results through its collectives (:meth:`World.exchange_tensors`, :class:`quant.parallel.relay.Relay`); only the
 writer (rank 0) touches the run directory. ``algos/`` never imports this module.
 """
 

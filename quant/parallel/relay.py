@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from quant.dist.world import World
+from quant.parallel.world import World
 
 Consume = Callable[..., None]
 

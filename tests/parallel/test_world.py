@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from quant.dist.world import World, assign, even_ranges, init_world
 from quant.errors import DistError, QuantError, RecipeError
-from quant.dist.relay import Relay
+from quant.parallel.relay import Relay
+from quant.parallel.world import World, assign, even_ranges, init_world
 
 
 def test_shard_covers_every_item_once_in_order():
@@ -179,12 +179,12 @@ def _awq_split(world: World):
     from transformers import AutoTokenizer
 
     from quant.calibration import build_calibration
-    from quant.engine.layerwise import Layerwise
-    from quant.models import resolve_model
-    from quant.plan.bitplan import plan_bits
-    from quant.measure.profile import profile_routing
     from quant.engine.algorithms import ALGORITHMS
     from quant.engine.layer_job import LayerJob
+    from quant.engine.layerwise import Layerwise
+    from quant.measure.profile import profile_routing
+    from quant.models import resolve_model
+    from quant.plan.bitplan import plan_bits
     from quant.recipe import PlanSpec, QuantizeSpec
 
     src = resolve_model("builtin:qwen3-moe-tiny")
@@ -233,8 +233,8 @@ def _shared_read(world: World):
     """Layer 1 of a builtin model read in one share per rank and broadcast (the NCCL path, forced on gloo), then
     loaded: the experts are received into their stacked slots (traced live bytes over the read and the load, the
     stacked parameters' storage); in a compute dtype other than the stored one they are stacked (cast) after."""
-    from quant.engine.layerwise import LayerReader
     from quant.diag.memtrace import LiveBytes
+    from quant.engine.layerwise import LayerReader
     from quant.models import resolve_model
     from quant.models.layers import build_skeleton, load_layer, read_layer_tensors
 
@@ -393,7 +393,7 @@ def test_a_dead_peer_is_one_dist_error_not_a_hang(gloo_results):
 def _leave_after_error(rank: int, size: int, port: int) -> None:
     """Rank 1 fails and leaves at once; rank 0 learns it inside a collective; both end as the CLI does after an
     error (close_world unclean, then exit_process)."""
-    from quant.dist.world import close_world, exit_process
+    from quant.parallel.world import close_world, exit_process
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(size), RANK=str(rank),
                       LOCAL_RANK=str(rank), QUANT_DIST_TIMEOUT_S="30")
@@ -415,7 +415,7 @@ def _leave_cleanly(rank: int, size: int, port: int, out: str) -> None:
     handler records whether interpreter teardown (which destroys the group's C++ state) ran."""
     import atexit
 
-    from quant.dist.world import close_world, exit_process
+    from quant.parallel.world import close_world, exit_process
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(size), RANK=str(rank),
                       LOCAL_RANK=str(rank), QUANT_DIST_TIMEOUT_S="30")
