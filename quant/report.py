@@ -15,7 +15,7 @@ from quant.io.storage import cache_root
 from quant.measure.profile import RoutingProfile, ratio_text
 from quant.models import ModelSource
 from quant.plan.bitplan import KEEP_BITS, BitPlan, by_bits
-from quant.plan.servable import RUNTIME_TITLES, same_size
+from quant.plan.servable import runtime_titles, same_size
 from quant.plan.summary import BITS_TERMS, PlanSummary, summarize
 from quant.recipe import Recipe
 
@@ -225,7 +225,7 @@ def serving_lines(serving: dict) -> list[str]:
         return lines + ["- no plan of measured schemes that vLLM or SGLang serve at this model's widths fits this "
                         "plan's size"]
     schemes = ", ".join(f"{layer}: {s}" for layer, s in alt["layers"].items())
-    who = "/".join(RUNTIME_TITLES[rt] for rt in alt.get("runtimes", ("vllm", "sglang")))
+    who = "/".join(runtime_titles(alt))
     lines.append(f"- best plan {who} serve within this size (`plan.policy: layer_sensitivity`): predicted KL "
                  f"{alt['predicted_kl']:.4g} (stored expert bits {alt['expert_storage_bits']:.3f}); layers {schemes}")
     if blocked and serving["predicted_kl"] is not None:

@@ -22,7 +22,7 @@ from quant.models import ModelSource
 from quant.models.source import layer_of_key
 from quant.plan.bitplan import Headline
 from quant.plan.runtimes import GPTQMODEL_NEEDS_GPTQ, TRANSFORMERS_NO_GPTQ
-from quant.plan.servable import RUNTIME_TITLES, same_size
+from quant.plan.servable import runtime_titles, same_size
 from quant.recipe import Recipe
 
 RUNTIMES = ("vllm-quant", "vllm", "sglang", "transformers", "gptqmodel")
@@ -223,7 +223,7 @@ def _servable_alternative(serving: dict | None, runtime_problems: dict[str, list
         return []
     ours = serving.get("predicted_kl")
     versus = f" against this checkpoint's {ours:.4g}" if ours is not None else ""
-    who = " and ".join(RUNTIME_TITLES[rt] for rt in alt.get("runtimes", ("vllm", "sglang")))
+    who = " and ".join(runtime_titles(alt))
     size = ("" if same_size(alt["expert_storage_bits"], serving["expert_storage_bits"]) else
             f" It stores {alt['expert_storage_bits']:.3f} bits per expert weight against this checkpoint's "
             f"{serving['expert_storage_bits']:.3f} (no plan of whole-layer schemes fills this size), so the two are "

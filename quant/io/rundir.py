@@ -151,6 +151,8 @@ def read_run_manifest(path: Path) -> dict:
         raise RunDirError(f"{path} is damaged or was edited ({problem}); remove the run directory or use another "
                           "--output")
     return data
+
+
 def first_link(root: Path) -> Path | None:
     """The first symbolic link at any depth under ``root`` (``root`` itself may be one: the user chose where the run
     lives), in a sorted top-down walk that follows no link, so every command names the same one; None when there

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from quant.errors import ModelError
-from quant.io.storage import assets_root, cache_root, remove_stale
+from quant.io.storage import assets_root, cache_root, remove_stale, sha256_uncached
 
 BUILTIN_VERSION = 8  # 8: written by quant (seeded by tensor name), no longer by transformers' init
 _COMMON = dict(vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -133,7 +133,7 @@ def _fetch_shipped(name: str, into: Path) -> None:
                              f"{SHIPPED[name][:12]} of quant's git repository, which {REPOSITORY} is not a full "
                              f"clone of; use a git clone (not shallow), or set QUANT_ASSETS to a folder holding "
                              f"{name}/ (`git archive {SHIPPED[name][:12]} {name} | tar -x -C FOLDER` in a clone)")
-        if hashlib.sha256(out.read_bytes()).hexdigest() != digest:
+        if sha256_uncached(out) != digest:
             raise ModelError(f"builtin:{name}: {file} does not match its pinned SHA-256 (quant/models/assets/"
                              f"{name}.sha256); the copy it came from is damaged or another version")
 
@@ -155,7 +155,7 @@ def _unpack(name: str, out: Path) -> None:
     for line in (stored / "SHA256SUMS").read_text().split("\n"):
         if line.strip():
             digest, fname = line.split()
-            if hashlib.sha256((out / fname).read_bytes()).hexdigest() != digest:
+            if sha256_uncached(out / fname) != digest:
                 raise ModelError(f"shipped checkpoint {name}: {fname} does not match SHA256SUMS (corrupt install?)")
     shutil.rmtree(stored)
     (out / "quant_builtin.json").write_text(json.dumps({"name": name, "shipped": True}, indent=2))

@@ -98,15 +98,20 @@ def servers(source: ModelSource, profile: RoutingProfile, names: list[str]) -> d
     """Runtime of ``SERVING_RUNTIMES`` -> ``[L][K]`` whether its fused-MoE kernels take measured scheme ``names[k]``
     (symmetric, the group shared by the layer's projections) at layer l's widths (``runtimes.moe_width_problem``);
     only runtimes that take some scheme in every layer."""
+    widths, schemes = _layer_widths(source, profile.layers), [parse_scheme(n) for n in names]
     out = {}
     for rt in SERVING_RUNTIMES:
-        takes = []
-        for hidden, inter in _layer_widths(source, profile.layers):
-            takes.append([moe_width_problem(rt, b, shared_group_size(g, {hidden, inter}), True, hidden, inter) is None
-                          for b, g in map(parse_scheme, names)])
+        takes = [[moe_width_problem(rt, b, shared_group_size(g, {hidden, inter}), True, hidden, inter) is None
+                  for b, g in schemes] for hidden, inter in widths]
         if all(any(row) for row in takes):
             out[rt] = takes
     return out
+
+
+def runtime_titles(alternative: dict) -> list[str]:
+    """The runtimes that serve a ``best_servable`` plan, by name (vLLM and SGLang in a plan.json written before
+    the plan named them)."""
+    return [RUNTIME_TITLES[rt] for rt in alternative.get("runtimes", SERVING_RUNTIMES)]
 
 
 def best_servable(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -> dict | None:
@@ -116,8 +121,8 @@ def best_servable(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -
     if profile.layer_damage is None:
         return None
     names = sorted((n for n in profile.layer_damage if parse_scheme(n)[0] in SERVED_BITS), key=parse_scheme)
-    takes = servers(source, profile, names)
-    if not names or not takes:
+    takes = servers(source, profile, names) if names else {}
+    if not takes:
         return None
     allowed = torch.tensor([[all(t[r][k] for t in takes.values()) for k in range(len(names))]
                             for r in range(len(profile.layers))])
