@@ -3,26 +3,34 @@
 ``MixedExpertsConfig`` is vLLM's compressed-tensors config under the name ``moe-quant-mixed``: dense layers, attention
 and embeddings take compressed-tensors' own paths; a fused MoE layer whose experts all share one scheme takes vLLM's
 own compressed-tensors MoE method; a layer that mixes schemes takes ``MixedExpertsMethod``: one Marlin MoE weight
-set per scheme group (``quant.serve.layout``), one ``fused_marlin_moe`` call per group with an expert map that
-skips the other groups' experts, the outputs summed. With two or more groups on a GPU and a batch of at most
-``OVERLAP_MAX_TOKENS`` tokens, every group after the first runs on a second CUDA stream beside the first group's call
-(joined before the sum, so CUDA graphs capture both): at small batches each Marlin call leaves most of the GPU idle,
-at large ones the two calls only contend (1 x H200, 5 Qwen3-30B-A3B layers, 128/128 tokens: overlapped 1.29x and
-1.39x the sequential groups at 1 and 16 requests, 0.95x at 256). ``QUANT_MOE_OVERLAP`` = ``0`` runs the groups one
-after the other on vLLM's stream at every batch, ``1`` overlaps them at every batch. Tensor parallelism splits each
+set per scheme group (``quant.serve.layout``), one ``fused_marlin_moe`` call per group (its own alignment,
+activation and sum each, with an expert map that skips the other groups' experts; the outputs added).
+``QUANT_MOE_ROUTING=shared`` runs one routing for all groups instead (``quant.serve.moe_routing``): the routed
+tokens aligned once, each group's Marlin GEMM launch skipping the other groups' blocks, one activation and one sum
+(checked on CPU against the grouped forward; not yet measured or served on a GPU, so it is not the default). With two or
+more groups on a GPU and a batch of at most ``OVERLAP_MAX_TOKENS`` tokens, every group after the first runs its
+launches on a second CUDA stream beside the first group's (joined before the next step, so CUDA graphs capture both):
+at small batches each Marlin launch leaves most of the GPU idle, at large ones the two only contend (1 x H200, 5
+Qwen3-30B-A3B layers, 128/128 tokens, separate calls: overlapped 1.29x and 1.39x the sequential groups at 1 and 16
+requests, 0.95x at 256). ``QUANT_MOE_OVERLAP`` = ``0`` runs the groups one after the other on vLLM's stream at every
+batch, ``1`` overlaps them at every batch. Tensor parallelism splits each
 expert's intermediate dimension as vLLM does for every MoE layer; expert parallelism and EPLB are refused when the
 layer is built.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+import vllm._custom_ops as vllm_ops
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts
+from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
 from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
+from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
 from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import (
     WNA16MoEBackend,
     convert_to_wna16_moe_kernel_format,
@@ -46,6 +54,7 @@ from quant.serve.layout import (
     rank_part,
     stacked_shapes,
 )
+from quant.serve.moe_routing import MoeOps, group_rows, shared_routing_moe
 from quant.serve.names import QUANT_METHOD
 
 _QUANT_TYPES = {(4, True): scalar_types.uint4b8, (8, True): scalar_types.uint8b128, (4, False): scalar_types.uint4}
@@ -107,11 +116,11 @@ def _proj_names(layer: RoutedExperts) -> tuple[str, str, str]:
 
 
 @dataclass
-class _Group:
+class MarlinGroup:
     group: ExpertGroup
     tensors: dict  # ("w13"|"w2", kind) -> stacked tensor (kernel layout)
     expert_map: torch.Tensor | None = None
-    quant_type_id: int = 0
+    quant_type: object = None  # vLLM's ScalarType of the codes
 
 
 OVERLAP_MAX_TOKENS = 64  # the geometric middle of the batches measured faster (16 tokens) and slower (256) overlapped
@@ -135,7 +144,7 @@ class MixedExpertsMethod(FusedMoEMethodBase):
             raise NotImplementedError(f"{QUANT_METHOD}: {prefix}: experts of different schemes in one layer run "
                                       "with tensor parallelism only; drop --enable-expert-parallel / EPLB")
         self.prefix = prefix
-        self.groups = [_Group(g, {}) for g in expert_groups(schemes)]
+        self.groups = [MarlinGroup(g, {}) for g in expert_groups(schemes)]
         self.row = {e: (i, r) for i, g in enumerate(self.groups) for r, e in enumerate(g.group.experts)}
         self.tp_rank, self.tp_size = par.tp_rank, par.tp_size
         self.workspace = None
@@ -146,6 +155,12 @@ class MixedExpertsMethod(FusedMoEMethodBase):
             raise ValueError(f"{QUANT_METHOD}: QUANT_MOE_OVERLAP={mode!r}: use 0 (never), 1 (every batch) or leave it "
                              f"unset (batches of at most {OVERLAP_MAX_TOKENS} tokens)")
         self.overlap_max_tokens = {"0": 0, "1": None}.get(mode, OVERLAP_MAX_TOKENS)  # None: every batch
+        routing = os.environ.get("QUANT_MOE_ROUTING", "")
+        if routing not in ("", "shared", "separate"):
+            raise ValueError(f"{QUANT_METHOD}: QUANT_MOE_ROUTING={routing!r}: use separate (one fused_marlin_moe "
+                             "call per scheme group, the default) or shared (one alignment for every group)")
+        self.routing = routing or "separate"
+        self.rows = None  # [G, E]: each expert's row in each group's stack (moe_routing.group_rows)
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
@@ -182,30 +197,17 @@ class MixedExpertsMethod(FusedMoEMethodBase):
         return load
 
     def process_weights_after_loading(self, layer) -> None:
-        N, H = self.sizes.intermediate, self.sizes.hidden
         for g in self.groups:
-            s = g.group.scheme
-            n = len(g.group.experts)
-            dev = g.tensors[("w13", "weight_packed")].device
-            holder = SimpleNamespace(intermediate_size_per_partition=N, num_groups_w13=H // s.group_size,
-                                     num_groups_w2=N // s.group_size)
-            from compressed_tensors.quantization import QuantizationArgs
-
-            args = QuantizationArgs(num_bits=s.bits, type="int", symmetric=s.symmetric, strategy="group",
-                                    group_size=s.group_size)
-            empty = torch.empty((n, 0), dtype=torch.int32, device=dev)
-            out = convert_to_wna16_moe_kernel_format(
-                WNA16MoEBackend.MARLIN, holder, args, None, g.tensors[("w13", "weight_packed")],
-                g.tensors[("w2", "weight_packed")], g.tensors[("w13", "weight_scale")],
-                g.tensors[("w2", "weight_scale")], w13_g_idx=empty, w2_g_idx=empty,
-                w13_qzeros=g.tensors.get(("w13", "weight_zero_point")), w2_qzeros=g.tensors.get(("w2", "weight_zero_point")))
-            keys = ("w13", "w2", "s13", "s2", "g13", "g2", "i13", "i2", "z13", "z2")
-            g.tensors = dict(zip(keys, out[:10], strict=True))
-            g.expert_map = torch.tensor(g.group.expert_map(layer.global_num_experts), dtype=torch.int32).to(dev)
-            g.quant_type_id = _QUANT_TYPES[(s.bits, s.symmetric)].id
+            to_kernel_layout(g, self.sizes.hidden, self.sizes.intermediate, layer.global_num_experts)
         for name in [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]:
             delattr(layer, name)  # the routing parameters held nothing
+        self.finish(layer.global_num_experts)
+
+    def finish(self, n_experts: int) -> None:
+        """The layer-wide state once every group is in the kernel layout: the routing table, the workspaces and
+        the side stream."""
         dev = self.groups[0].expert_map.device
+        self.rows = group_rows([g.group for g in self.groups], n_experts, dev)
         self.workspace = marlin_make_workspace_new(dev, 4)
         if len(self.groups) > 1 and dev.type == "cuda" and self.overlap_max_tokens != 0:
             self.side, self.side_workspace = _side_stream(dev)
@@ -213,19 +215,33 @@ class MixedExpertsMethod(FusedMoEMethodBase):
     def get_fused_moe_quant_config(self, layer):
         return None
 
-    def _group_moe(self, g: _Group, layer, x, topk_weights, topk_ids, workspace):
+    def _group_moe(self, g: MarlinGroup, layer, x, topk_weights, topk_ids, workspace):
         t = g.tensors
         return fused_marlin_moe(
             x, t["w13"], t["w2"], None, None, t["s13"], t["s2"], topk_weights, topk_ids,
-            quant_type_id=g.quant_type_id, apply_router_weight_on_input=layer.apply_router_weight_on_input,
+            quant_type_id=g.quant_type.id, apply_router_weight_on_input=layer.apply_router_weight_on_input,
             global_num_experts=layer.global_num_experts, activation=layer.activation, expert_map=g.expert_map,
             g_idx1=t["g13"], g_idx2=t["g2"], sort_indices1=t["i13"], sort_indices2=t["i2"],
             w1_zeros=t["z13"], w2_zeros=t["z2"], workspace=workspace, is_k_full=True)
 
-    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        first, rest = self.groups[0], self.groups[1:]
+    def _side_for(self, n_tokens: int):
+        """The second stream for a batch of ``n_tokens``, or None where the groups run one after the other."""
         bound = self.overlap_max_tokens
-        if self.side is None or not rest or (bound is not None and x.shape[0] > bound):
+        if self.side is None or len(self.groups) < 2 or (bound is not None and n_tokens > bound):
+            return None
+        return self.side
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        side = self._side_for(x.shape[0])
+        if self.routing == "shared":
+            ops = MoeOps(align=_align, gemm=_marlin_gemm,
+                         act=lambda out, inp: apply_moe_activation(layer.activation, out, inp))
+            return shared_routing_moe(x, topk_weights, topk_ids, self.groups, self.rows, ops,
+                                      intermediate=self.sizes.intermediate,
+                                      weight_on_input=layer.apply_router_weight_on_input,
+                                      workspaces=(self.workspace, self.side_workspace), side=side)
+        first, rest = self.groups[0], self.groups[1:]
+        if side is None:
             out = self._group_moe(first, layer, x, topk_weights, topk_ids, self.workspace)
             for g in rest:
                 out.add_(self._group_moe(g, layer, x, topk_weights, topk_ids, self.workspace))
@@ -233,11 +249,53 @@ class MixedExpertsMethod(FusedMoEMethodBase):
         # the other groups on the side stream, after everything vLLM's stream has queued (x, the routing); vLLM's
         # stream waits for them before the sum, so nothing either stream frees is reused while the other reads it
         main = torch.cuda.current_stream(x.device)
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
             ys = [self._group_moe(g, layer, x, topk_weights, topk_ids, self.side_workspace) for g in rest]
         out = self._group_moe(first, layer, x, topk_weights, topk_ids, self.workspace)
-        main.wait_stream(self.side)
+        main.wait_stream(side)
         for y in ys:
             out.add_(y)
         return out
+
+
+def to_kernel_layout(g: MarlinGroup, hidden: int, intermediate: int, n_experts: int) -> None:
+    """One group's stacked compressed-tensors tensors (``g.tensors`` keyed by (side, kind)) into Marlin's layout."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    s, n, H, N = g.group.scheme, len(g.group.experts), hidden, intermediate
+    dev = g.tensors[("w13", "weight_packed")].device
+    holder = SimpleNamespace(intermediate_size_per_partition=N, num_groups_w13=H // s.group_size,
+                             num_groups_w2=N // s.group_size)
+    args = QuantizationArgs(num_bits=s.bits, type="int", symmetric=s.symmetric, strategy="group",
+                            group_size=s.group_size)
+    empty = torch.empty((n, 0), dtype=torch.int32, device=dev)
+    t = g.tensors
+    out = convert_to_wna16_moe_kernel_format(
+        WNA16MoEBackend.MARLIN, holder, args, None, t[("w13", "weight_packed")], t[("w2", "weight_packed")],
+        t[("w13", "weight_scale")], t[("w2", "weight_scale")], w13_g_idx=empty, w2_g_idx=empty,
+        w13_qzeros=t.get(("w13", "weight_zero_point")), w2_qzeros=t.get(("w2", "weight_zero_point")))
+    keys = ("w13", "w2", "s13", "s2", "g13", "g2", "i13", "i2", "z13", "z2")
+    g.tensors = dict(zip(keys, out[:10], strict=True))
+    g.expert_map = torch.tensor(g.group.expert_map(n_experts), dtype=torch.int32).to(dev)
+    g.quant_type = _QUANT_TYPES[(s.bits, s.symmetric)]
+
+
+def _align(topk_ids: torch.Tensor, block_m: int, n_experts: int):
+    """Every routed pair aligned over all experts (no expert map: each expert is some group's)."""
+    return moe_align_block_size(topk_ids, block_m, n_experts)
+
+
+# releases whose Marlin MoE GEMM takes ``is_ep`` skip blocks of expert -1 only when it is set; older ones always do
+_GEMM_EP = {"is_ep": True} if "is_ep" in inspect.signature(vllm_ops.moe_wna16_marlin_gemm).parameters else {}
+
+
+def _marlin_gemm(a, out, g: MarlinGroup, proj: str, sorted_ids, block_rows, n_padded, topk_weights, block_m: int,
+                 top_k: int, mul_weights: bool, size_m: int, size_n: int, size_k: int, workspace):
+    """One group's Marlin MoE GEMM over the shared routing (``moe_routing.MoeOps.gemm``)."""
+    t, n = g.tensors, proj[1:]  # "13" or "2"
+    return vllm_ops.moe_wna16_marlin_gemm(
+        a, out, t[proj], None, t[f"s{n}"], None, None, t[f"z{n}"], t[f"g{n}"], t[f"i{n}"], workspace, sorted_ids,
+        block_rows, n_padded, topk_weights, moe_block_size=block_m, top_k=top_k, mul_topk_weights=mul_weights,
+        b_q_type=g.quant_type, size_m=size_m, size_n=size_n, size_k=size_k, is_k_full=True, use_atomic_add=False,
+        use_fp32_reduce=True, is_zp_float=False, **_GEMM_EP)

@@ -1,0 +1,131 @@
+"""One fused MoE layer's forward as quant's vLLM plugin runs it, against the per-layer layers it competes with (GPU,
+vLLM's Marlin MoE kernels; a benchmark-only path: random codes and scales, no checkpoint, no engine).
+
+For each ``--shape`` (Qwen3-30B-A3B: hidden 2048, 128 experts, intermediate 768; DeepSeek-V3: 7168, 256, 2048; top 8)
+and token count, CUDA-graph replays of:
+
+- ``w4`` / ``w8``: every expert W4 g128 / W8 g128, one ``fused_marlin_moe`` call (what stock vLLM runs for a
+  per-layer layer); ``per-layer`` = 0.8 w4 + 0.2 w8, a per-layer mix at the per-expert mix's stored bits;
+- the per-expert mix (the most routed 20 % of experts W8 g128, the rest W4 g128; routing skewed so that they get
+  about half of the pairs) through ``MixedExpertsMethod.apply``: ``separate`` (a call per group) and ``shared`` (one
+  routing, ``quant.serve.moe_routing``), each one group after the other (``-seq``) and overlapped (``-ovl``).
+
+Prints a JSON line per point (microseconds, median of 5 x 50 replays, with the spread) and the shared path's largest
+difference from the separate one, then a table. Run in vLLM's environment::
+
+    PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/moe_layer.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from functools import partial
+from types import SimpleNamespace
+
+import torch
+
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8)}
+
+
+def method(schemes, H: int, N: int, E: int, routing: str, overlap: bool, dev, seed: int):
+    """A ``MixedExpertsMethod`` over random codes, without a vLLM layer (its constructor needs an engine)."""
+    from quant.serve.layout import expert_groups, stacked_shapes
+    from quant.serve.vllm_mixed import MarlinGroup, MixedExpertsMethod, to_kernel_layout
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    m = object.__new__(MixedExpertsMethod)
+    m.groups = [MarlinGroup(grp, {}) for grp in expert_groups(schemes)]
+    for grp in m.groups:
+        for key, shape in stacked_shapes(grp.group.scheme, len(grp.group.experts), H, N).items():
+            if key[1] == "weight_scale":
+                grp.tensors[key] = (torch.rand(shape, generator=g, device=dev) * 2e-3 + 1e-3).to(torch.bfloat16)
+            else:
+                grp.tensors[key] = torch.randint(-2**31, 2**31 - 1, shape, generator=g, device=dev, dtype=torch.int32)
+        to_kernel_layout(grp, H, N, E)
+    m.sizes = SimpleNamespace(hidden=H, intermediate=N)
+    m.routing, m.overlap_max_tokens = routing, (None if overlap else 0)
+    m.side = m.side_workspace = None
+    m.finish(E)
+    return m
+
+
+def routing(T: int, E: int, k: int, dev, seed: int):
+    """Top-k of skewed logits: expert e's weight falls as (e + 1) ** -0.8, so experts 0 .. E/5 get about half."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    logp = -0.8 * torch.log(torch.arange(1, E + 1, device=dev, dtype=torch.float32))
+    gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, device=dev)))
+    w, ids = (logp + gumbel).topk(k, dim=1)
+    return w.softmax(dim=1).float(), ids.to(torch.int32)
+
+
+def timed(fn, reps: int = 50, rounds: int = 5) -> tuple[float, float, float]:
+    """Median, min and max microseconds of one call, from CUDA-graph replays."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(times), min(times), max(times)
+
+
+def main() -> None:
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from quant.serve.layout import Scheme
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024, 4096])
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for shape in a.shapes:
+        H, N, E, k = SHAPES[shape]
+        layer = SimpleNamespace(activation=MoEActivation.SILU, apply_router_weight_on_input=False,
+                                global_num_experts=E)
+        hot = E // 5
+        mixed = [Scheme(8, 128) if e < hot else Scheme(4, 128) for e in range(E)]
+        variants = {"w4": ([Scheme(4, 128)] * E, "separate", False), "w8": ([Scheme(8, 128)] * E, "separate", False)}
+        for r in ("separate", "shared"):
+            variants |= {f"{r}-seq": (mixed, r, False), f"{r}-ovl": (mixed, r, True)}
+        methods = {name: method(s, H, N, E, r, ovl, dev, 0) for name, (s, r, ovl) in variants.items()}
+        for T in a.tokens:
+            x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+            w, ids = routing(T, E, k, dev, T)
+            row = {"shape": shape, "tokens": T}
+            outs = {}
+            for name, m in methods.items():
+                outs[name] = m.apply(layer, x, w, ids, None, None)
+                med, lo, hi = timed(partial(m.apply, layer, x, w, ids, None, None))
+                row[name] = round(med, 1)
+                row[f"{name}_spread"] = [round(lo, 1), round(hi, 1)]
+            row["per-layer"] = round(0.8 * row["w4"] + 0.2 * row["w8"], 1)
+            ref = outs["separate-seq"].float()
+            row["shared_max_rel_diff"] = max(float((outs[n].float() - ref).abs().max() / ref.abs().max())
+                                             for n in ("shared-seq", "shared-ovl", "separate-ovl"))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del methods
+        torch.cuda.empty_cache()
+    cols = ["w4", "w8", "per-layer", "separate-seq", "separate-ovl", "shared-seq", "shared-ovl"]
+    print("\nus per layer forward (CUDA graphs, median of 5 x 50 replays); last column: best mixed / per-layer")
+    print(f"{'shape':14} {'T':>5} " + " ".join(f"{c:>12}" for c in cols) + "   ratio")
+    for r in rows:
+        best = min(r[c] for c in cols[3:])
+        print(f"{r['shape']:14} {r['tokens']:>5} " + " ".join(f"{r[c]:>12}" for c in cols)
+              + f"   {r['per-layer'] / best:.2f}")
+
+
+if __name__ == "__main__":
+    main()
