@@ -10,8 +10,9 @@ and token count, CUDA-graph replays of:
   about half of the pairs) through ``MixedExpertsMethod.apply``: ``separate`` (a call per group) and ``shared`` (one
   routing, ``quant.serve.moe_routing``), each one group after the other (``-seq``) and overlapped (``-ovl``).
 
-Prints a JSON line per point (microseconds, median of 5 x 50 replays, with the spread) and the shared path's largest
-difference from the separate one, then a table. Run in vLLM's environment::
+Prints a JSON line per point (microseconds, median of 5 x 50 replays, with the spread) and each mixed variant's
+largest difference from ``separate-seq``, then a table. The shared routing runs only where vLLM's Marlin MoE GEMM
+skips blocks of expert -1 (``vllm_mixed.SHARED_ROUTING``; 0.26's does not). Run in vLLM's environment::
 
     PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 benchmarks/moe_layer.py
 """
@@ -97,7 +98,9 @@ def main() -> None:
         hot = E // 5
         mixed = [Scheme(8, 128) if e < hot else Scheme(4, 128) for e in range(E)]
         variants = {"w4": ([Scheme(4, 128)] * E, "separate", False), "w8": ([Scheme(8, 128)] * E, "separate", False)}
-        for r in ("separate", "shared"):
+        from quant.serve.vllm_mixed import SHARED_ROUTING
+
+        for r in ("separate", "shared") if SHARED_ROUTING else ("separate",):
             variants |= {f"{r}-seq": (mixed, r, False), f"{r}-ovl": (mixed, r, True)}
         methods = {name: method(s, H, N, E, r, ovl, dev, 0) for name, (s, r, ovl) in variants.items()}
         for T in a.tokens:
@@ -112,13 +115,14 @@ def main() -> None:
                 row[f"{name}_spread"] = [round(lo, 1), round(hi, 1)]
             row["per-layer"] = round(0.8 * row["w4"] + 0.2 * row["w8"], 1)
             ref = outs["separate-seq"].float()
-            row["shared_max_rel_diff"] = max(float((outs[n].float() - ref).abs().max() / ref.abs().max())
-                                             for n in ("shared-seq", "shared-ovl", "separate-ovl"))
+            row["max_rel_diff"] = max(float((outs[n].float() - ref).abs().max() / ref.abs().max())
+                                      for n in outs if n.startswith(("shared", "separate-ovl")))
             print(json.dumps(row), flush=True)
             rows.append(row)
         del methods
         torch.cuda.empty_cache()
-    cols = ["w4", "w8", "per-layer", "separate-seq", "separate-ovl", "shared-seq", "shared-ovl"]
+    cols = [c for c in ("w4", "w8", "per-layer", "separate-seq", "separate-ovl", "shared-seq", "shared-ovl")
+            if c in rows[0]]
     print("\nus per layer forward (CUDA graphs, median of 5 x 50 replays); last column: best mixed / per-layer")
     print(f"{'shape':14} {'T':>5} " + " ".join(f"{c:>12}" for c in cols) + "   ratio")
     for r in rows:

@@ -160,6 +160,9 @@ class MixedExpertsMethod(FusedMoEMethodBase):
             raise ValueError(f"{QUANT_METHOD}: QUANT_MOE_ROUTING={routing!r}: use separate (one fused_marlin_moe "
                              "call per scheme group, the default) or shared (one alignment for every group)")
         self.routing = routing or "separate"
+        if self.routing == "shared" and not SHARED_ROUTING:
+            raise ValueError(f"{QUANT_METHOD}: QUANT_MOE_ROUTING=shared needs a vLLM whose Marlin MoE GEMM takes "
+                             "is_ep (skips blocks of expert -1); this one does not: leave QUANT_MOE_ROUTING unset")
         self.rows = None  # [G, E]: each expert's row in each group's stack (moe_routing.group_rows)
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
@@ -286,8 +289,10 @@ def _align(topk_ids: torch.Tensor, block_m: int, n_experts: int):
     return moe_align_block_size(topk_ids, block_m, n_experts)
 
 
-# releases whose Marlin MoE GEMM takes ``is_ep`` skip blocks of expert -1 only when it is set; older ones always do
-_GEMM_EP = {"is_ep": True} if "is_ep" in inspect.signature(vllm_ops.moe_wna16_marlin_gemm).parameters else {}
+# the shared routing needs a Marlin MoE GEMM that skips blocks of expert -1: releases whose GEMM takes ``is_ep``
+# do when it is set; 0.26's has no such flag and reads expert -1's weights (an illegal address on 1 x H200)
+SHARED_ROUTING = "is_ep" in inspect.signature(vllm_ops.moe_wna16_marlin_gemm).parameters
+_GEMM_EP = {"is_ep": True} if SHARED_ROUTING else {}
 
 
 def _marlin_gemm(a, out, g: MarlinGroup, proj: str, sorted_ids, block_rows, n_padded, topk_weights, block_m: int,
