@@ -32,7 +32,7 @@ STANDALONE = {"eval.sandbox_child", "eval.isolation", "eval.seccomp"}
 # module order inside a package, top to bottom (packages not listed are one unit)
 MODULES = {
     "run": [{"pipeline"}, {"stages"}],
-    "forecast": [{"estimate"}, {"layer_costs", "footprint"}, {"throughputs"}],
+    "forecast": [{"estimate"}, {"layer_costs", "footprint"}, {"algorithm_costs"}, {"throughputs"}],
     "eval": [{"evaluate"}, {"stream", "layer_error", "shipped_gptq"}, {"lmeval", "humaneval"}, {"sandbox"}, {"sandbox_child"},
              {"isolation", "seccomp"}],
     "plan": [{"runtimes", "summary", "servable"}, {"bitplan"}, {"joint_policy"}, {"layer_policy"}],

@@ -1,9 +1,11 @@
 """The quantization algorithms the engine runs, behind one protocol: ``ALGORITHMS = {"rtn", "gptq", "awq"}``.
 
 An algorithm declares what statistics its layer needs (:class:`Statistics`), when it accepts partial sums added
-over ranks instead of the ordered relay, drives one layer (statistics passes, then solves, through its
+over ranks instead of the ordered relay, what one element of its batched solves or searches is estimated to hold
+(which sizes their sub-batches), drives one layer (statistics passes, then solves, through its
 :class:`~quant.engine.layer_job.LayerJob`) and provides the solver its batches go through. ``quant estimate``
-reads the same declarations and decisions to forecast a run.
+reads the same declarations and decisions to forecast a run (its time and working-set models of each algorithm:
+``quant.forecast.algorithm_costs``, under the same names).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Protocol
 import torch
 
 from quant.engine.awq_layer import run_awq
+from quant.engine.budgets import search_bytes, solve_bytes
 from quant.engine.gptq_layer import run_gptq
 from quant.engine.layer_job import LayerJob
 from quant.engine.layerwise import Layerwise
@@ -35,6 +38,11 @@ class Algorithm(Protocol):
     statistics: Statistics
     solve: Solver
 
+    def sub_batch_bytes(self, out_f: int, in_f: int) -> int:
+        """One element's estimated working set in the algorithm's batched solves or searches of ``[out_f, in_f]``
+        weights: what its driver sizes their sub-batches by (``budgets.sub_batches``)."""
+        ...
+
     def reduces_statistics(self, asked: bool, expert_passes: int) -> bool:
         """Whether the layer's statistics are each rank's own batches summed over ranks, given that
         ``quantize.statistics`` asks for it (``budgets.reduce_asked``) and the planned experts' Hessians take
@@ -53,6 +61,7 @@ class RTN:
     name = "rtn"
     statistics = Statistics()
     solve = staticmethod(solve_rtn)
+    sub_batch_bytes = staticmethod(solve_bytes)  # LayerJob.run_experts' default
 
     def reduces_statistics(self, asked: bool, expert_passes: int) -> bool:
         return False
@@ -70,6 +79,7 @@ class GPTQ:
     name = "gptq"
     statistics = Statistics(hessians=True)
     solve = staticmethod(solve_gptq)
+    sub_batch_bytes = staticmethod(solve_bytes)
 
     def reduces_statistics(self, asked: bool, expert_passes: int) -> bool:
         """Reduced only when every expert's Hessians fit one pass: chunked passes need the ordered relay (each
@@ -88,6 +98,7 @@ class AWQ:
     name = "awq"
     statistics = Statistics(hessians=True, channel_means=True, replicated=True)
     solve = staticmethod(solve_rtn)  # the modules no search covers are rounded to nearest
+    sub_batch_bytes = staticmethod(search_bytes)  # awq_layer's search sub-batches
 
     def reduces_statistics(self, asked: bool, expert_passes: int) -> bool:
         return asked
@@ -98,7 +109,7 @@ class AWQ:
             job.results.params = run_awq(job, lw, hidden, reduced)
 
 
-ALGORITHMS: dict[str, Algorithm] = {"rtn": RTN(), "gptq": GPTQ(), "awq": AWQ()}
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (RTN(), GPTQ(), AWQ())}
 
 
 def algorithm(name: str) -> Algorithm:

@@ -33,6 +33,7 @@ import torch
 
 from quant.engine.layerwise import ACTIVATION_BUDGET_BYTES
 from quant.errors import PlanError, RecipeError
+from quant.forecast.algorithm_costs import algorithm_cost
 from quant.forecast.layer_costs import (
     DTYPE_BYTES,
     LayerShape,
@@ -404,9 +405,7 @@ def render(f: Forecast, recipe: Recipe) -> str:
         lines.append("budgets: no quantize.hessian_budget_gb / solve_budget_gb fits the card")
     ranks = ""
     if f.gpus > 1:
-        experts = ("AWQ searches divided over ranks, its statistics replicated on every rank" if q.algorithm == "awq"
-                   else "experts divided over ranks")
-        ranks = f"{experts}, every rank holds the layer and its share of the batches; "
+        ranks = f"{algorithm_cost(q.algorithm).ranks}, every rank holds the layer and its share of the batches; "
     lines.append(f"assumes: {ranks}time from one H200's throughputs (BENCHMARKS.md)")
     return "\n".join(lines)
 

@@ -8,16 +8,18 @@ and seconds, sized by the engine's own decisions.
   max(forward transient, solve working set). The forward transient is one batch's routed expert activations, the
   statistics' padded blocks (``engine.routing.GPU_BLOCK_ELEMS``) and, where SDPA has no fused kernel for the head
   dims (queries/keys and values of different width: MLA), the materialized attention scores. The solve working set
-  is ``SOLVE_FACTOR`` times the largest sub-batch ``engine.budgets.sub_batch_cap`` admits (a GPTQ solve allocates
-  ~2.8x that estimate: copies, act-order permutations, the loss terms); for AWQ ``AWQ_FACTOR`` times the largest
-  search sub-batch (``engine.budgets.search_bytes``). AWQ's expert statistics come in the same chunks as GPTQ's
-  (its first pass also sums every expert's mean |x|, no Hessians).
+  is the algorithm's working-set factor (``algorithm_costs``) times the largest sub-batch
+  ``engine.budgets.sub_batch_cap`` admits, each element sized as the algorithm sizes it
+  (``Algorithm.sub_batch_bytes``: GPTQ's solve, AWQ's search). AWQ's expert statistics come in the same chunks as
+  GPTQ's (its first pass also sums every expert's mean |x|, no Hessians).
 - profile = activations + layer + the W4 sensitivity probe, which rounds the rank's experts a few at a time in fp32
   into dequantized copies it keeps for the layer's batches (``profile_memory``).
 
 The engine decides, the forecast asks it: expert chunks by Hessian budget, sub-batches by solve budget, whether the
-statistics are summed over ranks (``quant.engine.budgets``), what each algorithm accumulates and whether every rank
-holds every expert's statistics (``quant.engine.algorithms``).
+statistics are summed over ranks (``quant.engine.budgets``), what each algorithm accumulates, whether every rank
+holds every expert's statistics and what one element of its sub-batches holds (``quant.engine.algorithms``). What
+only the forecast knows of an algorithm (its working-set factor, solve time, solved linear groups) is its
+``algorithm_costs.AlgorithmCost``; nothing here tests an algorithm's name.
 """
 
 from __future__ import annotations
@@ -26,20 +28,13 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from quant.engine.algorithms import ALGORITHMS
-from quant.engine.budgets import (
-    expert_chunks,
-    expert_hessian_bytes,
-    reduce_asked,
-    search_bytes,
-    solve_bytes,
-    sub_batch_cap,
-    sub_batches,
-)
+from quant.engine.algorithms import Algorithm, algorithm
+from quant.engine.budgets import expert_chunks, expert_hessian_bytes, reduce_asked, sub_batch_cap, sub_batches
 from quant.engine.layerwise import ACTIVATION_BUDGET_BYTES
 from quant.engine.routing import GPU_BLOCK_ELEMS
+from quant.forecast.algorithm_costs import AlgorithmCost, algorithm_cost
 from quant.forecast.footprint import store_module_bytes
-from quant.forecast.throughputs import THROUGHPUTS, awq_search_seconds, gptq_solve_seconds
+from quant.forecast.throughputs import THROUGHPUTS
 from quant.measure.profile import PROBE_CHUNK_BYTES
 from quant.models import ModelSource
 from quant.models.headers import Dims
@@ -48,11 +43,6 @@ from quant.plan.bitplan import BitPlan
 from quant.recipe import Recipe
 
 GB = 1e9
-SOLVE_FACTOR = 1.4  # allocated / sub_batches' estimate, fit to the fused solve's Qwen3-30B-A3B GPTQ peak (10.6 GB)
-# allocated / search_bytes at the peak of a trial (rows, x / s, x Wᵀ, Q(W · s), y, y - x Wᵀ and its square), counted
-# from smooth's code (DeepSeek-V3 gate/up 1.13, down 1.22) with room for the quantizer's temporaries; the measured
-# peaks it forecasts: Qwen3-30B-A3B 10.7 GB (8.7 measured), DeepSeek-V3 58.2 GB (54.1)
-AWQ_FACTOR = 1.4
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -127,13 +117,23 @@ class Workload:
         return self.n_samples * self.seq_len
 
     @property
+    def engine(self) -> Algorithm:
+        """The engine's algorithm: its statistics, its reduction over ranks, its sub-batches' sizes."""
+        return algorithm(self.algorithm)
+
+    @property
+    def cost(self) -> AlgorithmCost:
+        """What only the forecast knows of the algorithm: working-set factor, solve time, solved linear groups."""
+        return algorithm_cost(self.algorithm)
+
+    @property
     def hessians(self) -> bool:
-        return ALGORITHMS[self.algorithm].statistics.hessians
+        return self.engine.statistics.hessians
 
     @property
     def expert_ranks(self) -> int:
-        """Ranks the experts' statistics are divided over: AWQ's are replicated (its searches are divided)."""
-        return 1 if ALGORITHMS[self.algorithm].statistics.replicated else self.gpus
+        """Ranks the experts' statistics are divided over: replicated ones (AWQ's) are on every rank."""
+        return 1 if self.engine.statistics.replicated else self.gpus
 
 
 def rank_activation_bytes(run: Workload, d: Dims) -> float:
@@ -167,7 +167,7 @@ def statistics_reduced(layer: LayerShape, run: Workload) -> bool:
     Hessians fit one pass, AWQ always)."""
     n = layer.n_experts  # a dense layer has no expert Hessians: no pass
     passes = len(expert_chunks(range(n), n, expert_hessian_bytes(*layer.expert_in), run.hessian_budget_gb)) if n else 0
-    return ALGORITHMS[run.algorithm].reduces_statistics(reduce_asked(run.statistics, run.gpus, "nccl"), passes)
+    return run.engine.reduces_statistics(reduce_asked(run.statistics, run.gpus, "nccl"), passes)
 
 
 def expert_pass_sizes(layer: LayerShape, run: Workload) -> list[int]:
@@ -182,14 +182,9 @@ def expert_pass_sizes(layer: LayerShape, run: Workload) -> list[int]:
     return [count for _, count in expert_chunks(range(n), n, per, run.hessian_budget_gb)]
 
 
-def _element_bytes(run: Workload):
-    """One element's estimated working set for the run's algorithm (what sizes its sub-batches)."""
-    return search_bytes if run.algorithm == "awq" else solve_bytes
-
-
 def _solve_sets(layer: LayerShape, run: Workload, n_rank: int) -> tuple[list[tuple[int, float]], list[float]]:
     """Expert problems as (experts per sub-batch, its working set) and each linear group's working set."""
-    per_element = _element_bytes(run)
+    per_element = run.engine.sub_batch_bytes
     D, I = layer.expert_in
     experts = []
     for out_f, in_f in ((2 * I, D), (D, I)) if n_rank else ():
@@ -201,17 +196,15 @@ def _solve_sets(layer: LayerShape, run: Workload, n_rank: int) -> tuple[list[tup
 
 def _solve_problems(layer: LayerShape, run: Workload, d: Dims, chunks: list[int]) -> list[tuple[int, int, int]]:
     """The sub-batches a layer's solves run, as (elements, out_features, in_features): each expert chunk's
-    projections split as ``budgets.sub_batches`` splits them, then the linear groups; AWQ searches only the groups
-    reading the hidden state (attention or dense MLP inputs: their s folds into a norm; counted also for a shared
-    expert, which reuses the experts' s) and rounds the rest."""
+    projections split as ``budgets.sub_batches`` splits them, then the linear groups the algorithm solves
+    (``AlgorithmCost.solved_groups``)."""
     D, I = layer.expert_in
     out = []
     for c in chunks:
         for out_f, in_f in ((2 * I, D), (D, I)):
-            parts = sub_batches(list(range(c)), out_f, in_f, run.solve_budget_gb, _element_bytes(run))
+            parts = sub_batches(list(range(c)), out_f, in_f, run.solve_budget_gb, run.engine.sub_batch_bytes)
             out += [(len(p), out_f, in_f) for p in parts]
-    linears = [g for g in layer.linear_groups if run.algorithm != "awq" or g[0] == d.hidden]
-    return out + [(1, out_f, in_f) for in_f, out_f in linears]
+    return out + [(1, out_f, in_f) for in_f, out_f in run.cost.solved_groups(layer.linear_groups, d.hidden)]
 
 
 def quantize_memory(layer: LayerShape, run: Workload, d: Dims) -> dict[str, float]:
@@ -222,11 +215,13 @@ def quantize_memory(layer: LayerShape, run: Workload, d: Dims) -> dict[str, floa
     for count in chunks:  # a chunk's Hessians beside the codes of every expert solved so far
         done += count
         chunk_peak = max(chunk_peak, count * per_h + done * layer.expert_code_bytes)
-    if statistics_reduced(layer, run) and run.algorithm == "gptq":  # every expert's summed Hessians, beside this rank's codes
+    # statistics divided over ranks but summed over them instead (one pass: GPTQ): every expert's summed Hessians,
+    # beside this rank's codes
+    if statistics_reduced(layer, run) and not run.engine.statistics.replicated:
         chunk_peak = layer.n_experts * per_h + sum(chunks) * layer.expert_code_bytes
     lin_h = sum(4 * in_f**2 for in_f, _ in layer.linear_groups) if run.hessians else 0.0
     experts, linears = _solve_sets(layer, run, max(chunks, default=0))
-    factor = AWQ_FACTOR if run.algorithm == "awq" else SOLVE_FACTOR
+    factor = run.cost.working_set_factor
     ws_experts = factor * max((b for _, b in experts), default=0.0)
     transient = forward_transient(layer, run, d, 3 if run.hessians else 0)
     base = {"activations": activation_bytes(run, d), "layer": layer.weight_bytes, "linear Hessians": lin_h}
@@ -251,8 +246,8 @@ def _quantize_compute_seconds(layer: LayerShape, run: Workload, d: Dims) -> floa
     t = THROUGHPUTS
     seconds = run.tokens * layer.active_params / run.gpus / t["forward_param_tokens_per_s"]
     chunks = expert_pass_sizes(layer, run)
-    if not run.hessians:
-        return seconds + layer.weight_bytes / t["rtn_bytes_per_s"]
+    if not run.hessians:  # no statistics to gather: the solves alone (RTN's rounding)
+        return seconds + run.cost.solve_seconds(layer, [], run)
     D, I = layer.expert_in
     # statistics: ordered, each rank sums every batch (for its experts); reduced, its own batches (for every expert)
     reduced = statistics_reduced(layer, run)
@@ -260,11 +255,7 @@ def _quantize_compute_seconds(layer: LayerShape, run: Workload, d: Dims) -> floa
             + run.tokens * sum(in_f**2 for in_f, _ in layer.linear_groups) / (run.gpus if reduced else 1)
             + max(len(chunks), 1) * run.tokens * layer.active_params / run.gpus)
     problems = _solve_problems(layer, run, d, chunks)
-    if run.algorithm == "awq":
-        solve = awq_search_seconds(problems, run.awq_grid) / run.gpus  # each rank searches its share
-    else:
-        solve = gptq_solve_seconds(problems, run.solve_kernel)
-    return seconds + macs / t["stats_macs_per_s"] + solve
+    return seconds + macs / t["stats_macs_per_s"] + run.cost.solve_seconds(layer, problems, run)
 
 
 def workload_of(recipe: Recipe, gpus: int, hessian_budget_gb: float | None = None,

@@ -1,5 +1,9 @@
-"""The algorithm seam: one registry of RTN, GPTQ and AWQ, each declaring its statistics, deciding when partial sums
-over ranks will do, driving a layer through a LayerJob and providing its solver."""
+"""The algorithm seam: one registry of RTN, GPTQ and AWQ, each declaring its statistics and what sizes its
+sub-batches, deciding when partial sums over ranks will do, driving a layer through a LayerJob and providing its
+solver; the recipe offers the registry's keys, and no module outside the registries tests an algorithm's name."""
+
+import ast
+from typing import get_args
 
 import pytest
 import torch
@@ -7,6 +11,7 @@ import torch
 from quant.algos.grid import QuantSpec
 from quant.algos.rtn import rtn
 from quant.engine.algorithms import ALGORITHMS, algorithm
+from quant.engine.budgets import search_bytes, solve_bytes
 from quant.engine.layer_job import LayerJob
 from quant.engine.layerwise import Layerwise
 from quant.engine.solvers import solve_gptq, solve_rtn
@@ -15,6 +20,7 @@ from quant.models import resolve_model
 from quant.models.layers import layer_weights
 from quant.parallel.world import World
 from quant.recipe import QuantizeSpec
+from tests.conftest import REPO
 
 
 def test_registry_holds_one_object_per_algorithm_with_its_statistics_and_solver():
@@ -25,6 +31,36 @@ def test_registry_holds_one_object_per_algorithm_with_its_statistics_and_solver(
     assert gptq.statistics.hessians and not gptq.statistics.replicated  # each rank its own experts'
     assert awq.statistics.hessians and awq.statistics.channel_means and awq.statistics.replicated
     assert gptq.solve is solve_gptq and rtn_.solve is solve_rtn and awq.solve is solve_rtn  # AWQ rounds the rest
+    # the sizes their drivers cut sub-batches by: LayerJob.run_experts' solves, awq_layer's searches
+    assert rtn_.sub_batch_bytes is solve_bytes and gptq.sub_batch_bytes is solve_bytes
+    assert awq.sub_batch_bytes is search_bytes
+
+
+def test_the_recipe_offers_the_registered_algorithms():
+    assert get_args(QuantizeSpec.model_fields["algorithm"].annotation) == tuple(ALGORITHMS)
+
+
+def _names_an_algorithm(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and "algorithm" in node.attr) or (
+        isinstance(node, ast.Name) and "algorithm" in node.id)
+
+
+def _string_constants(node: ast.AST) -> bool:
+    items = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+    return all(isinstance(n, ast.Constant) and isinstance(n.value, str) for n in items)
+
+
+def test_no_module_compares_an_algorithm_s_name():
+    """What differs between algorithms is asked of the registered objects (``engine.algorithms.ALGORITHMS``,
+    ``forecast.algorithm_costs.COSTS``), never decided by ``algorithm == "awq"`` elsewhere."""
+    found = []
+    for path in sorted((REPO / "quant").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                if any(map(_names_an_algorithm, operands)) and any(map(_string_constants, operands)):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, found
 
 
 def test_an_unknown_algorithm_names_the_valid_ones():

@@ -142,7 +142,7 @@ def test_deepseek_v3_awq_fits_80gb_at_defaults(shapes_dir):
     statistics come in hessian_budget_gb chunks (one pass each, as GPTQ's) and its searches take a few experts at a
     time, sized as quant/engine/awq_layer.py sizes them; the profile's probe rounds a few experts at a time."""
     from quant.engine.budgets import search_bytes
-    from quant.forecast.layer_costs import AWQ_FACTOR
+    from quant.forecast.algorithm_costs import AWQ_FACTOR
 
     path = shapes_dir("deepseek-v3", 1)
     recipe = _bench_recipe(path, 32, "awq", 3.0)
