@@ -10,7 +10,7 @@ its peak, named after the code that allocates them (bytes, per GPU):
   then the GPU) + one batch of logits, or streamed: one decoder layer + one batch through it + the next layer's
   dequantization chunk + both lm_heads + final hidden states.
 
-Time comes from throughputs measured on one H200 (quant/forecast/throughputs.py, each naming its BENCHMARKS.md record);
+Time comes from throughputs measured on one H200 (quant/forecast/throughputs.py, each naming its measurement's record);
 GPTQ's solve from its fp32 work at the fused column loop's rate, AWQ's search from its trial products.
 ``--gpus N`` follows quant's distributed run (quant/engine/quantize.py, quant/engine/rank_split.py): calibration batches are dealt
 out over ranks, so each rank holds 1/N of the activations and runs 1/N of the forward passes; every rank holds the

@@ -1,5 +1,5 @@
-"""quant estimate: the forecast against the GPU runs recorded in BENCHMARKS.md (peak memory within 25 %), shapes read
-from headers only (local and hub metadata), refusal of plans that cannot fit, the per-rank split."""
+"""quant estimate: the forecast against the GPU runs recorded in benchmarks/records/ (peak memory within 25 %), shapes
+read from headers only (local and hub metadata), refusal of plans that cannot fit, the per-rank split."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.records import load_record
 from quant.errors import ModelError, PlanError
 from quant.forecast.estimate import check_fits, forecast, render
 from quant.forecast.throughputs import gptq_solve_seconds
@@ -19,63 +20,44 @@ from quant.models.synthetic import write_shapes_only
 from quant.recipe import load_recipe, parse_recipe
 from tests.conftest import REPO
 
-BENCHMARKS = (REPO / "BENCHMARKS.md").read_text()
-
-
-def _cell(row_start: str, column: int) -> float:
-    """A number from the BENCHMARKS.md table row starting with ``row_start`` (bold marks stripped)."""
-    row = next(ln for ln in BENCHMARKS.splitlines() if ln.startswith(row_start))
-    return float(row.strip("|").split("|")[column].strip().strip("*"))
-
-
-def _text(pattern: str) -> float:
-    m = re.search(pattern, BENCHMARKS)
-    assert m, pattern
-    return float(m.group(1))
-
-
-# (record, shape, saved layers, samples, algorithm, solve budget, measured peak GB or None, measured s/layer or None,
-# GPTQ column loop the record ran: the 2026-11-30 records at defaults ran the CUDA-graph loop, which the fused Triton
-# loop has since replaced, so their times are reproduced with the kernel they measured; the current engine's solve
-# time is checked against the fused loop's own measurements (test_fused_solve_model_matches_the_sub_batch_table))
-# Peaks measured before the fused solve, packed codes and the in-place Hessian normalization (the 2026-11-30
-# records) are retired as peak checks: the forecast models today's engine, whose peaks are the 2026-12-01 records
-# below (c6e56e8, 0480bed); their times stay checked with the kernel they ran.
+# (label, record in benchmarks/records/, algorithm, solve budget, path of the measured peak GB or None, path of the
+# measured s/layer or None, GPTQ column loop the record ran: the 2026-11-30 records at defaults ran the CUDA-graph
+# loop, which the fused Triton loop has since replaced, so their times are reproduced with the kernel they measured;
+# the current engine's solve time is checked against the fused loop's own measurements
+# (test_fused_solve_model_matches_the_sub_batch_table)). The shape, saved (or tiled) layers and samples are the
+# record's setup. Peaks measured before the fused solve, packed codes and the in-place Hessian normalization (the
+# 2026-11-30 records) are retired as peak checks: the forecast models today's engine, whose peaks are the 2026-12-01
+# records below (c6e56e8, 0480bed); their times stay checked with the kernel they ran.
 RECORDS = [
-    ("Qwen3-30B-A3B GPTQ at defaults (2026-11-30)", "qwen3-30b-a3b", 2, 256, "gptq", 3.0,
-     None, _cell("| quant GPTQ (act-order, static groups)", 1), "cuda-graph"),
-    ("Qwen3-30B-A3B GPTQ, c6e56e8", "qwen3-30b-a3b", 2, 256, "gptq", 3.0,
-     _text(r"\| quant GPTQ \| \*\*[\d.]+\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* \| \*\*0"),
-     _text(r"\| quant GPTQ \| \*\*([\d.]+)\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*[\d.]+\*\* \| \*\*0"),
-     "fused"),
-    ("DeepSeek-V3 layer GPTQ, 0480bed", "deepseek-v3", 1, 32, "gptq", 3.0,
-     _text(r"\| quant GPTQ \| \*\*[\d.]+\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* \|\n"),
-     _text(r"\| quant GPTQ \| \*\*([\d.]+)\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*[\d.]+\*\* \|\n"),
-     "fused"),
+    ("Qwen3-30B-A3B GPTQ at defaults (2026-11-30)", "2026-11-30-qwen3-30b-a3b-engine-at-defaults", "gptq", 3.0,
+     None, "gptq.s_per_layer", "cuda-graph"),
+    ("Qwen3-30B-A3B GPTQ, c6e56e8", "2026-12-01-qwen3-30b-a3b-against-llm-compressor", "gptq", 3.0,
+     "gptq.peak_gb", "gptq.s_per_layer", "fused"),
+    ("DeepSeek-V3 layer GPTQ, 0480bed", "2026-12-01-deepseek-v3-layer-gptq-awq", "gptq", 3.0,
+     "gptq.peak_gb", "gptq.s_per_layer", "fused"),
     # AWQ's DeepSeek-V3 time was measured before its fused trial kernel (37.3 s): the peak only
-    ("DeepSeek-V3 layer AWQ, 0480bed", "deepseek-v3", 1, 32, "awq", 3.0,
-     _text(r"\| quant AWQ \| \*\*[\d.]+\*\* \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| \*\*([\d.]+)\*\* \|\n"),
-     None, "fused"),
+    ("DeepSeek-V3 layer AWQ, 0480bed", "2026-12-01-deepseek-v3-layer-gptq-awq", "awq", 3.0,
+     "awq.peak_gb", None, "fused"),
     # AWQ's peak (15.6 GB) was measured before its statistics came in expert chunks and its searches took their rows
     # a few experts at a time (whole-group copies then): the engine now holds less; its time is unchanged
-    ("Qwen3-30B-A3B AWQ at defaults", "qwen3-30b-a3b", 2, 256, "awq", 3.0,
-     None, _text(r"then measured ([\d.]+) s/layer \(solve [\d.]+\), \*\*[\d.]+ GB\*\* peak"), "fused"),
+    ("Qwen3-30B-A3B AWQ at defaults", "2026-11-30-qwen3-30b-a3b-awq-expert-sub-batches", "awq", 3.0,
+     None, "awq.s_per_layer", "fused"),
     # its time (2.01 s/layer) is over-forecast by half: the time rates predate the read-ahead and the warm fused
     # solve (throughputs.py says where each comes from); the peak is today's
-    ("Qwen3-30B-A3B GPTQ, 48 layers, 1 M tokens, 0480bed", "qwen3-30b-a3b", 48, 512, "gptq", 3.0,
-     _text(r"export [\d.]+ s; peak ([\d.]+) GB\. Per-layer"), None, "fused"),
-    ("DeepSeek-V3 layer GPTQ at defaults", "deepseek-v3", 1, 32, "gptq", 3.0,
-     None, _cell("| quant GPTQ at defaults (act-order", 1), "cuda-graph"),
+    ("Qwen3-30B-A3B GPTQ, 48 layers, 1 M tokens, 0480bed", "2026-12-01-qwen3-30b-a3b-48-layers-end-to-end", "gptq",
+     3.0, "peak_gb", None, "fused"),
+    ("DeepSeek-V3 layer GPTQ at defaults", "2026-11-30-deepseek-v3-layer-gptq-at-defaults", "gptq", 3.0,
+     None, "gptq.s_per_layer", "cuda-graph"),
     # the 2577395 run on two H200s, after the forecasts were written (out of sample: the fused loop's layer time
     # and AWQ's chunked statistics had not been measured in a layer run before)
-    ("DeepSeek-V3 layer GPTQ, fused loop", "deepseek-v3", 1, 32, "gptq", 3.0,
-     None, _cell("| GPTQ, 1 GPU |", 2), "fused"),
-    ("DeepSeek-V3 layer AWQ in expert chunks", "deepseek-v3", 1, 32, "awq", 3.0,
-     None, _cell("| AWQ, 1 GPU (beside the suite) |", 1), "fused"),
-    # the Mixtral shape of 2026-11-30 (5d8cbd6), forecast before it was run; its time is right in total only by compensation
-    # (BENCHMARKS.md says which rates miss), so the record checks the peak
-    ("Mixtral-8x7B layer GPTQ, a new shape", "mixtral-8x7b", 1, 256, "gptq", 3.0,
-     _text(r"\| quantize peak GPU \| [\d.]+ GB \| ([\d.]+) GB"), None, "fused"),
+    ("DeepSeek-V3 layer GPTQ, fused loop", "2026-11-30-deepseek-v3-gptq-1-vs-2-gpus", "gptq", 3.0,
+     None, "gpus_1.layer_s", "fused"),
+    ("DeepSeek-V3 layer AWQ in expert chunks", "2026-11-30-deepseek-v3-awq-expert-chunks", "awq", 3.0,
+     None, "stage_s", "fused"),
+    # the Mixtral shape of 2026-11-30 (5d8cbd6), forecast before it was run; its time is right in total only by
+    # compensation (its record's notes say which rates miss), so the record checks the peak
+    ("Mixtral-8x7B layer GPTQ, a new shape", "2026-11-30-mixtral-8x7b-layer-forecast", "gptq", 3.0,
+     "measured.quantize_peak_gb", None, "fused"),
 ]
 
 
@@ -102,33 +84,30 @@ def _bench_recipe(path: Path, samples: int, algorithm: str, solve: float, *extra
 
 @pytest.mark.parametrize("record", RECORDS, ids=[r[0] for r in RECORDS])
 def test_forecast_matches_benchmark_records(record, shapes_dir):
-    name, shape, layers, samples, algorithm, solve, peak_gb, s_per_layer, kernel = record
-    path = shapes_dir(shape, layers)
+    name, record_name, algorithm, solve, peak_path, seconds_path, kernel = record
+    rec = load_record(record_name)
+    layers, samples = rec.setup.get("virtual_layers", rec.setup["layers"]), rec.setup["samples"]
+    path = shapes_dir(rec.setup["shape"], layers)
     f = forecast(_bench_recipe(path, samples, algorithm, solve), load_headers(str(path)), gpu_memory_gb=143,
                  solve_kernel=kernel)
     quant = next(s for s in f.stages if s.stage == "quantize")
-    if peak_gb is not None:
-        assert quant.gpu_bytes / 1e9 == pytest.approx(peak_gb, rel=0.25), (name, quant.parts)
-    if s_per_layer is not None:
-        assert quant.seconds / layers == pytest.approx(s_per_layer, rel=0.3), name
+    if peak_path is not None:
+        assert quant.gpu_bytes / 1e9 == pytest.approx(rec.number(peak_path), rel=0.25), (name, quant.parts)
+    if seconds_path is not None:
+        assert quant.seconds / layers == pytest.approx(rec.number(seconds_path), rel=0.3), name
 
 
 def _fused_solve_table() -> list[tuple[int, int, int, float]]:
-    """``(B, O, I, seconds)`` of the "GPTQ solve: fused column loop" table: each sub-batch's fused solve (the last
-    figure of the column when it holds two)."""
-    rows = []
-    for ln in BENCHMARKS.splitlines():
-        m = re.match(r"\| [^|\[]+\[(\d+), (\d+), (\d+)\] \| \d+ \|", ln)
-        if m:
-            fused = ln.strip("|").split("|")[5]
-            rows.append((*map(int, m.groups()), float(fused.split("/")[-1].strip().strip("*"))))
-    return rows
+    """``(B, O, I, seconds)`` of each sub-batch of the fused column loop's record: its fused solve on a quiet
+    machine."""
+    rec = load_record("2026-11-30-gptq-solve-sub-batches")
+    return [(*rec.value(f"setup.sub_batches.{k}.shape"), rec.number(f"{k}.fused_s")) for k in rec.setup["sub_batches"]]
 
 
 def test_fused_solve_model_matches_the_sub_batch_table():
     """The engine's GPTQ solve time (fp32 work at the fused loop's rate plus a cost per sub-batch) against every
-    sub-batch BENCHMARKS.md measured with the fused loop, within 25 %; the CUDA-graph loop's column model, which
-    older records need, would be off by up to 8x on the same sub-batches."""
+    sub-batch measured with the fused loop, within 25 %; the CUDA-graph loop's column model, which older records
+    need, would be off by up to 8x on the same sub-batches."""
     rows = _fused_solve_table()
     assert len(rows) == 4, rows
     for B, O, I, seconds in rows:
@@ -401,9 +380,9 @@ def test_the_layer_damage_forecast_counts_what_the_measurement_runs(quant_cache)
 
 @pytest.mark.parametrize("mode", ["whole", "streamed"])
 def test_eval_forecast_matches_the_streamed_and_whole_records(mode, shapes_dir):
-    """The eval stage's peak against the two paths measured in BENCHMARKS.md (Qwen3-30B-A3B shape, 2 layers, the
-    headline mix, 16 x 1024 tokens, batch 8) within 25 %; auto follows evaluate's rule (whole up to half the card)."""
-    measured = _cell(f"| {mode} (", 2)
+    """The eval stage's peak against the two paths measured on 2026-11-30 (Qwen3-30B-A3B shape, 2 layers, the headline
+    mix, 16 x 1024 tokens, batch 8) within 25 %; auto follows evaluate's rule (whole up to half the card)."""
+    measured = load_record("2026-11-30-eval-streamed-vs-whole").number(f"{mode}.peak_gpu_gb")
     path = shapes_dir("qwen3-30b-a3b", 2)
     recipe = parse_recipe({"name": "x", "eval": {"mode": mode, "batch_size": 8,
                                                  "perplexity": {"n_samples": 16, "seq_len": 1024}}}, model=str(path))
@@ -417,13 +396,12 @@ def test_eval_forecast_matches_the_streamed_and_whole_records(mode, shapes_dir):
 
 
 def test_the_whole_pipeline_run_on_the_deepseek_v3_shape_is_forecast_within_25_percent(shapes_dir):
-    """benchmarks/node.py's one-GPU run (BENCHMARKS.md, 2026-12-01 on 16a0119): the headline mix with GPTQ on
-    DeepSeek-V3 layers, 32 x 2048 calibration tokens, streamed eval on 16 x 2048: the profile's and quantize's
-    measured peaks over three tiled layers and the streamed eval's, against the forecast."""
-    cells = lambda stage: [c.strip() for c in next(  # noqa: E731
-        ln for ln in BENCHMARKS.splitlines() if ln.startswith(f"| {stage} |")).strip("|").split("|")]
-    measured = {"profile": float(cells("profile")[3]), "quantize": float(cells("quantize")[3]),
-                "eval": float(cells("eval (streamed)")[4])}
+    """benchmarks/node.py's one-GPU run (2026-12-01 on 16a0119): the headline mix with GPTQ on DeepSeek-V3 layers,
+    32 x 2048 calibration tokens, streamed eval on 16 x 2048: the profile's and quantize's measured peaks over three
+    tiled layers and the streamed eval's, against the forecast."""
+    rec = load_record("2026-12-01-deepseek-v3-whole-pipeline")
+    measured = {"profile": rec.number("depth.profile.peak_gb"), "quantize": rec.number("depth.quantize.peak_gb"),
+                "eval": rec.number("breadth.eval_streamed.peak_gb")}
     path = shapes_dir("deepseek-v3", 3)
     recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", model=str(path), overrides=(
         "profile.layer_sensitivity=null", "quantize.algorithm=gptq", "quantize.batch_size=8",
@@ -522,7 +500,6 @@ def test_small_models_are_forecast_at_their_own_scale(quant_cache):
     assert export.host_bytes < 3.5e9, export  # python and torch, not a 5 GB shard for a 26 MB checkpoint
 
 
-RECORDS_DIR = REPO / "benchmarks" / "records"
 H200_GB = 143_771 * 2**20 / 1e9  # the H200's memory as torch reports it
 
 
@@ -539,9 +516,9 @@ def test_the_headline_at_depth_is_forecast_against_its_measurements(record, shap
     on one H200 (benchmarks/records/: 12 tiled DeepSeek-V3 layers at 32 x 2048, 48 tiled Qwen3-30B-A3B layers at
     512 x 2048): the pass's seconds (the profile forecast's with the pass less without it), the quantize stage's
     seconds and the profile stage's peak, each within 20 %."""
-    rec = json.loads((RECORDS_DIR / f"{record}.json").read_text())
-    depth, samples = rec["depth"], int(rec["calibration"].split(" x ")[0])
-    path = shapes_dir(rec["shape"], rec["virtual_layers"])
+    rec = load_record(record)
+    depth, samples = rec.value("depth"), rec.setup["samples"]
+    path = shapes_dir(rec.setup["shape"], rec.setup["virtual_layers"])
     with_pass, without = _headline_at_depth(path, samples), _headline_at_depth(path, samples,
                                                                                "profile.layer_sensitivity=null")
     profile = with_pass["profile"]
