@@ -48,7 +48,7 @@ OPTIONAL = {"software": str, "commit_kind": str, "setup": dict, "current": list,
             "notes": str}
 COMMIT_KINDS = {"ran": "{}", "recorded": "recorded in {}", "after": "after {}"}
 # words that name a unit in a key (split at "_"); counts start with "n_"
-UNIT_WORDS = frozenset({"s", "ms", "min", "seconds", "gb", "mb", "bytes", "x", "ratio", "rel", "fraction", "percent",
+UNIT_WORDS = frozenset({"s", "ms", "us", "min", "seconds", "gb", "mb", "bytes", "x", "ratio", "rel", "fraction", "percent",
                         "bits", "ppl", "nats", "spearman"})
 FIELD = re.compile(r"\{([A-Za-z0-9_.]+)(?::([^{}]*))?\}")
 
