@@ -53,14 +53,18 @@
 #              Qwen3-30B-A3B-shaped layers) loaded by a vLLM engine with empty caches, then warm, with vLLM's phase times
 #   moe-layer  benchmarks/moe_layer.py: one MoE layer's forward (CUDA graphs, vLLM's Marlin MoE ops, random codes) at
 #              Qwen3-30B-A3B and DeepSeek-V3 widths: W4, W8 and the plugin's per-expert mix, its groups as separate
-#              calls or one shared routing, sequential or overlapped (~2 min; needs /tmp/vsite)
+#              calls or one shared routing, sequential or overlapped, and quant's mixed kernel (~2 min; needs
+#              /tmp/vsite; $MOE_TOKENS: the token counts)
+#   moe-sweep  benchmarks/moe_layer.py --sweep: the mixed kernel's tile shapes at both widths ($MOE_TOKENS tokens); the
+#              first shape's fastest table goes to /tmp/moe-tiles.json (and $OUT): QUANT_MOE_TILES=/tmp/moe-tiles.json
+#              serves with it
 #   serve-bench  benchmarks/serve.py: vLLM throughput of bf16, W8, W4, the per-layer mix and the per-expert mix on a
 #              5-layer Qwen3-30B-A3B-shaped model (results after each model in $OUT/serve.json); SERVE_MODELS and
 #              SERVE_SHAPES pick models and prompt/generated shapes (one call runs ~4 models at one shape)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|dsv3-damage|expert-compute|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench|moe-layer|cold-load|serve-recipes|serve-recipes-dsv3) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|dsv3-damage|expert-compute|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench|moe-layer|moe-sweep|cold-load|serve-recipes|serve-recipes-dsv3) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -148,7 +152,12 @@ for task in "$@"; do
     serve-tests) run serve-tests env QUANT_VLLM_PYTHONPATH=/tmp/vsite QUANT_SERVE_REPORT="$OUT/serve-report.json" \
                    python3 -m pytest -p no:cacheprovider tests/serve -v -rfEs --tb=short ;;
     moe-layer) run moe-layer env PYTHONPATH="/tmp/vsite:$PYTHONPATH" VLLM_USE_FLASHINFER_SAMPLER=0 \
-                 python3 benchmarks/moe_layer.py ;;
+                 python3 benchmarks/moe_layer.py ${MOE_TOKENS:+--tokens $MOE_TOKENS} ;;
+    moe-sweep) run moe-sweep env PYTHONPATH="/tmp/vsite:$PYTHONPATH" VLLM_USE_FLASHINFER_SAMPLER=0 \
+                 python3 benchmarks/moe_layer.py --sweep --tiles /tmp/moe-tiles.json \
+                 --tokens ${MOE_TOKENS:-1 16 64 256 1024 4096}
+               cp /tmp/moe-tiles.json "$OUT/" 2>/dev/null
+               continue ;;
     serve-bench) run serve-bench python3 benchmarks/serve.py --vllm-path /tmp/vsite --layers "${SERVE_LAYERS:-5}" \
                    --models ${SERVE_MODELS:-experts layers w4 bf16 w8} --shapes ${SERVE_SHAPES:-128/128 1024/128} \
                    --workdir "$W" --results "$OUT/serve.json" ;;

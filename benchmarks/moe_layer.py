@@ -8,7 +8,13 @@ and token count, CUDA-graph replays of:
   per-layer layer); ``per-layer`` = 0.8 w4 + 0.2 w8, a per-layer mix at the per-expert mix's stored bits;
 - the per-expert mix (the most routed 20 % of experts W8 g128, the rest W4 g128; routing skewed so that they get
   about half of the pairs) through ``MixedExpertsMethod.apply``: ``separate`` (a call per group) and ``shared`` (one
-  routing, ``quant.serve.moe_routing``), each one group after the other (``-seq``) and overlapped (``-ovl``).
+  routing, ``quant.serve.moe_routing``), each one group after the other (``-seq``) and overlapped (``-ovl``), and
+  ``mixed``: quant's mixed-scheme kernel (``quant.serve.mixed_moe``, one Triton launch per projection for both
+  groups; the plugin's default for such a layer).
+
+``--sweep`` times the mixed kernel at every tile shape of a small grid instead, per shape and token count, prints
+the fastest beside the one ``mixed_moe.CONFIGS`` picks (the table is set from it) and, with ``--tiles FILE``, writes
+the first shape's fastest tiles as a table the plugin reads (``QUANT_MOE_TILES=FILE``).
 
 Prints a JSON line per point (microseconds, median of 5 x 50 replays, with the spread) and each mixed variant's
 largest difference from ``separate-seq``, then a table. The shared routing runs only where vLLM's Marlin MoE GEMM
@@ -30,10 +36,11 @@ import torch
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3": (7168, 2048, 256, 8)}
 
 
-def method(schemes, H: int, N: int, E: int, routing: str, overlap: bool, dev, seed: int):
+def method(schemes, H: int, N: int, E: int, routing: str, overlap: bool, dev, seed: int, kernel: str = "marlin"):
     """A ``MixedExpertsMethod`` over random codes, without a vLLM layer (its constructor needs an engine)."""
     from quant.serve.layout import expert_groups, stacked_shapes
-    from quant.serve.vllm_mixed import MarlinGroup, MixedExpertsMethod, to_kernel_layout
+    from quant.serve.mixed_moe import CONFIGS
+    from quant.serve.vllm_mixed import MarlinGroup, MixedExpertsMethod, mixed_layer, to_kernel_layout
 
     g = torch.Generator(device=dev).manual_seed(seed)
     m = object.__new__(MixedExpertsMethod)
@@ -44,7 +51,12 @@ def method(schemes, H: int, N: int, E: int, routing: str, overlap: bool, dev, se
                 grp.tensors[key] = (torch.rand(shape, generator=g, device=dev) * 2e-3 + 1e-3).to(torch.bfloat16)
             else:
                 grp.tensors[key] = torch.randint(-2**31, 2**31 - 1, shape, generator=g, device=dev, dtype=torch.int32)
-        to_kernel_layout(grp, H, N, E)
+    m.mixed, m.tiles = None, CONFIGS
+    if kernel == "mixed":
+        m.mixed = mixed_layer([grp.group for grp in m.groups], [grp.tensors for grp in m.groups], E)
+    else:
+        for grp in m.groups:
+            to_kernel_layout(grp, H, N, E)
     m.sizes = SimpleNamespace(hidden=H, intermediate=N)
     m.routing, m.overlap_max_tokens = routing, (None if overlap else 0)
     m.side = m.side_workspace = None
@@ -88,8 +100,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024, 4096])
+    ap.add_argument("--sweep", action="store_true", help="time the mixed kernel's tile shapes instead")
+    ap.add_argument("--tiles", help="with --sweep: write the first shape's fastest tiles here (QUANT_MOE_TILES)")
     a = ap.parse_args()
     dev = torch.device("cuda")
+    if a.sweep:
+        return sweep(a.shapes, a.tokens, dev, a.tiles)
     rows = []
     for shape in a.shapes:
         H, N, E, k = SHAPES[shape]
@@ -97,12 +113,14 @@ def main() -> None:
                                 global_num_experts=E)
         hot = E // 5
         mixed = [Scheme(8, 128) if e < hot else Scheme(4, 128) for e in range(E)]
-        variants = {"w4": ([Scheme(4, 128)] * E, "separate", False), "w8": ([Scheme(8, 128)] * E, "separate", False)}
+        variants = {"w4": ([Scheme(4, 128)] * E, "separate", False), "w8": ([Scheme(8, 128)] * E, "separate", False),
+                    "mixed": (mixed, "separate", False)}
         from quant.serve.vllm_mixed import SHARED_ROUTING
 
         for r in ("separate", "shared") if SHARED_ROUTING else ("separate",):
             variants |= {f"{r}-seq": (mixed, r, False), f"{r}-ovl": (mixed, r, True)}
-        methods = {name: method(s, H, N, E, r, ovl, dev, 0) for name, (s, r, ovl) in variants.items()}
+        methods = {name: method(s, H, N, E, r, ovl, dev, 0, "mixed" if name == "mixed" else "marlin")
+                   for name, (s, r, ovl) in variants.items()}
         for T in a.tokens:
             x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
             w, ids = routing(T, E, k, dev, T)
@@ -116,12 +134,12 @@ def main() -> None:
             row["per-layer"] = round(0.8 * row["w4"] + 0.2 * row["w8"], 1)
             ref = outs["separate-seq"].float()
             row["max_rel_diff"] = max(float((outs[n].float() - ref).abs().max() / ref.abs().max())
-                                      for n in outs if n.startswith(("shared", "separate-ovl")))
+                                      for n in outs if n.startswith(("shared", "separate-ovl", "mixed")))
             print(json.dumps(row), flush=True)
             rows.append(row)
         del methods
         torch.cuda.empty_cache()
-    cols = [c for c in ("w4", "w8", "per-layer", "separate-seq", "separate-ovl", "shared-seq", "shared-ovl")
+    cols = [c for c in ("w4", "w8", "per-layer", "separate-seq", "separate-ovl", "shared-seq", "shared-ovl", "mixed")
             if c in rows[0]]
     print("\nus per layer forward (CUDA graphs, median of 5 x 50 replays); last column: best mixed / per-layer")
     print(f"{'shape':14} {'T':>5} " + " ".join(f"{c:>12}" for c in cols) + "   ratio")
@@ -129,6 +147,61 @@ def main() -> None:
         best = min(r[c] for c in cols[3:])
         print(f"{r['shape']:14} {r['tokens']:>5} " + " ".join(f"{r[c]:>12}" for c in cols)
               + f"   {r['per-layer'] / best:.2f}")
+
+
+def sweep(shapes, tokens, dev, tiles: str | None = None) -> None:
+    """The mixed kernel's forward at every tile shape of a grid: JSON lines, then the fastest per point."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from quant.serve.layout import Scheme
+    from quant.serve.mixed_moe import TileConfig, mixed_moe, tile_config
+    from quant.serve.vllm_mixed import align, apply_moe_activation
+
+    act = partial(apply_moe_activation, MoEActivation.SILU)
+    best = []
+    for shape in shapes:
+        H, N, E, k = SHAPES[shape]
+        mixed = [Scheme(8, 128) if e < E // 5 else Scheme(4, 128) for e in range(E)]
+        layer = method(mixed, H, N, E, "separate", False, dev, 0, "mixed").mixed
+        for T in tokens:
+            x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+            w, ids = routing(T, E, k, dev, T)
+            ref = mixed_moe(x, w, ids, layer, align=align, act=act).float()
+            picked = tile_config(T, k, E)
+            results = []
+            for bm in (16, 32, 64):
+                if bm > 16 and T * k < E * bm / 4:
+                    continue  # blocks mostly padding
+                for bn, bk, warps, stages in [(n, kk, wp, st) for n in (64, 128) for kk in (64, 128)
+                                              for wp in ((4,) if bm == 16 else (4, 8)) for st in (3, 4)]:
+                    cfg = TileConfig(bm, bn, bk, warps, stages)
+                    try:
+                        out = mixed_moe(x, w, ids, layer, align=align, act=act, config=cfg)
+                        err = float((out.float() - ref).abs().max() / ref.abs().max())
+                        med, lo, hi = timed(partial(mixed_moe, x, w, ids, layer, align=align, act=act, config=cfg),
+                                            reps=20, rounds=3)
+                    except Exception as e:  # a tile the GPU cannot hold (shared memory): not a candidate
+                        print(json.dumps({"shape": shape, "tokens": T, "config": cfg.__dict__, "error": str(e)[:80]}))
+                        continue
+                    results.append((med, cfg, err))
+                    print(json.dumps({"shape": shape, "tokens": T, "config": cfg.__dict__, "us": round(med, 1),
+                                      "spread": [round(lo, 1), round(hi, 1)], "max_rel_diff": err}), flush=True)
+            fastest = min(results, key=lambda r: r[0])
+            at_pick = next((r[0] for r in results if r[1] == picked), None)
+            best.append((shape, T, fastest, picked, at_pick))
+        torch.cuda.empty_cache()
+    if tiles:  # bounds halfway (geometrically) between the measured points' pairs per expert
+        H, N, E, k = SHAPES[shapes[0]]
+        pts = [(T * k / E, cfg) for shape, T, (_, cfg, _), _, _ in best if shape == shapes[0]]
+        table = [[(p * q) ** 0.5 if q else 1e9, [cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
+                                                cfg.num_stages]]
+                 for (p, cfg), (q, _) in zip(pts, [*pts[1:], (0, None)], strict=True)]
+        with open(tiles, "w") as f:
+            json.dump(table, f)
+        print(json.dumps({"tiles": tiles, "table": table}))
+    print("\nfastest tile per point (us) beside the table's pick")
+    for shape, T, (med, cfg, err), picked, at_pick in best:
+        print(f"{shape:14} {T:>5}  {med:8.1f}  {cfg} (max rel diff {err:.1e})  pick {picked} {at_pick}")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
 ``MixedExpertsConfig`` is vLLM's compressed-tensors config under the name ``moe-quant-mixed``: dense layers, attention
 and embeddings take compressed-tensors' own paths; a fused MoE layer whose experts all share one scheme takes vLLM's
-own compressed-tensors MoE method; a layer that mixes schemes takes ``MixedExpertsMethod``: one Marlin MoE weight
-set per scheme group (``quant.serve.layout``), one ``fused_marlin_moe`` call per group (its own alignment,
-activation and sum each, with an expert map that skips the other groups' experts; the outputs added).
+own compressed-tensors MoE method; a layer that mixes schemes takes ``MixedExpertsMethod``. Where its experts fall in
+at most two symmetric W4/W8 groups (the headline and joint plans), it runs quant's mixed-scheme kernel
+(``quant.serve.mixed_moe``): the checkpoint's codes and scales stacked per group as they are (no repacking), one
+alignment, one Triton GEMM launch per projection for both groups, one activation and one sum, as a one-scheme
+layer has. Other layers (``QUANT_MOE_KERNEL=marlin`` for every layer) take one Marlin MoE weight set per scheme group
+(``quant.serve.layout``), one ``fused_marlin_moe`` call per group (its own alignment, activation and sum each, with
+an expert map that skips the other groups' experts; the outputs added).
 ``QUANT_MOE_ROUTING=shared`` runs one routing for all groups instead (``quant.serve.moe_routing``): the routed
 tokens aligned once, each group's Marlin GEMM launch skipping the other groups' blocks, one activation and one sum
 (checked on CPU against the grouped forward; not yet measured or served on a GPU, so it is not the default). With two or
@@ -54,6 +58,8 @@ from quant.serve.layout import (
     rank_part,
     stacked_shapes,
 )
+from quant.serve.mixed_moe import CONFIGS, MixedLayer, Projection, layer_tables, mixed_moe, read_configs
+from quant.serve.mixed_moe import servable as mixed_servable
 from quant.serve.moe_routing import MoeOps, group_rows, shared_routing_moe
 from quant.serve.names import QUANT_METHOD
 
@@ -164,6 +170,9 @@ class MixedExpertsMethod(FusedMoEMethodBase):
             raise ValueError(f"{QUANT_METHOD}: QUANT_MOE_ROUTING=shared needs a vLLM whose Marlin MoE GEMM takes "
                              "is_ep (skips blocks of expert -1); this one does not: leave QUANT_MOE_ROUTING unset")
         self.rows = None  # [G, E]: each expert's row in each group's stack (moe_routing.group_rows)
+        self.kernel = _kernel_choice(prefix, [g.group.scheme for g in self.groups])
+        self.mixed = None  # the mixed kernel's weights and tables (MixedLayer), after loading
+        self.tiles = _tile_table() if self.kernel == "mixed" else None
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
@@ -200,15 +209,23 @@ class MixedExpertsMethod(FusedMoEMethodBase):
         return load
 
     def process_weights_after_loading(self, layer) -> None:
-        for g in self.groups:
-            to_kernel_layout(g, self.sizes.hidden, self.sizes.intermediate, layer.global_num_experts)
+        if self.kernel == "mixed":
+            self.mixed = mixed_layer([g.group for g in self.groups], [g.tensors for g in self.groups],
+                                     layer.global_num_experts)
+            for g in self.groups:
+                g.tensors = {}
+        else:
+            for g in self.groups:
+                to_kernel_layout(g, self.sizes.hidden, self.sizes.intermediate, layer.global_num_experts)
         for name in [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]:
             delattr(layer, name)  # the routing parameters held nothing
         self.finish(layer.global_num_experts)
 
     def finish(self, n_experts: int) -> None:
         """The layer-wide state once every group is in the kernel layout: the routing table, the workspaces and
-        the side stream."""
+        the side stream (Marlin groups; the mixed kernel needs none of them)."""
+        if self.mixed is not None:
+            return
         dev = self.groups[0].expert_map.device
         self.rows = group_rows([g.group for g in self.groups], n_experts, dev)
         self.workspace = marlin_make_workspace_new(dev, 4)
@@ -235,9 +252,13 @@ class MixedExpertsMethod(FusedMoEMethodBase):
         return self.side
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        if self.mixed is not None:
+            return mixed_moe(x, topk_weights, topk_ids, self.mixed, align=align,
+                             act=lambda out, inp: apply_moe_activation(layer.activation, out, inp),
+                             weight_on_input=layer.apply_router_weight_on_input, configs=self.tiles)
         side = self._side_for(x.shape[0])
         if self.routing == "shared":
-            ops = MoeOps(align=_align, gemm=_marlin_gemm,
+            ops = MoeOps(align=align, gemm=_marlin_gemm,
                          act=lambda out, inp: apply_moe_activation(layer.activation, out, inp))
             return shared_routing_moe(x, topk_weights, topk_ids, self.groups, self.rows, ops,
                                       intermediate=self.sizes.intermediate,
@@ -262,6 +283,47 @@ class MixedExpertsMethod(FusedMoEMethodBase):
         return out
 
 
+KERNELS = ("mixed", "marlin")
+
+
+def _kernel_choice(prefix: str, schemes: list[Scheme]) -> str:
+    """``mixed`` (one Triton launch per projection for every group) where the layer's groups allow it and
+    ``QUANT_MOE_KERNEL`` does not say ``marlin``; else ``marlin`` (a Marlin MoE call per group)."""
+    asked = os.environ.get("QUANT_MOE_KERNEL", "")
+    if asked not in ("", *KERNELS):
+        raise ValueError(f"{QUANT_METHOD}: QUANT_MOE_KERNEL={asked!r}: use mixed (the default where a layer's "
+                         "experts are at most two symmetric W4/W8 groups) or marlin (a Marlin MoE call per group)")
+    why = mixed_servable(schemes)
+    if asked == "mixed" and why is not None:
+        raise ValueError(f"{QUANT_METHOD}: {prefix}: QUANT_MOE_KERNEL=mixed cannot run {why}")
+    return "marlin" if asked == "marlin" or why is not None else "mixed"
+
+
+def _tile_table():
+    """The mixed kernel's tile table: ``mixed_moe.CONFIGS``, or the JSON file ``QUANT_MOE_TILES`` names (one
+    ``benchmarks/moe_layer.py --sweep`` wrote for this GPU)."""
+    path = os.environ.get("QUANT_MOE_TILES", "")
+    if not path:
+        return CONFIGS
+    try:
+        with open(path) as f:
+            return read_configs(f.read())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{QUANT_METHOD}: QUANT_MOE_TILES={path}: {e}") from None
+
+
+def mixed_layer(groups: list[ExpertGroup], tensors: list[dict], n_experts: int) -> MixedLayer:
+    """The mixed kernel's layer from each group's stacked checkpoint tensors (keyed by (side, kind))."""
+    schemes = tuple(g.scheme for g in groups)
+
+    def proj(side: str) -> Projection:
+        return Projection(schemes, tuple(t[(side, "weight_packed")].contiguous() for t in tensors),
+                          tuple(t[(side, "weight_scale")].contiguous() for t in tensors))
+
+    dev = tensors[0][("w13", "weight_packed")].device
+    return MixedLayer(proj("w13"), proj("w2"), *layer_tables(groups, n_experts, dev))
+
+
 def to_kernel_layout(g: MarlinGroup, hidden: int, intermediate: int, n_experts: int) -> None:
     """One group's stacked compressed-tensors tensors (``g.tensors`` keyed by (side, kind)) into Marlin's layout."""
     from compressed_tensors.quantization import QuantizationArgs
@@ -284,7 +346,7 @@ def to_kernel_layout(g: MarlinGroup, hidden: int, intermediate: int, n_experts: 
     g.quant_type = _QUANT_TYPES[(s.bits, s.symmetric)]
 
 
-def _align(topk_ids: torch.Tensor, block_m: int, n_experts: int):
+def align(topk_ids: torch.Tensor, block_m: int, n_experts: int):
     """Every routed pair aligned over all experts (no expert map: each expert is some group's)."""
     return moe_align_block_size(topk_ids, block_m, n_experts)
 

@@ -184,11 +184,11 @@ def served(request, tmp_path_factory):
                         "enforce_eager": False})
     spec_models.append({"name": "qwen3-experts/ref-graphs", "path": str(work / "ref-qwen3-experts"),
                         "enforce_eager": False})
-    # the plugin's scheme groups one after another on vLLM's stream at every batch, and on two streams at every batch
-    # (by default they overlap at decode-sized batches only)
+    # the plugin's other path, a Marlin MoE call per scheme group (by default its mixed kernel runs both groups in one
+    # launch per projection): the groups one after another on vLLM's stream and on two streams, at every batch
     for variant, mode in (("sequential", "0"), ("overlapped", "1")):
         spec_models.append({"name": f"qwen3-experts/{variant}", "path": str(runs["qwen3-experts"] / "checkpoint"),
-                            "env": {"QUANT_MOE_OVERLAP": mode}})
+                            "env": {"QUANT_MOE_KERNEL": "marlin", "QUANT_MOE_OVERLAP": mode}})
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, 512, (N_PROMPTS, PROMPT_LEN), generator=g).tolist()
     spec = {"prompts": prompts, "max_model_len": 512, "greedy_tokens": GREEDY, "enforce_eager": True,
@@ -260,7 +260,7 @@ def test_the_plugin_serves_inside_cuda_graphs(served):
     assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
 
 
-def test_the_plugin_serves_its_scheme_groups_one_after_another_and_side_by_side(served):
+def test_the_plugins_marlin_groups_serve_one_after_another_and_side_by_side(served):
     results, _, _ = served
     if _refused_by_version(results, "qwen3-experts/sequential", "qwen3-experts/overlapped"):
         return
@@ -271,6 +271,8 @@ def test_the_plugin_serves_its_scheme_groups_one_after_another_and_side_by_side(
         assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
     # the same kernels on the same inputs: the streams change when they run, not what they compute
     assert _top1(sequential, overlapped) >= 0.999, _top1(sequential, overlapped)
+    # the mixed kernel and the Marlin calls compute the same layer (fp32 sums in other orders)
+    assert _top1(results["qwen3-experts/compressed-tensors"], sequential) >= 0.98
 
 
 def test_stock_vllm_refuses_a_per_expert_checkpoint_by_name(served):
