@@ -190,18 +190,21 @@ def sweep(shapes, tokens, dev, tiles: str | None = None) -> None:
             at_pick = next((r[0] for r in results if r[1] == picked), None)
             best.append((shape, T, fastest, picked, at_pick))
         torch.cuda.empty_cache()
-    if tiles:  # bounds halfway (geometrically) between the measured points' pairs per expert
-        H, N, E, k = SHAPES[shapes[0]]
-        pts = [(T * k / E, cfg) for shape, T, (_, cfg, _), _, _ in best if shape == shapes[0]]
-        table = [[(p * q) ** 0.5 if q else 1e9, [cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
-                                                cfg.num_stages]]
-                 for (p, cfg), (q, _) in zip(pts, [*pts[1:], (0, None)], strict=True)]
-        with open(tiles, "w") as f:
-            json.dump(table, f)
-        print(json.dumps({"tiles": tiles, "table": table}))
+        if tiles and shape == shapes[0]:
+            write_tiles(tiles, [(T * k / E, cfg) for _, T, (_, cfg, _), _, _ in best])
     print("\nfastest tile per point (us) beside the table's pick")
     for shape, T, (med, cfg, err), picked, at_pick in best:
         print(f"{shape:14} {T:>5}  {med:8.1f}  {cfg} (max rel diff {err:.1e})  pick {picked} {at_pick}")
+
+
+def write_tiles(path: str, points) -> None:
+    """A tile table (``mixed_moe.read_configs``) from (pairs per expert, fastest tile) points: each tile up to the
+    geometric middle between its point and the next."""
+    table = [[(p * q) ** 0.5 if q else 1e9, [c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages]]
+             for (p, c), (q, _) in zip(points, [*points[1:], (0, None)], strict=True)]
+    with open(path, "w") as f:
+        json.dump(table, f)
+    print(json.dumps({"tiles": path, "table": table}), flush=True)
 
 
 if __name__ == "__main__":
