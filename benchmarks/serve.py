@@ -16,11 +16,12 @@ Benchmark-only plans (RTN through ``quant export`` with plans of this script, la
 - ``w8`` / ``w4``: every expert W8 / W4 g128; ``layers``: the first fifth of the MoE layers W8 g128, the rest W4
   g128 (4.8 bits per expert weight);
 - ``experts``: the most used 20 % of each layer's experts W8 g128, the rest W4 g128 (the plugin); ``experts-seq`` and
-  ``experts-overlap`` serve that checkpoint with a Marlin MoE call per scheme group, one after the other
-  (``QUANT_MOE_OVERLAP=0``) and on two CUDA streams (``=1``) at every batch.
+  ``experts-overlap`` serve that checkpoint with the plugin's two scheme groups one after the other
+  (``QUANT_MOE_OVERLAP=0``) and on two CUDA streams (``=1``) at every batch, where ``experts`` overlaps them at
+  decode-sized batches only.
 
-``headline-marlin`` and ``joint-marlin`` serve those checkpoints with a Marlin MoE call per scheme group
-(``QUANT_MOE_KERNEL=marlin``, the plugin's path before its mixed kernel) instead of the mixed kernel.
+``headline-mixed`` and ``joint-mixed`` serve those checkpoints with quant's mixed-scheme kernel
+(``QUANT_MOE_KERNEL=mixed``) instead of a Marlin MoE call per scheme group.
 
 Each model (and the bf16 one) is served with vLLM, CUDA graphs on, ``--processes`` times, each time by a process
 of its own: for each of ``--concurrency`` (requests in flight together) and ``--shapes`` (prompt/generated tokens),
@@ -65,11 +66,10 @@ RECIPES = {
 }
 # another model's checkpoint served with VARIANT_ENV: the plugin's Marlin groups one after the other or overlapped,
 # and the plugin's checkpoints on a Marlin MoE call per scheme group instead of the mixed kernel
-VARIANTS = {"experts-seq": "experts", "experts-overlap": "experts", "headline-marlin": "headline",
-            "joint-marlin": "joint"}
-VARIANT_ENV = {"experts-seq": {"QUANT_MOE_OVERLAP": "0", "QUANT_MOE_KERNEL": "marlin"},
-               "experts-overlap": {"QUANT_MOE_OVERLAP": "1", "QUANT_MOE_KERNEL": "marlin"},
-               "headline-marlin": {"QUANT_MOE_KERNEL": "marlin"}, "joint-marlin": {"QUANT_MOE_KERNEL": "marlin"}}
+VARIANTS = {"experts-seq": "experts", "experts-overlap": "experts", "headline-mixed": "headline",
+            "joint-mixed": "joint"}
+VARIANT_ENV = {"experts-seq": {"QUANT_MOE_OVERLAP": "0"}, "experts-overlap": {"QUANT_MOE_OVERLAP": "1"},
+               "headline-mixed": {"QUANT_MOE_KERNEL": "mixed"}, "joint-mixed": {"QUANT_MOE_KERNEL": "mixed"}}
 
 
 def say(**kw) -> None:

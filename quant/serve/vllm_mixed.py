@@ -2,13 +2,13 @@
 
 ``MixedExpertsConfig`` is vLLM's compressed-tensors config under the name ``moe-quant-mixed``: dense layers, attention
 and embeddings take compressed-tensors' own paths; a fused MoE layer whose experts all share one scheme takes vLLM's
-own compressed-tensors MoE method; a layer that mixes schemes takes ``MixedExpertsMethod``. Where its experts fall in
-at most two symmetric W4/W8 groups (the headline and joint plans), it runs quant's mixed-scheme kernel
-(``quant.serve.mixed_moe``): the checkpoint's codes and scales stacked per group as they are (no repacking), one
-alignment, one Triton GEMM launch per projection for both groups, one activation and one sum, as a one-scheme
-layer has. Other layers (``QUANT_MOE_KERNEL=marlin`` for every layer) take one Marlin MoE weight set per scheme group
-(``quant.serve.layout``), one ``fused_marlin_moe`` call per group (its own alignment, activation and sum each, with
-an expert map that skips the other groups' experts; the outputs added).
+own compressed-tensors MoE method; a layer that mixes schemes takes ``MixedExpertsMethod``: one Marlin MoE weight
+set per scheme group (``quant.serve.layout``), one ``fused_marlin_moe`` call per group (its own alignment,
+activation and sum each, with an expert map that skips the other groups' experts; the outputs added).
+``QUANT_MOE_KERNEL=mixed`` runs quant's mixed-scheme kernel instead where a layer's experts fall in at most two
+symmetric W4/W8 groups (``quant.serve.mixed_moe``): the checkpoint's codes and scales stacked per group as they are
+(no repacking), one alignment, one Triton GEMM launch per projection for both groups, one activation and one sum
+(served right; on an H100 faster than the Marlin calls at one Qwen3-30B-A3B token only, so not the default).
 ``QUANT_MOE_ROUTING=shared`` runs one routing for all groups instead (``quant.serve.moe_routing``): the routed
 tokens aligned once, each group's Marlin GEMM launch skipping the other groups' blocks, one activation and one sum
 (checked on CPU against the grouped forward; not yet measured or served on a GPU, so it is not the default). With two or
@@ -287,16 +287,17 @@ KERNELS = ("mixed", "marlin")
 
 
 def _kernel_choice(prefix: str, schemes: list[Scheme]) -> str:
-    """``mixed`` (one Triton launch per projection for every group) where the layer's groups allow it and
-    ``QUANT_MOE_KERNEL`` does not say ``marlin``; else ``marlin`` (a Marlin MoE call per group)."""
+    """``marlin`` (a Marlin MoE call per scheme group, the default: faster on an H100 at every batch but one Qwen3
+    token, BENCHMARKS.md) or, with ``QUANT_MOE_KERNEL=mixed``, one Triton launch per projection for every group."""
     asked = os.environ.get("QUANT_MOE_KERNEL", "")
     if asked not in ("", *KERNELS):
-        raise ValueError(f"{QUANT_METHOD}: QUANT_MOE_KERNEL={asked!r}: use mixed (the default where a layer's "
-                         "experts are at most two symmetric W4/W8 groups) or marlin (a Marlin MoE call per group)")
+        raise ValueError(f"{QUANT_METHOD}: QUANT_MOE_KERNEL={asked!r}: use marlin (a Marlin MoE call per scheme "
+                         "group, the default) or mixed (one launch per projection for at most two symmetric W4/W8 "
+                         "groups)")
     why = mixed_servable(schemes)
     if asked == "mixed" and why is not None:
         raise ValueError(f"{QUANT_METHOD}: {prefix}: QUANT_MOE_KERNEL=mixed cannot run {why}")
-    return "marlin" if asked == "marlin" or why is not None else "mixed"
+    return asked or "marlin"
 
 
 def _tile_table():

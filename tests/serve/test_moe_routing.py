@@ -122,9 +122,11 @@ def test_the_triton_split_matches_the_torch_one():
     groups = expert_groups([Scheme(8 if e % 3 else 4, 128) for e in range(E)])
     rows = group_rows(groups, E)
     experts = torch.randint(-5, E + 5, (600,), generator=g, dtype=torch.int32)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else Triton's interpreter
     for n_blocks in (0, 1, 333, 600):
         n_padded = torch.tensor([n_blocks * 8], dtype=torch.int32)
-        assert torch.equal(_split_blocks_triton(experts, n_padded, rows, 8), split_blocks(experts, n_padded, rows, 8))
+        got = _split_blocks_triton(experts.to(dev), n_padded.to(dev), rows.to(dev), 8).cpu()
+        assert torch.equal(got, split_blocks(experts, n_padded, rows, 8))
 
 
 def test_block_size_follows_the_mean_pairs_per_expert():

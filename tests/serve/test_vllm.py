@@ -184,11 +184,14 @@ def served(request, tmp_path_factory):
                         "enforce_eager": False})
     spec_models.append({"name": "qwen3-experts/ref-graphs", "path": str(work / "ref-qwen3-experts"),
                         "enforce_eager": False})
-    # the plugin's other path, a Marlin MoE call per scheme group (by default its mixed kernel runs both groups in one
-    # launch per projection): the groups one after another on vLLM's stream and on two streams, at every batch
-    for variant, mode in (("sequential", "0"), ("overlapped", "1")):
+    # the plugin's Marlin scheme groups one after another on vLLM's stream and on two streams at every batch (by
+    # default they overlap at decode-sized batches only), and its mixed kernel (both groups in one launch)
+    for variant, env in (("sequential", {"QUANT_MOE_OVERLAP": "0"}), ("overlapped", {"QUANT_MOE_OVERLAP": "1"})):
         spec_models.append({"name": f"qwen3-experts/{variant}", "path": str(runs["qwen3-experts"] / "checkpoint"),
-                            "env": {"QUANT_MOE_KERNEL": "marlin", "QUANT_MOE_OVERLAP": mode}})
+                            "env": env})
+    for name in ("qwen3-experts", "deepseek-experts"):
+        spec_models.append({"name": f"{name}/mixed", "path": str(runs[name] / "checkpoint"),
+                            "env": {"QUANT_MOE_KERNEL": "mixed"}})
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, 512, (N_PROMPTS, PROMPT_LEN), generator=g).tolist()
     spec = {"prompts": prompts, "max_model_len": 512, "greedy_tokens": GREEDY, "enforce_eager": True,
@@ -210,8 +213,8 @@ def _table(results: dict) -> list[dict]:
     rows = []
     for name in CASES:
         ref = results[f"{name}/ref"]
-        extra = {"qwen3-experts": ["graphs", "sequential", "overlapped", "stock"], "mixtral-layers": ["plugin"],
-                 "qwen3-narrow": ["plugin"]}.get(name, [])
+        extra = {"qwen3-experts": ["graphs", "sequential", "overlapped", "mixed", "stock"],
+                 "deepseek-experts": ["mixed"], "mixtral-layers": ["plugin"], "qwen3-narrow": ["plugin"]}.get(name, [])
         for fmt in CASES[name][3] + extra:
             r = results[f"{name}/{fmt}"]
             row = {"case": name, "format": fmt, "quantization": r.get("quantization"), "error": r.get("error")}
@@ -271,8 +274,19 @@ def test_the_plugins_marlin_groups_serve_one_after_another_and_side_by_side(serv
         assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
     # the same kernels on the same inputs: the streams change when they run, not what they compute
     assert _top1(sequential, overlapped) >= 0.999, _top1(sequential, overlapped)
-    # the mixed kernel and the Marlin calls compute the same layer (fp32 sums in other orders)
-    assert _top1(results["qwen3-experts/compressed-tensors"], sequential) >= 0.98
+
+
+
+def test_the_plugins_mixed_kernel_serves_both_groups_in_one_launch(served):
+    results, _, _ = served
+    if _refused_by_version(results, "qwen3-experts/mixed", "deepseek-experts/mixed"):
+        return
+    for name in ("qwen3-experts", "deepseek-experts"):
+        got, ref = results[f"{name}/mixed"], results[f"{name}/ref"]
+        assert "error" not in got, got.get("traceback")
+        assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
+        # the same layer as the Marlin calls compute (fp32 sums in other orders)
+        assert _top1(got, results[f"{name}/compressed-tensors"]) >= 0.98
 
 
 def test_stock_vllm_refuses_a_per_expert_checkpoint_by_name(served):
