@@ -99,13 +99,13 @@ class TileConfig:
     num_stages: int
 
 
-# by routed pairs per expert (T * k / E) at most: the tile shapes measured fastest on one H200 at Qwen3-30B-A3B and
-# DeepSeek-V3 widths (benchmarks/moe_layer.py --sweep)
+# by routed pairs per expert (T * k / E) at most: the tiles measured fastest on one H100 at Qwen3-30B-A3B widths
+# (benchmarks/moe_layer.py --sweep; DeepSeek-V3's widths picked the same ones but at 1,024 tokens)
 CONFIGS: tuple[tuple[float, TileConfig], ...] = (
-    (1.0, TileConfig(16, 64, 128, 4, 4)),
-    (8.0, TileConfig(16, 128, 128, 4, 3)),
-    (32.0, TileConfig(32, 128, 64, 4, 3)),
-    (float("inf"), TileConfig(64, 128, 64, 8, 3)),
+    (0.25, TileConfig(16, 64, 64, 4, 3)),
+    (32.0, TileConfig(16, 128, 64, 4, 3)),
+    (128.0, TileConfig(64, 64, 64, 4, 3)),
+    (float("inf"), TileConfig(64, 128, 128, 8, 3)),
 )
 
 
