@@ -10,7 +10,7 @@ and token count, CUDA-graph replays of:
   about half of the pairs) through ``MixedExpertsMethod.apply``: ``separate`` (a call per group) and ``shared`` (one
   routing, ``quant.serve.moe_routing``), each one group after the other (``-seq``) and overlapped (``-ovl``), and
   ``mixed``: quant's mixed-scheme kernel (``quant.serve.mixed_moe``, one Triton launch per projection for both
-  groups; the plugin's default for such a layer).
+  groups; the plugin runs it with ``QUANT_MOE_KERNEL=mixed``).
 
 ``--sweep`` times the mixed kernel at every tile shape of a small grid instead, per shape and token count, prints
 the fastest beside the one ``mixed_moe.CONFIGS`` picks (the table is set from it) and, with ``--tiles FILE``, writes

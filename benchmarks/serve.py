@@ -65,7 +65,7 @@ RECIPES = {
     "uniform-w8": ("mixed_int8_int4.yaml", [*UNIFORM, "plan.low_bits=8", "plan.high_bits=8"]),
 }
 # another model's checkpoint served with VARIANT_ENV: the plugin's Marlin groups one after the other or overlapped,
-# and the plugin's checkpoints on a Marlin MoE call per scheme group instead of the mixed kernel
+# and the plugin's checkpoints on its mixed kernel instead of a Marlin MoE call per scheme group
 VARIANTS = {"experts-seq": "experts", "experts-overlap": "experts", "headline-mixed": "headline",
             "joint-mixed": "joint"}
 VARIANT_ENV = {"experts-seq": {"QUANT_MOE_OVERLAP": "0"}, "experts-overlap": {"QUANT_MOE_OVERLAP": "1"},

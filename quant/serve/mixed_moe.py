@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from quant.serve.layout import Scheme
+from quant.serve.moe_routing import group_rows
 
 MAX_GROUPS = 2
 
@@ -79,15 +80,29 @@ def servable(schemes: Sequence[Scheme]) -> str | None:
     return None
 
 
+KERNELS = ("marlin", "mixed")
+
+
+def choose_kernel(asked: str, schemes: Sequence[Scheme]) -> str:
+    """The kernel a mixed layer of these groups' schemes runs: ``asked`` (``QUANT_MOE_KERNEL``: ``marlin``, ``mixed``,
+    or empty for the default ``marlin``, a Marlin MoE call per group, faster on an H100 at every batch but one
+    Qwen3-30B-A3B token, BENCHMARKS.md); ValueError for another value, or ``mixed`` for a layer this kernel cannot run."""
+    if asked not in ("", *KERNELS):
+        raise ValueError(f"QUANT_MOE_KERNEL={asked!r}: use marlin (a Marlin MoE call per scheme group, the default) "
+                         f"or mixed (one launch per projection for at most {MAX_GROUPS} symmetric W4/W8 groups)")
+    why = servable(schemes) if asked == "mixed" else None
+    if why is not None:
+        raise ValueError(f"QUANT_MOE_KERNEL=mixed cannot run {why}")
+    return asked or "marlin"
+
+
 def layer_tables(groups: Sequence, n_experts: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(expert_group [E], expert_row [E])`` int32 of ``groups`` (``ExpertGroup``s that cover every expert)."""
-    group = torch.full((n_experts,), -1, dtype=torch.int32)
-    row = torch.full((n_experts,), -1, dtype=torch.int32)
-    for gi, g in enumerate(groups):
-        group[list(g.experts)] = gi
-        row[list(g.experts)] = torch.arange(len(g.experts), dtype=torch.int32)
-    assert bool((group >= 0).all()), "every expert belongs to a group"
-    return group.to(device), row.to(device)
+    """``(expert_group [E], expert_row [E])`` int32 of ``groups`` (``ExpertGroup``s that cover every expert), from
+    ``moe_routing.group_rows``: the one group an expert's row is not -1 in, and that row."""
+    rows = group_rows(groups, n_experts)  # [G, E]
+    member = rows >= 0
+    assert bool((member.sum(dim=0) == 1).all()), "every expert belongs to exactly one group"
+    return member.int().argmax(dim=0).to(torch.int32).to(device), rows.max(dim=0).values.to(device)
 
 
 @dataclass(frozen=True)

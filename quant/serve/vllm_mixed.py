@@ -24,6 +24,7 @@ layer is built.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from dataclasses import dataclass
@@ -58,8 +59,15 @@ from quant.serve.layout import (
     rank_part,
     stacked_shapes,
 )
-from quant.serve.mixed_moe import CONFIGS, MixedLayer, Projection, layer_tables, mixed_moe, read_configs
-from quant.serve.mixed_moe import servable as mixed_servable
+from quant.serve.mixed_moe import (
+    CONFIGS,
+    MixedLayer,
+    Projection,
+    choose_kernel,
+    layer_tables,
+    mixed_moe,
+    read_configs,
+)
 from quant.serve.moe_routing import MoeOps, group_rows, shared_routing_moe
 from quant.serve.names import QUANT_METHOD
 
@@ -252,14 +260,15 @@ class MixedExpertsMethod(FusedMoEMethodBase):
         return self.side
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        def act(out, inp):
+            return apply_moe_activation(layer.activation, out, inp)
+
         if self.mixed is not None:
-            return mixed_moe(x, topk_weights, topk_ids, self.mixed, align=align,
-                             act=lambda out, inp: apply_moe_activation(layer.activation, out, inp),
+            return mixed_moe(x, topk_weights, topk_ids, self.mixed, align=align, act=act,
                              weight_on_input=layer.apply_router_weight_on_input, configs=self.tiles)
         side = self._side_for(x.shape[0])
         if self.routing == "shared":
-            ops = MoeOps(align=align, gemm=_marlin_gemm,
-                         act=lambda out, inp: apply_moe_activation(layer.activation, out, inp))
+            ops = MoeOps(align=align, gemm=_marlin_gemm, act=act)
             return shared_routing_moe(x, topk_weights, topk_ids, self.groups, self.rows, ops,
                                       intermediate=self.sizes.intermediate,
                                       weight_on_input=layer.apply_router_weight_on_input,
@@ -283,29 +292,23 @@ class MixedExpertsMethod(FusedMoEMethodBase):
         return out
 
 
-KERNELS = ("mixed", "marlin")
-
-
 def _kernel_choice(prefix: str, schemes: list[Scheme]) -> str:
-    """``marlin`` (a Marlin MoE call per scheme group, the default: faster on an H100 at every batch but one Qwen3
-    token, BENCHMARKS.md) or, with ``QUANT_MOE_KERNEL=mixed``, one Triton launch per projection for every group."""
-    asked = os.environ.get("QUANT_MOE_KERNEL", "")
-    if asked not in ("", *KERNELS):
-        raise ValueError(f"{QUANT_METHOD}: QUANT_MOE_KERNEL={asked!r}: use marlin (a Marlin MoE call per scheme "
-                         "group, the default) or mixed (one launch per projection for at most two symmetric W4/W8 "
-                         "groups)")
-    why = mixed_servable(schemes)
-    if asked == "mixed" and why is not None:
-        raise ValueError(f"{QUANT_METHOD}: {prefix}: QUANT_MOE_KERNEL=mixed cannot run {why}")
-    return asked or "marlin"
+    """``mixed_moe.choose_kernel`` of ``QUANT_MOE_KERNEL``, its refusal naming the layer."""
+    try:
+        return choose_kernel(os.environ.get("QUANT_MOE_KERNEL", ""), schemes)
+    except ValueError as e:
+        raise ValueError(f"{QUANT_METHOD}: {prefix}: {e}") from None
 
 
 def _tile_table():
     """The mixed kernel's tile table: ``mixed_moe.CONFIGS``, or the JSON file ``QUANT_MOE_TILES`` names (one
-    ``benchmarks/moe_layer.py --sweep`` wrote for this GPU)."""
+    ``benchmarks/moe_layer.py --sweep`` wrote for this GPU), read once for every layer."""
     path = os.environ.get("QUANT_MOE_TILES", "")
-    if not path:
-        return CONFIGS
+    return _read_tiles(path) if path else CONFIGS
+
+
+@functools.lru_cache(maxsize=4)
+def _read_tiles(path: str):
     try:
         with open(path) as f:
             return read_configs(f.read())

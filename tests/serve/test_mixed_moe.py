@@ -175,3 +175,17 @@ def test_a_tile_table_from_json_and_its_refusals():
     for bad in ("[]", "[[2, [16, 64, 100, 4, 3]]]", "[[9, [16, 64, 64, 4, 3]], [2, [16, 64, 64, 4, 3]]]"):
         with pytest.raises(ValueError):
             read_configs(bad)
+
+
+def test_the_kernel_choice_and_its_refusals():
+    from quant.serve.mixed_moe import choose_kernel
+
+    assert choose_kernel("", [W8, W4]) == "marlin"
+    assert choose_kernel("marlin", [W8, W4, Scheme(4, 64)]) == "marlin"
+    assert choose_kernel("mixed", [W8, W4]) == "mixed"
+    with pytest.raises(ValueError, match="QUANT_MOE_KERNEL='triton': use marlin"):
+        choose_kernel("triton", [W8, W4])
+    with pytest.raises(ValueError, match="mixed cannot run 3 scheme groups"):
+        choose_kernel("mixed", [W8, W4, Scheme(4, 64)])
+    with pytest.raises(ValueError, match="mixed cannot run scheme w4g128a"):
+        choose_kernel("mixed", [W8, Scheme(4, 128, False)])
