@@ -71,6 +71,10 @@ from quant.serve.mixed_moe import (
 from quant.serve.moe_routing import MoeOps, group_rows, shared_routing_moe
 from quant.serve.names import QUANT_METHOD
 
+# vLLM 0.26's Marlin MoE takes act-order tensors (g_idx, their sort indices, is_k_full) in its weight converter and
+# its calls, and its converter takes the K-first stacks of ``quant.serve.layout``; 0.33's takes none of them, and
+# N-first stacks (``[E, N, K / pack]``), which it makes K-first itself
+MARLIN_G_IDX = "w13_g_idx" in inspect.signature(convert_to_wna16_moe_kernel_format).parameters
 _QUANT_TYPES = {(4, True): scalar_types.uint4b8, (8, True): scalar_types.uint8b128, (4, False): scalar_types.uint4}
 
 
@@ -249,8 +253,9 @@ class MixedExpertsMethod(FusedMoEMethodBase):
             x, t["w13"], t["w2"], None, None, t["s13"], t["s2"], topk_weights, topk_ids,
             quant_type_id=g.quant_type.id, apply_router_weight_on_input=layer.apply_router_weight_on_input,
             global_num_experts=layer.global_num_experts, activation=layer.activation, expert_map=g.expert_map,
-            g_idx1=t["g13"], g_idx2=t["g2"], sort_indices1=t["i13"], sort_indices2=t["i2"],
-            w1_zeros=t["z13"], w2_zeros=t["z2"], workspace=workspace, is_k_full=True)
+            w1_zeros=t["z13"], w2_zeros=t["z2"], workspace=workspace,
+            **(dict(g_idx1=t["g13"], g_idx2=t["g2"], sort_indices1=t["i13"], sort_indices2=t["i2"], is_k_full=True)
+               if MARLIN_G_IDX else {}))
 
     def _side_for(self, n_tokens: int):
         """The second stream for a batch of ``n_tokens``, or None where the groups run one after the other."""
@@ -338,14 +343,25 @@ def to_kernel_layout(g: MarlinGroup, hidden: int, intermediate: int, n_experts: 
                              num_groups_w2=N // s.group_size)
     args = QuantizationArgs(num_bits=s.bits, type="int", symmetric=s.symmetric, strategy="group",
                             group_size=s.group_size)
-    empty = torch.empty((n, 0), dtype=torch.int32, device=dev)
     t = g.tensors
-    out = convert_to_wna16_moe_kernel_format(
-        WNA16MoEBackend.MARLIN, holder, args, None, t[("w13", "weight_packed")], t[("w2", "weight_packed")],
-        t[("w13", "weight_scale")], t[("w2", "weight_scale")], w13_g_idx=empty, w2_g_idx=empty,
-        w13_qzeros=t.get(("w13", "weight_zero_point")), w2_qzeros=t.get(("w2", "weight_zero_point")))
-    keys = ("w13", "w2", "s13", "s2", "g13", "g2", "i13", "i2", "z13", "z2")
-    g.tensors = dict(zip(keys, out[:10], strict=True))
+    if MARLIN_G_IDX:  # K-first stacks as they are, empty act-order tensors
+        empty = torch.empty((n, 0), dtype=torch.int32, device=dev)
+        out = convert_to_wna16_moe_kernel_format(
+            WNA16MoEBackend.MARLIN, holder, args, None, t[("w13", "weight_packed")], t[("w2", "weight_packed")],
+            t[("w13", "weight_scale")], t[("w2", "weight_scale")], w13_g_idx=empty, w2_g_idx=empty,
+            w13_qzeros=t.get(("w13", "weight_zero_point")), w2_qzeros=t.get(("w2", "weight_zero_point")))
+        keys = ("w13", "w2", "s13", "s2", "g13", "g2", "i13", "i2", "z13", "z2")
+    else:  # the converter takes N-first stacks and makes them K-first itself
+        def n_first(kind: str, side: str):
+            x = t.get((side, kind))
+            return None if x is None else x.transpose(1, 2)
+
+        out = convert_to_wna16_moe_kernel_format(
+            WNA16MoEBackend.MARLIN, holder, args, None, n_first("weight_packed", "w13"),
+            n_first("weight_packed", "w2"), n_first("weight_scale", "w13"), n_first("weight_scale", "w2"),
+            w13_qzeros=n_first("weight_zero_point", "w13"), w2_qzeros=n_first("weight_zero_point", "w2"))
+        keys = ("w13", "w2", "s13", "s2", "z13", "z2")
+    g.tensors = dict(zip(keys, out[:len(keys)], strict=True))
     g.expert_map = torch.tensor(g.group.expert_map(n_experts), dtype=torch.int32).to(dev)
     g.quant_type = _QUANT_TYPES[(s.bits, s.symmetric)]
 
@@ -366,7 +382,8 @@ def _marlin_gemm(a, out, g: MarlinGroup, proj: str, sorted_ids, block_rows, n_pa
     """One group's Marlin MoE GEMM over the shared routing (``moe_routing.MoeOps.gemm``)."""
     t, n = g.tensors, proj[1:]  # "13" or "2"
     return vllm_ops.moe_wna16_marlin_gemm(
-        a, out, t[proj], None, t[f"s{n}"], None, None, t[f"z{n}"], t[f"g{n}"], t[f"i{n}"], workspace, sorted_ids,
-        block_rows, n_padded, topk_weights, moe_block_size=block_m, top_k=top_k, mul_topk_weights=mul_weights,
-        b_q_type=g.quant_type, size_m=size_m, size_n=size_n, size_k=size_k, is_k_full=True, use_atomic_add=False,
-        use_fp32_reduce=True, is_zp_float=False, **_GEMM_EP)
+        a, out, t[proj], None, t[f"s{n}"], None, None, t[f"z{n}"], workspace=workspace, sorted_token_ids=sorted_ids,
+        expert_ids=block_rows, num_tokens_past_padded=n_padded, topk_weights=topk_weights, moe_block_size=block_m,
+        top_k=top_k, mul_topk_weights=mul_weights, b_q_type=g.quant_type, size_m=size_m, size_n=size_n,
+        size_k=size_k, use_atomic_add=False, use_fp32_reduce=True, is_zp_float=False, **_GEMM_EP,
+        **(dict(g_idx=t[f"g{n}"], perm=t[f"i{n}"], is_k_full=True) if MARLIN_G_IDX else {}))
