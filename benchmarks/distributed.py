@@ -53,7 +53,7 @@ def _plan(src, prof, algo: str = "gptq"):
 
     spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=128, symmetric=algo != "awq",
                     protect={"attention": 4, "shared_experts": 4, "dense_mlp": 4})
-    return plan_bits(prof, src.modules, spec, algo, src.n_layers)
+    return plan_bits(prof, src.modules, spec, src.n_layers)
 
 
 def llmc_worker(a: argparse.Namespace) -> None:
@@ -136,7 +136,7 @@ def worker(a: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     with CudaTrace() if a.memory_trace else contextlib.nullcontext() as trace, _torch_profile(a.torch_profile) as prof:
         qspec = QuantizeSpec(algorithm=a.algo, device=dev, batch_size=a.batch, statistics=a.statistics)
-        reports = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, qspec,
+        reports = quantize_model(src, calib, plan.quantized_specs(), a.algo, qspec,
                                  Layerwise(src, "bfloat16", dev, a.batch, world=world), qdir)
     sync()
     world.barrier()

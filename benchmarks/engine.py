@@ -86,7 +86,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     sym = algo != "awq"
     spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=128, symmetric=sym,
                     protect={"attention": 4 if quant_all else "keep", "shared_experts": 4, "dense_mlp": 4})
-    plan = plan_bits(prof, src.modules, spec, algo, src.n_layers)
+    plan = plan_bits(prof, src.modules, spec, src.n_layers)
     budget = {} if solve_budget_gb is None else {"solve_budget_gb": solve_budget_gb}
     qspec = QuantizeSpec(algorithm=algo, device=dev, batch_size=batch, **budget)
     qdir = work / f"q-{algo}{tag}"
@@ -96,7 +96,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     sync()
     t0 = time.perf_counter()
     with CudaTrace() if memory_trace else contextlib.nullcontext() as trace:
-        reports = quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, qspec,
+        reports = quantize_model(src, calib, plan.quantized_specs(), algo, qspec,
                                  Layerwise(src, "bfloat16", dev, batch, world=World()), qdir)
     sync()
     total = time.perf_counter() - t0

@@ -65,9 +65,9 @@ def prepare(work: Path, shape: str, n_layers: int, samples: int, seqlen: int, ba
     calib = calibration(16, 256, SHAPES[shape]["vocab_size"], seed=0)
     t1 = time.perf_counter()
     plan = plan_bits(profile_routing(src, calib, Layerwise(src, DTYPE, dev, batch, World())), src.modules, PlanSpec(),
-                     "rtn", src.n_layers)
+                     src.n_layers)
     plan.save(work / "plan.json")
-    quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(device=dev, batch_size=batch),
+    quantize_model(src, calib, plan.quantized_specs(), "rtn", QuantizeSpec(device=dev, batch_size=batch),
                    Layerwise(src, DTYPE, dev, batch, World()),
                    work / "quantized")
     t2 = time.perf_counter()

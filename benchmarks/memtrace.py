@@ -132,7 +132,7 @@ def worker(rank: int, a: argparse.Namespace, port: int, model_dir: str, out: str
     group = max(16, 128 // a.scale)
     spec = PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=group, symmetric=a.algo != "awq",
                     protect={"attention": 4, "shared_experts": 4, "dense_mlp": 4})
-    plan = plan_bits(prof, src.modules, spec, a.algo, src.n_layers)
+    plan = plan_bits(prof, src.modules, spec, src.n_layers)
     qspec = QuantizeSpec(algorithm=a.algo, device="cpu", batch_size=batch,
                          hessian_budget_gb=a.hessian_budget_gb / k2, solve_budget_gb=a.solve_budget_gb / k2)
     if a.background_writer:
@@ -144,7 +144,7 @@ def worker(rank: int, a: argparse.Namespace, port: int, model_dir: str, out: str
     lw = Layerwise(src, "bfloat16", "cpu", batch, world=world)
     lw.reader.shared = a.shared_read and world.distributed  # NCCL's read path: a share per rank, then broadcasts
     with tracer:
-        quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, qspec, lw, Path(out) / f"q{a.ranks}")
+        quantize_model(src, calib, plan.quantized_specs(), a.algo, qspec, lw, Path(out) / f"q{a.ranks}")
     mine = {"rank": rank, "peak": tracer.peak.table(top=a.top, scale=k2),
             "phases": {p: round(b * k2 / 1e9, 2) for p, b in tracer.phase_peaks.items()}}
     got = world.all_gather_object(mine)

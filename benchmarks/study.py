@@ -91,11 +91,11 @@ def run(seeds: list[int], out: Path, n_lines: int) -> dict:
                 results[name].append(dict(once[name]))
                 continue
             spec = PlanSpec(group_size=128, seed=seed, **plan_kw)
-            plan = plan_bits(prof, src.modules, spec, q_kw["algorithm"], src.n_layers)
+            plan = plan_bits(prof, src.modules, spec, src.n_layers)
             bits[name] = summarize(plan, src, prof).headline.avg_bits_experts
             qdir = out / "work" / f"{seed}-{len(results[name])}-{abs(hash(name)) % 10**8}"
             shutil.rmtree(qdir, ignore_errors=True)
-            quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(**q_kw),
+            quantize_model(src, calib, plan.quantized_specs(), q_kw["algorithm"], QuantizeSpec(**q_kw),
                            Layerwise(src, "bfloat16", "cpu", 8, World()), qdir)
             model = load_model(src.path)
             apply_quantized(model, src, qdir)

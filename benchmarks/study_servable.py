@@ -140,14 +140,14 @@ def run_task(seed: int, size: str, manifest: str, work: Path, damage_method: str
     for name, kw in ((n, kw) for n, kw in CONFIGS.items() if n in AT_SIZE.get(size, CONFIGS) and n in configs):
         spec = PlanSpec(**{"group_size": 128, "seed": seed, **kw})
         for algo in ALGORITHMS:
-            plan = plan_bits(prof, src.modules, spec, algo, src.n_layers)
+            plan = plan_bits(prof, src.modules, spec, src.n_layers)
             # RTN reads no activations: one calibration window gives the same weights, and a plan seen before
             # (uniform plans at every size and seed) the same metrics
             key = (json.dumps({n: (p.bits, p.group_size) for n, p in plan.modules.items()}), size == "1x")
             if algo == "gptq" or key not in _RTN_SEEN:
                 qdir = work / f"{seed}-{size}-{algo}-{abs(hash(name)) % 10**8}-{os.getpid()}"
                 shutil.rmtree(qdir, ignore_errors=True)
-                quantize_model(src, calib if algo == "gptq" else one, plan.quantized_specs(), plan.algorithm,
+                quantize_model(src, calib if algo == "gptq" else one, plan.quantized_specs(), algo,
                                QuantizeSpec(algorithm=algo), Layerwise(src, "bfloat16", "cpu", 8, World()), qdir)
                 metrics = _evaluate(qdir, with_lines=size == "1x" and algo == "gptq")
                 shutil.rmtree(qdir, ignore_errors=True)

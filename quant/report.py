@@ -258,7 +258,7 @@ def write_report(recipe: Recipe, source: ModelSource, run_dir: Path) -> None:
     status = "PASSED" if ev["passed"] else "FAILED"
     lines = [f"# quant run `{recipe.name}` — gates {status}", "",
              f"Model `{source.display_name}` ({source.family.name}, fingerprint `{source.fingerprint}`); "
-             f"algorithm `{plan.algorithm}`; policy `{plan.policy}`, granularity `{plan.granularity}`, "
+             f"algorithm `{recipe.quantize.algorithm}`; policy `{plan.policy}`, granularity `{plan.granularity}`, "
              f"target runtime `{plan.target_runtime}`.", ""] + _description_lines(recipe.description)
     lines += ["## Evaluation", ""] + _eval_lines(ev)
     lines += ["", "## Plan", ""] + _plan_lines(summary)

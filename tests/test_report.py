@@ -49,7 +49,7 @@ def test_bit_map_names_each_scheme_of_the_plan(tmp_path):
 
     src = resolve_model("builtin:qwen3-moe-tiny")
     prof = synthetic_profile(src)
-    plan = plan_bits(prof, src.modules, PlanSpec(group_size=32, layer_schemes={"2": "w4g16"}), "rtn", src.n_layers)
+    plan = plan_bits(prof, src.modules, PlanSpec(group_size=32, layer_schemes={"2": "w4g16"}), src.n_layers)
     grid, labels = scheme_grid(plan, src, prof)
     assert labels == ["W4 g16", "W4 g32", "W8 g32"]
     for name, m in src.modules.items():

@@ -309,7 +309,7 @@ def plan_for(recipe: Recipe, source: ModelSource) -> tuple[BitPlan, RoutingProfi
         profile = dataclasses.replace(profile, layer_damage={
             s: torch.full((len(profile.layers),), 4.0 ** -b * g / 128, dtype=torch.float64)
             for s, (b, g) in ((s, parse_scheme(s)) for s in recipe.profile.layer_sensitivity.schemes)})
-    return plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers,
+    return plan_bits(profile, source.modules, recipe.plan, source.n_layers,
                      recipe.export.formats), profile
 
 

@@ -1,4 +1,4 @@
-"""BitPlan: every quantizable weight -> bits, group size, symmetry, algorithm, or keep. ``plan_bits`` is pure.
+"""BitPlan: every quantizable weight -> bits, group size, symmetry, or keep. ``plan_bits`` is pure.
 
 Expert decisions come from a policy over per-expert scores (routing profile); rules for attention, shared
 experts, dense MLPs, super experts and edge layers override scores; router, embeddings and lm_head are always
@@ -27,7 +27,8 @@ from quant.plan.joint_policy import joint
 from quant.plan.layer_policy import layer_sensitivity
 from quant.recipe import PlanSpec
 
-SCHEMA_VERSION = 2  # 2: the headline is a typed field (1 carried it as a JSON string in ``notes``)
+# 2: the headline is a typed field (1 carried it as a JSON string in ``notes``); 3: no algorithm (the recipe's)
+SCHEMA_VERSION = 3
 KEEP_BITS = 16  # what a kept (bf16/fp16) weight costs
 # plan.policy -> function deciding each MoE layer's expert scheme groups (``layer_policy.LayerGroups``)
 LAYER_POLICIES = {"layer_sensitivity": layer_sensitivity, "joint": joint}
@@ -108,7 +109,6 @@ class BitPlan:
     costs and whom it serves (``headline``, ``serving``) with ``dataclasses.replace``."""
 
     modules: dict[str, ModulePlan]
-    algorithm: str
     granularity: str
     target_runtime: str
     policy: str
@@ -313,8 +313,8 @@ def _rule_bits(m: ModuleInfo, spec: PlanSpec, n_layers: int) -> tuple[int | str 
     return None
 
 
-def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec, algorithm: str,
-              n_layers: int, formats: tuple[str, ...] = ("compressed-tensors",)) -> BitPlan:
+def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec, n_layers: int,
+              formats: tuple[str, ...] = ("compressed-tensors",)) -> BitPlan:
     """Decide every module's bits from the profile and the plan spec (pure: no I/O, no model). ``formats``: the
     checkpoint formats the plan will be exported to (they decide which modules share a group size)."""
     layer_groups = LAYER_POLICIES[spec.policy](profile, modules, spec) if spec.policy in LAYER_POLICIES else None
@@ -351,5 +351,5 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
     out = {n: ModulePlan(bits, groups[n], spec.symmetric, reason) if bits is not None else ModulePlan(None, reason=reason)
            for n, (bits, reason) in decided.items()}
     rule = GROUP_RULE.format(requested=spec.group_size) + (LAYER_GROUP_RULE if layer_groups is not None else "")
-    return BitPlan(out, algorithm, spec.granularity, spec.target_runtime, spec.policy, profile.model_fingerprint,
+    return BitPlan(out, spec.granularity, spec.target_runtime, spec.policy, profile.model_fingerprint,
                    group_rule=rule)

@@ -41,14 +41,14 @@ STAGES = ("calibrate", "profile", "plan", "quantize", "export", "eval", "card", 
 DEPENDS = {
     "calibrate": (("model", "calibration"), (), ("calibration.safetensors", "calibration.json")),
     "profile": (("model", "profile"), ("calibrate",), ("profile.json",)),
-    # the plan reads the algorithm and the export formats (they decide group units and whom the plan serves)
-    "plan": (("plan", "quantize.algorithm", "export.formats"), ("profile",), ("plan.json",)),
+    # the plan reads the export formats (they decide group units and whom the plan serves)
+    "plan": (("plan", "export.formats"), ("profile",), ("plan.json",)),
     "quantize": (("model", "quantize"), ("calibrate", "plan"), ("quantized",)),
     "export": (("export",), ("plan", "quantize"), ()),  # outputs: one folder per format
     "eval": (("model", "eval"), ("plan", "export"), ("eval.json",)),
     # the model card: what was done (recipe), the plan's headline, eval's numbers; outputs: each checkpoint's README.md
     "card": (("model", "plan", "quantize", "export", "eval"), ("plan", "export", "eval"), ()),
-    "report": (("report", "eval", "description"), ("profile", "plan", "quantize", "export", "eval"),
+    "report": (("report", "eval", "description", "quantize.algorithm"), ("profile", "plan", "quantize", "export", "eval"),
                ("report.md", "metrics.json")),
 }
 # stages that read the model's tokenizer files (tokenize, or copy them into the checkpoint): the fingerprint covers
@@ -56,15 +56,15 @@ DEPENDS = {
 TOKENIZES = ("calibrate", "export", "eval")
 # (stage, upstream stage) -> what the stage reads of that upstream's artifact, where that is less than all of it:
 # its freshness hashes this view (``data_digest``), not the upstream's files, so an upstream redone with other notes
-# leaves it alone. quantize reads the plan's module schemes and algorithm, export and eval its module schemes (the
+# leaves it alone. quantize, export and eval read the plan's module schemes (the
 # checkpoint follows from them and the quantized store, eval from the checkpoint); none reads the plan's headline,
 # serving notes (the predicted KL moves with the profile's damage figures) or rules' prose. The card and the report
 # print the plan's headline and serving notes: they read all of it, as every other stage reads its upstreams.
-READS = {("quantize", "plan"): stages.plan_for_quantize, ("export", "plan"): stages.plan_schemes,
+READS = {("quantize", "plan"): stages.plan_schemes, ("export", "plan"): stages.plan_schemes,
          ("eval", "plan"): stages.plan_schemes}
 # upstream named in READS -> (its artifact as the run directory holds it, None when missing or unreadable; the
 # artifact as it would write it now, made without any work from its own upstreams' artifacts and the recipe: the
-# plan's modules and algorithm are a pure function of the profile and the recipe). A preview reads the latter to
+# plan's modules are a pure function of the profile and the recipe). A preview reads the latter to
 # tell, before any work, whether a stage reading the upstream through READS will be redone.
 ARTIFACTS = {"plan": (stages.written_plan, stages.planned)}
 # stages every rank runs (``run_<stage>(..., world)``); the others run on the writer alone

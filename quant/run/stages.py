@@ -100,7 +100,7 @@ def run_plan(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
 
     profile = RoutingProfile.load(run_dir / "profile.json")
     formats = recipe.export.formats
-    plan = plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers, formats)
+    plan = plan_bits(profile, source.modules, recipe.plan, source.n_layers, formats)
     check_runtime(plan, source, recipe.plan.target_runtime, formats)
     check_formats(plan, source, formats)
     plan = replace(plan, serving=serving_summary(plan, source, profile, formats))
@@ -168,31 +168,25 @@ def written_plan(run_dir: Path) -> BitPlan | None:
 
 
 def planned(recipe: Recipe, source: ModelSource, run_dir: Path) -> BitPlan:
-    """The plan the plan stage would write now from the run's profile, as far as its modules and algorithm go:
+    """The plan the plan stage would write now from the run's profile, as far as its modules go:
     they are a pure function of the profile and the recipe (no headline or serving notes; nothing is written)."""
     profile = RoutingProfile.load(run_dir / "profile.json")
-    return plan_bits(profile, source.modules, recipe.plan, recipe.quantize.algorithm, source.n_layers,
+    return plan_bits(profile, source.modules, recipe.plan, source.n_layers,
                      recipe.export.formats)
 
 
 def plan_schemes(plan: BitPlan) -> dict:
     """What export and eval read of a plan: each module's bits (None: kept), group size and symmetry. The
     checkpoint's config and tensors follow from them and the quantized store; eval reads them to tell whether
-    transformers loads the checkpoint as it is. Not the algorithm (quantize's output carries it), the rules' prose,
-    the headline or the serving notes."""
+    transformers loads the checkpoint as it is. Not the rules' prose, the headline or the serving notes."""
     return {"modules": {n: [p.bits, p.group_size, p.symmetric] for n, p in plan.modules.items()}}
-
-
-def plan_for_quantize(plan: BitPlan) -> dict:
-    """What the quantize stage reads of a plan: each module's scheme (``plan_schemes``) and the algorithm."""
-    return {"algorithm": plan.algorithm, **plan_schemes(plan)}
 
 
 def _partial_dir(recipe: Recipe, run_dir: Path, plan: BitPlan) -> Path:
     """``quantize.partial/`` kept across crashes when its key (what quantize reads of the plan, the quantize
     section, tokens) still matches."""
     partial = run_dir / PARTIAL
-    key = hashlib.sha256(data_digest(plan_for_quantize(plan)).encode() + recipe.section_hash("quantize").encode()
+    key = hashlib.sha256(data_digest(plan_schemes(plan)).encode() + recipe.section_hash("quantize").encode()
                          + (run_dir / "calibration.safetensors").read_bytes()).hexdigest()[:16]
     if partial.exists() and (not (partial / "key").is_file() or (partial / "key").read_text() != key):
         shutil.rmtree(partial)
@@ -214,8 +208,8 @@ def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
 
     plan = BitPlan.load(run_dir / "plan.json")
     partial = world.on_writer(lambda: _partial_dir(recipe, run_dir, plan))
-    # the engine's vocabulary: each quantized module's grid, and the algorithm's name
-    reports = quantize_model(source, load_calibration(run_dir), plan.quantized_specs(), plan.algorithm,
+    # the engine's vocabulary: each quantized module's grid (the plan's), and the algorithm's name (the recipe's)
+    reports = quantize_model(source, load_calibration(run_dir), plan.quantized_specs(), recipe.quantize.algorithm,
                              recipe.quantize, _layerwise(recipe, source, recipe.quantize.batch_size, world), partial)
     world.on_writer(lambda: _publish_partial(partial, run_dir / "quantized"))
     return {"layers": len(reports), "rtn_fallbacks": sum(len(r.rtn_fallbacks) for r in reports),

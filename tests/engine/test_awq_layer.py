@@ -28,7 +28,7 @@ def setup(request):
 
     src = resolve_model(f"builtin:{request.param}")
     calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 4, 64, 0)
-    return src, calib, plan_bits(synthetic_profile(src), src.modules, PLAN, "awq", src.n_layers)
+    return src, calib, plan_bits(synthetic_profile(src), src.modules, PLAN, src.n_layers)
 
 
 class _Recorder:
@@ -56,7 +56,7 @@ class _Recorder:
 
 def _awq(setup, out, **qkw) -> dict:
     src, calib, plan = setup
-    quantize_model(src, calib, plan.quantized_specs(), plan.algorithm,
+    quantize_model(src, calib, plan.quantized_specs(), "awq",
                    QuantizeSpec(algorithm="awq", min_tokens=40, **qkw),
                    Layerwise(src, "bfloat16", qkw.get("device", "cpu"), 4, World()), out)
     stored = {}

@@ -86,10 +86,9 @@ def store(tmp_path_factory):
     src = resolve_model("builtin:qwen3-moe-tiny")
     calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 8, 32, 0)
     prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8, world=World()))
-    plan = plan_bits(prof, src.modules, PlanSpec(group_size=32, low_bits=2, high_bits=8, symmetric=False), "awq",
-                     src.n_layers, ("compressed-tensors", "gptq"))
+    plan = plan_bits(prof, src.modules, PlanSpec(group_size=32, low_bits=2, high_bits=8, symmetric=False), src.n_layers, ("compressed-tensors", "gptq"))
     qdir = tmp_path_factory.mktemp("store") / "quantized"
-    quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(algorithm="awq"),
+    quantize_model(src, calib, plan.quantized_specs(), "awq", QuantizeSpec(algorithm="awq"),
                    Layerwise(src, "bfloat16", "cpu", 8, World()), qdir)
     return src, plan, qdir
 

@@ -35,7 +35,7 @@ def test_profile_finds_hot_expert_and_plan_gives_it_8_bits(profiles, name):
     assert (prof.counts.sum(1) == calib.tokens.numel() * src.top_k).all()
     share = prof.share()
     assert (share[:, hottest] > 1.0 / prof.n_experts).all()  # above uniform in every layer
-    plan = plan_bits(prof, src.modules, PlanSpec(group_size=32), "rtn", src.n_layers)
+    plan = plan_bits(prof, src.modules, PlanSpec(group_size=32), src.n_layers)
     for layer in prof.layers:
         assert plan.modules[f"layers.{layer}.experts.{hottest}.down"].bits == 8
 

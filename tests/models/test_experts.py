@@ -112,12 +112,12 @@ def test_quantize_writes_the_native_codes(sources, calib, profiles, algorithm, t
     """A mixed 8/4 plan: the per-expert run writes the fused run's codes in every layer, so statistics and the
     propagation through each quantized layer (which feeds the next layer's statistics) match the native ones."""
     pe, nat = sources
-    plan = plan_bits(profiles[1], nat.modules, PlanSpec(group_size=32), algorithm, nat.n_layers)
+    plan = plan_bits(profiles[1], nat.modules, PlanSpec(group_size=32), nat.n_layers)
     assert {p.bits for n, p in plan.quantized().items() if ".experts." in n} == {4, 8}
     stored = {}
     for name, src in (("pe", pe), ("nat", nat)):
         out = tmp_path / name
-        quantize_model(src, calib, plan.quantized_specs(), plan.algorithm, QuantizeSpec(),
+        quantize_model(src, calib, plan.quantized_specs(), algorithm, QuantizeSpec(),
                        Layerwise(src, "float32", "cpu", 4, World()), out)
         stored[name] = {n: q for i in range(src.n_layers) for n, q in read_layer(layer_file(out, i)).items()}
     a, b = stored["pe"], stored["nat"]
@@ -142,7 +142,7 @@ def test_quantize_writes_the_native_codes(sources, calib, profiles, algorithm, t
 
 def test_awq_on_one_layer_matches_native(sources, calib, profiles):
     """AWQ folds 1/s into the norm and s into the router: a Linear gate here, a router parameter natively."""
-    plan = plan_bits(profiles[1], sources[1].modules, PlanSpec(group_size=32), "awq", sources[1].n_layers)
+    plan = plan_bits(profiles[1], sources[1].modules, PlanSpec(group_size=32), sources[1].n_layers)
     out = {}
     for name, src in zip(("pe", "nat"), sources, strict=True):
         lw = Layerwise(src, "float32", "cpu", 4, world=World())

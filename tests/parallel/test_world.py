@@ -191,8 +191,7 @@ def _awq_split(world: World):
     calib = build_calibration(str(Path(__file__).parents[2] / "calibration" / "bundled.yaml"),
                               AutoTokenizer.from_pretrained(src.path), 8, 32, 0)
     lw = Layerwise(src, "float32", "cpu", 2, world=world)
-    plan = plan_bits(profile_routing(src, calib, lw), src.modules, PlanSpec(group_size=32, symmetric=False), "awq",
-                     src.n_layers)
+    plan = plan_bits(profile_routing(src, calib, lw), src.modules, PlanSpec(group_size=32, symmetric=False), src.n_layers)
     hidden = lw.embed(calib.tokens)
     awq = ALGORITHMS["awq"]
     with lw.layer(0) as layer:

@@ -97,7 +97,7 @@ def test_knapsack_matches_brute_force_over_two_scheme_assignments(seed):
     prof = _random_case(seed, n_layers=2, n_experts=4)
     mods = _modules(2, 4)
     budget = 4.2 + 0.5 * seed  # average code bits at g128
-    plan = plan_bits(prof, mods, _spec(budget), "rtn", 2)
+    plan = plan_bits(prof, mods, _spec(budget), 2)
     assert _stored(plan, mods) <= budget + 16 / 128 + 1e-9
     want = _brute(prof, budget + 16 / 128)
     got = _damage(plan, prof)
@@ -113,7 +113,7 @@ def test_budget_respected_monotone_and_at_most_two_groups_per_layer(seed):
     w = expert_weights(prof, "sensitivity")
     last = float("inf")
     for budget in (4.0, 4.3, 4.6, 4.75, 5.0, 5.5, 6.5, 8.0):
-        plan = plan_bits(prof, mods, _spec(budget), "rtn", n_layers)
+        plan = plan_bits(prof, mods, _spec(budget), n_layers)
         assert _stored(plan, mods) <= budget + 16 / 128 + 1e-9
         damage = _damage(plan, prof)
         assert damage <= last + 1e-12  # more budget never predicts more damage
@@ -138,9 +138,9 @@ def test_uniform_weights_give_the_per_layer_plan():
     one W8 layer and the most damaged layer also the one with the steepest gain, nothing pays for a split."""
     damage = {"w4g128": [1.0, 8.0, 2.0, 3.0], "w8g128": [0.05, 0.1, 0.05, 0.05]}
     prof, mods = _profile(damage, torch.ones(4, 8, dtype=torch.float64)), _modules(4, 8)
-    joint = plan_bits(prof, mods, _spec(5.0, layer_group_sizes=()), "rtn", 4)
+    joint = plan_bits(prof, mods, _spec(5.0, layer_group_sizes=()), 4)
     layer = plan_bits(prof, mods, PlanSpec(policy="layer_sensitivity", granularity="per_layer", budget_avg_bits=5.0),
-                      "rtn", 4)
+                      4)
     assert expert_schemes_by_layer(joint) == expert_schemes_by_layer(layer) == {
         0: {(4, 128)}, 1: {(8, 128)}, 2: {(4, 128)}, 3: {(4, 128)}}
     assert joint.modules["layers.1.experts.0.up"].reason == "joint:w8g128"  # a uniform layer: no hot/rest role
@@ -151,9 +151,9 @@ def test_concentrated_sensitivity_splits_layers_and_beats_the_per_layer_plan():
     sens = torch.full((4, 8), 0.01, dtype=torch.float64)
     sens[:, :2] = 1.0  # two experts per layer carry almost all of its damage
     prof, mods = _profile(damage, sens), _modules(4, 8)
-    joint = plan_bits(prof, mods, _spec(5.0, layer_group_sizes=()), "rtn", 4)
+    joint = plan_bits(prof, mods, _spec(5.0, layer_group_sizes=()), 4)
     layer = plan_bits(prof, mods, PlanSpec(policy="layer_sensitivity", granularity="per_layer", budget_avg_bits=5.0),
-                      "rtn", 4)
+                      4)
     split = [lay for lay, s in expert_schemes_by_layer(joint).items() if len(s) == 2]
     assert len(split) >= 2 and _damage(joint, prof) < 0.5 * _damage(layer, prof)
     assert _stored(joint, mods) <= 5.0 + 16 / 128 + 1e-9
@@ -176,9 +176,9 @@ def test_never_routed_experts_are_not_split_off_when_every_expert_fits_at_w8():
     """A split of the routed experts at W8 and the never-routed ones at W4 predicts the damage of all-W8 for less
     storage; it lowers no damage, so where all-W8 fits every layer takes it, as ``layer_sensitivity`` does."""
     prof, mods = _never_routed_case()
-    joint = plan_bits(prof, mods, _spec(8.0), "rtn", 4)
+    joint = plan_bits(prof, mods, _spec(8.0), 4)
     layer = plan_bits(prof, mods, PlanSpec(policy="layer_sensitivity", granularity="per_layer", budget_avg_bits=8.0),
-                      "rtn", 4)
+                      4)
     experts = [n for n, m in mods.items() if m.kind == "expert"]
     assert {(joint.modules[n].bits, joint.modules[n].group_size) for n in experts} == {(8, 128)}
     assert {n: (joint.modules[n].bits, joint.modules[n].group_size) for n in joint.modules} == {
@@ -190,9 +190,9 @@ def test_never_routed_experts_are_still_split_off_where_that_lowers_damage():
     """Below all-W8 the budget cannot buy every layer W8; W4 on the never-routed experts frees the storage that buys
     W8 for routed ones elsewhere, so the split layers predict less damage than any per-layer plan."""
     prof, mods = _never_routed_case()
-    joint = plan_bits(prof, mods, _spec(6.5), "rtn", 4)
+    joint = plan_bits(prof, mods, _spec(6.5), 4)
     layer = plan_bits(prof, mods, PlanSpec(policy="layer_sensitivity", granularity="per_layer", budget_avg_bits=6.5),
-                      "rtn", 4)
+                      4)
     split = {lay: s for lay, s in expert_schemes_by_layer(joint).items() if len(s) == 2}
     assert split and _damage(joint, prof) < _damage(layer, prof)
     assert _stored(joint, mods) <= 6.5 + 16 / 128 + 1e-9
@@ -207,8 +207,8 @@ def test_split_by_tokens_ranks_experts_by_routed_tokens():
     sens = torch.full((2, 8), 0.01, dtype=torch.float64)
     sens[:, :2] = 1.0
     prof, mods = _profile(damage, sens, counts), _modules(2, 8)
-    by_tokens = plan_bits(prof, mods, _spec(5.0, layer_group_sizes=(), split_by="tokens"), "rtn", 2)
-    by_sens = plan_bits(prof, mods, _spec(5.0, layer_group_sizes=()), "rtn", 2)
+    by_tokens = plan_bits(prof, mods, _spec(5.0, layer_group_sizes=(), split_by="tokens"), 2)
+    by_sens = plan_bits(prof, mods, _spec(5.0, layer_group_sizes=()), 2)
     assert {e for e in range(8) if _expert_scheme(by_tokens, 0, e) == (8, 128)} == {6, 7}
     assert {e for e in range(8) if _expert_scheme(by_sens, 0, e) == (8, 128)} == {0, 1}
 
@@ -242,7 +242,7 @@ def test_a_split_whose_rest_weighs_nothing_ties_the_uniform_option_and_is_undone
 def test_joint_needs_measured_damage():
     prof = replace(_random_case(0, 2, 4), layer_damage=None)
     with pytest.raises(PlanError, match="plan.policy 'joint' needs per-layer damage"):
-        plan_bits(prof, _modules(2, 4), _spec(4.75), "rtn", 2)
+        plan_bits(prof, _modules(2, 4), _spec(4.75), 2)
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +257,7 @@ def test_the_plugin_serves_a_split_plan_stock_vllm_refuses_it(reference):
               "w4g32": [9.5, 2.1, 3.2, 2.4, 2.6, 2.2, 1.9, 1.4], "w8g128": [0.6, 0.2, 0.1, 0.1, 0.1, 0.07, 0.04, 0.01]}
     prof = _profile(damage, sens)
     plan = plan_bits(prof, reference.modules, _spec(4.75, layer_group_sizes=(32, 64), target_runtime="vllm-quant"),
-                     "rtn", 8)
+                     8)
     layers = expert_schemes_by_layer(plan)
     assert any(len(s) == 2 for s in layers.values()) and all(len(s) <= 2 for s in layers.values())
     assert problems_for(plan, reference, "vllm-quant", ("compressed-tensors",)) == []
@@ -265,6 +265,6 @@ def test_the_plugin_serves_a_split_plan_stock_vllm_refuses_it(reference):
     assert refused and "plan.policy joint splits" in refused[0] and "vllm-quant" in refused[0]
     assert problems_for(plan, reference, "sglang")
     # a budget that buys no split leaves every layer uniform: stock vLLM serves that plan
-    floor = plan_bits(prof, reference.modules, _spec(4.0, layer_group_sizes=()), "rtn", 8)
+    floor = plan_bits(prof, reference.modules, _spec(4.0, layer_group_sizes=()), 8)
     assert all(s == {(4, 128)} for s in expert_schemes_by_layer(floor).values())
     assert problems_for(floor, reference, "vllm") == []

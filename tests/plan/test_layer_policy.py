@@ -107,7 +107,7 @@ DAMAGE = {"w4g128": [1.0, 8.0, 2.0, 3.0], "w8g128": [0.05, 0.1, 0.05, 0.05],
 
 def test_layer_sensitivity_gives_high_bits_to_the_most_damaged_layer_within_budget():
     mods = _modules()
-    plan = plan_bits(_profile(DAMAGE), mods, _spec(budget_avg_bits=5.0), "rtn", 4)
+    plan = plan_bits(_profile(DAMAGE), mods, _spec(budget_avg_bits=5.0), 4)
     schemes = expert_schemes_by_layer(plan)
     assert all(len(s) == 1 for s in schemes.values())  # one scheme per MoE layer
     assert schemes[1] == {(8, 128)} and schemes[0] == schemes[2] == schemes[3] == {(4, 128)}
@@ -115,7 +115,7 @@ def test_layer_sensitivity_gives_high_bits_to_the_most_damaged_layer_within_budg
     assert plan.modules["layers.0.attn.q"].bits == 8 and plan.modules["layers.0.router"].keep
     assert _avg_storage(plan, mods) == pytest.approx(5.0 + 16 / 128)  # 1 of 4 layers at W8: the whole budget
     # 4.75 bits cannot pay for a W8 layer (5.0): all layers stay at W4 rather than exceed the budget
-    all_w4 = plan_bits(_profile(DAMAGE), mods, _spec(), "rtn", 4)
+    all_w4 = plan_bits(_profile(DAMAGE), mods, _spec(), 4)
     assert all(s == {(4, 128)} for s in expert_schemes_by_layer(all_w4).values())
 
 
@@ -126,7 +126,7 @@ def _total_damage(plan) -> float:
 
 def test_group_size_knob_spends_the_rest_of_the_budget_optimally():
     mods = _modules()
-    plan = plan_bits(_profile(DAMAGE), mods, _spec(budget_avg_bits=5.25, layer_group_sizes=(32, 64)), "rtn", 4)
+    plan = plan_bits(_profile(DAMAGE), mods, _spec(budget_avg_bits=5.25, layer_group_sizes=(32, 64)), 4)
     schemes = expert_schemes_by_layer(plan)
     assert all(len(s) == 1 for s in schemes.values()) and schemes[1] == {(8, 128)}
     assert {(4, 32), (4, 64)} & set().union(*schemes.values())  # the rest of the budget buys smaller groups
@@ -137,7 +137,7 @@ def test_group_size_knob_spends_the_rest_of_the_budget_optimally():
     best = min(sum(DAMAGE[n][i] for i, n in enumerate(c)) for c in itertools.product(names, repeat=4)
                if sum(unit[n] for n in c) <= 4 * (5.25 + 0.125))
     assert _total_damage(plan) == pytest.approx(best)
-    no_knob = plan_bits(_profile(DAMAGE), mods, _spec(budget_avg_bits=5.25), "rtn", 4)
+    no_knob = plan_bits(_profile(DAMAGE), mods, _spec(budget_avg_bits=5.25), 4)
     assert _total_damage(plan) < _total_damage(no_knob)
 
 
@@ -145,8 +145,8 @@ def test_equal_average_bits_to_the_per_expert_plan():
     """At the per-expert plan's average bits the layer plan stores no more than the per-expert plan does."""
     mods = _modules()
     prof = _profile(DAMAGE)
-    per_expert = plan_bits(prof, mods, PlanSpec(top_fraction=0.25), "rtn", 4)
-    layer = plan_bits(prof, mods, _spec(budget_avg_bits=4 + 4 * 0.25, layer_group_sizes=(32, 64)), "rtn", 4)
+    per_expert = plan_bits(prof, mods, PlanSpec(top_fraction=0.25), 4)
+    layer = plan_bits(prof, mods, _spec(budget_avg_bits=4 + 4 * 0.25, layer_group_sizes=(32, 64)), 4)
     assert _avg_storage(layer, mods) <= _avg_storage(per_expert, mods) + 1e-12
     assert _avg_storage(per_expert, mods) - _avg_storage(layer, mods) < 0.375 / 4 + 1e-9  # within one g32 upgrade
 
@@ -155,12 +155,12 @@ def test_layer_sensitivity_needs_measured_damage_and_base_schemes():
     mods = _modules()
     prof = replace(_profile(DAMAGE), layer_damage=None)
     with pytest.raises(PlanError, match="profile.layer_sensitivity"):
-        plan_bits(prof, mods, _spec(), "rtn", 4)
+        plan_bits(prof, mods, _spec(), 4)
     with pytest.raises(PlanError, match="lacks w8g128"):
-        plan_bits(_profile({"w4g128": DAMAGE["w4g128"]}), mods, _spec(), "rtn", 4)
+        plan_bits(_profile({"w4g128": DAMAGE["w4g128"]}), mods, _spec(), 4)
 
 
 def test_protection_rules_still_win():
     plan = plan_bits(_profile(DAMAGE), _modules(), _spec(protect={"first_layers": 1, "edge_layer_bits": "keep"}),
-                     "rtn", 4)
+                     4)
     assert plan.modules["layers.0.experts.0.up"].keep

@@ -37,28 +37,28 @@ LAYER = dict(policy="layer_sensitivity", granularity="per_layer", budget_avg_bit
 
 
 def test_layer_plans_with_group_sizes_pass_vllm_and_sglang(source):
-    plan = plan_bits(_profile(), source.modules, PlanSpec(**LAYER, layer_group_sizes=(32, 64)), "rtn", L)
+    plan = plan_bits(_profile(), source.modules, PlanSpec(**LAYER, layer_group_sizes=(32, 64)), L)
     layers = expert_schemes_by_layer(plan)
     assert len({s for v in layers.values() for s in v}) > 2 and all(len(v) == 1 for v in layers.values())
     assert problems_for(plan, source, "vllm") == [] and problems_for(plan, source, "sglang") == []
     assert problems_for(plan, source, "vllm", ("gptq",)) == []  # per-layer dynamic rules
     assert "one expert scheme" in problems_for(plan, source, "sglang", ("gptq",))[0]
     assert "one scheme" in problems_for(plan, source, "transformers")[0]
-    per_expert = plan_bits(_profile(), source.modules, PlanSpec(top_fraction=0.2), "rtn", L)
+    per_expert = plan_bits(_profile(), source.modules, PlanSpec(top_fraction=0.2), L)
     assert "one quantization scheme to all experts" in problems_for(per_expert, source, "vllm")[0]
 
 
 def test_a_group_size_vllm_kernels_lack_is_rejected(source):
     damage = dict(DAMAGE, w4g16=[0.5] * L)  # so cheap in damage that the knapsack takes it
-    plan = plan_bits(_profile(damage), source.modules, PlanSpec(**LAYER, layer_group_sizes=(16,)), "rtn", L)
+    plan = plan_bits(_profile(damage), source.modules, PlanSpec(**LAYER, layer_group_sizes=(16,)), L)
     assert (4, 16) in set().union(*expert_schemes_by_layer(plan).values())
     assert "group size 32, 64 or 128" in problems_for(plan, source, "vllm")[0]
 
 
 def test_equal_average_bits_with_the_per_expert_plan(source):
     prof = _profile()
-    per_expert = plan_bits(prof, source.modules, PlanSpec(top_fraction=0.2), "rtn", L)  # 6 of 32: 4.75 bits
-    layer = plan_bits(prof, source.modules, PlanSpec(**LAYER, layer_group_sizes=(32, 64)), "rtn", L)
+    per_expert = plan_bits(prof, source.modules, PlanSpec(top_fraction=0.2), L)  # 6 of 32: 4.75 bits
+    layer = plan_bits(prof, source.modules, PlanSpec(**LAYER, layer_group_sizes=(32, 64)), L)
     (pe_bits, n), (l_bits, _) = expert_storage(per_expert, source), expert_storage(layer, source)
     assert pe_bits / n == pytest.approx(4.75 + 16 / 128)
     smallest_step = n / L * (storage_bits(4, 64, 256) - storage_bits(4, 128, 256))  # one layer g128 -> g64, bits
@@ -67,9 +67,9 @@ def test_equal_average_bits_with_the_per_expert_plan(source):
 
 def test_predicted_kl_sums_layers_and_weights_mixed_layers_by_expert_error(source):
     prof = _profile()
-    uniform = plan_bits(prof, source.modules, PlanSpec(policy="uniform", low_bits=4, high_bits=4), "rtn", L)
+    uniform = plan_bits(prof, source.modules, PlanSpec(policy="uniform", low_bits=4, high_bits=4), L)
     assert predicted_kl(uniform, source, prof) == pytest.approx(1e-3 * sum(DAMAGE["w4g128"]))
-    per_expert = plan_bits(prof, source.modules, PlanSpec(top_fraction=0.2), "rtn", L)
+    per_expert = plan_bits(prof, source.modules, PlanSpec(top_fraction=0.2), L)
     share = prof.sensitivity / prof.sensitivity.sum(dim=1, keepdim=True)
     want = 0.0
     for layer in range(L):
@@ -77,15 +77,15 @@ def test_predicted_kl_sums_layers_and_weights_mixed_layers_by_expert_error(sourc
             s = "w8g128" if per_expert.modules[f"layers.{layer}.experts.{e}.up"].bits == 8 else "w4g128"
             want += share[layer, e].item() * 1e-3 * DAMAGE[s][layer]
     assert predicted_kl(per_expert, source, prof) == pytest.approx(want)
-    g16 = plan_bits(prof, source.modules, PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=16), "rtn", L)
+    g16 = plan_bits(prof, source.modules, PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=16), L)
     assert predicted_kl(g16, source, prof) is None  # w4g16 was not measured
 
 
 def test_best_servable_alternative_of_a_per_expert_plan(source):
     prof = _profile()
-    per_expert = plan_bits(prof, source.modules, PlanSpec(top_fraction=0.2), "rtn", L)
+    per_expert = plan_bits(prof, source.modules, PlanSpec(top_fraction=0.2), L)
     alt = best_servable(per_expert, source, prof)
-    layer = plan_bits(prof, source.modules, PlanSpec(**LAYER, layer_group_sizes=(32, 64)), "rtn", L)
+    layer = plan_bits(prof, source.modules, PlanSpec(**LAYER, layer_group_sizes=(32, 64)), L)
     assert {int(k): v for k, v in alt["layers"].items()} == {
         i: "w{}g{}".format(*next(iter(s))) for i, s in expert_schemes_by_layer(layer).items()}
     assert alt["predicted_kl"] == pytest.approx(predicted_kl(layer, source, prof))
@@ -103,14 +103,14 @@ def test_quants_vllm_plugin_serves_per_expert_plans_vllm_refuses(source):
     runs (4 and 8 bits, 8 bits symmetric, groups 32/64/128, widths it tiles); from the compressed-tensors export."""
     from quant.plan.runtimes import PLUGIN_NEEDS_CT
 
-    per_expert = plan_bits(_profile(), source.modules, PlanSpec(top_fraction=0.2), "rtn", L)
+    per_expert = plan_bits(_profile(), source.modules, PlanSpec(top_fraction=0.2), L)
     assert problems_for(per_expert, source, "vllm")  # stock vLLM: one scheme per fused layer
     assert problems_for(per_expert, source, "vllm-quant") == []
     assert problems_for(per_expert, source, "vllm-quant", ("compressed-tensors", "gptq")) == []
     assert problems_for(per_expert, source, "vllm-quant", ("gptq",)) == [PLUGIN_NEEDS_CT]
-    asym8 = plan_bits(_profile(), source.modules, PlanSpec(top_fraction=0.2, symmetric=False), "rtn", L)
+    asym8 = plan_bits(_profile(), source.modules, PlanSpec(top_fraction=0.2, symmetric=False), L)
     assert "symmetric int8" in problems_for(asym8, source, "vllm-quant")[0]
-    per_layer = plan_bits(_profile(), source.modules, PlanSpec(**LAYER, layer_group_sizes=(32, 64)), "rtn", L)
+    per_layer = plan_bits(_profile(), source.modules, PlanSpec(**LAYER, layer_group_sizes=(32, 64)), L)
     assert problems_for(per_layer, source, "vllm-quant") == problems_for(per_layer, source, "vllm") == []
 
 
@@ -120,7 +120,7 @@ def test_the_plugin_refuses_widths_its_kernel_cannot_tile(quant_cache):
     counts[:, :3] = 10.0
     z = torch.zeros_like(counts)
     prof = RoutingProfile("fp", "m", list(range(tiny.n_layers)), 16, 4, 1000, [], counts, counts, z, z, z)
-    plan = plan_bits(prof, tiny.modules, PlanSpec(top_fraction=0.2, group_size=32), "rtn", tiny.n_layers)
+    plan = plan_bits(prof, tiny.modules, PlanSpec(top_fraction=0.2, group_size=32), tiny.n_layers)
     assert "hidden size 64" in problems_for(plan, tiny, "vllm-quant")[0]
 
 
@@ -152,7 +152,7 @@ def _tiny_layer_plan(tiny):
     prof = RoutingProfile("fp", "m", list(range(tiny.n_layers)), 16, 4, 1000, [], counts, counts, z, z, z,
                           layer_damage=damage)
     return prof, plan_bits(prof, tiny.modules, PlanSpec(**dict(LAYER, budget_avg_bits=5.0), group_size=32),
-                           "rtn", tiny.n_layers)
+                           tiny.n_layers)
 
 
 def test_every_claim_about_a_narrow_model_goes_through_the_width_rules(quant_cache):
@@ -166,6 +166,6 @@ def test_every_claim_about_a_narrow_model_goes_through_the_width_rules(quant_cac
     summary = serving_summary(plan, tiny, prof, ("compressed-tensors",))
     assert summary["problems"]["sglang"] and summary["best_servable"]["runtimes"] == ["vllm"]
     asym = plan_bits(prof, tiny.modules, PlanSpec(policy="uniform", low_bits=4, high_bits=4, group_size=32,
-                                                  symmetric=False), "rtn", tiny.n_layers)
+                                                  symmetric=False), tiny.n_layers)
     assert "Triton MoE kernel" in problems_for(asym, tiny, "vllm")[0]
 

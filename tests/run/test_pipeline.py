@@ -38,7 +38,7 @@ def test_dry_run_names_the_changed_values_and_the_stages_to_redo_and_writes_noth
     assert cli_exit_code(["run", str(HEADLINE), "--dry-run", *_cli_args(finished, "quantize.algorithm=rtn")]) == 0
     line = capsys.readouterr().out.strip()
     assert line == (f"{finished}: recipe changed since the last run (quantize.algorithm: gptq -> rtn); will redo "
-                    "plan, quantize, export, eval, card, report (up to date: calibrate, profile)")
+                    "quantize, export, eval, card, report (up to date: calibrate, profile, plan)")
     assert (finished / "manifest.json").read_bytes() == manifest
     assert preview(load_recipe(HEADLINE, overrides=FAST), finished).line().endswith("up to date, nothing to redo")
 
