@@ -106,10 +106,10 @@ def _torch_profile(on: bool):
 def worker(a: argparse.Namespace) -> None:
     """One rank: profile and quantize under the world torchrun set up; rank 0 writes the results file."""
     from quant.diag.memtrace import CudaTrace
-    from quant.engine.layerwise import Layerwise
-    from quant.engine.quantize import quantize_model
-    from quant.measure.profile import profile_routing
+    from quant.layerwise import Layerwise
     from quant.parallel.world import close_world, exit_process, init_world
+    from quant.profile.profile import profile_routing
+    from quant.quantize.driver import quantize_model
     from quant.recipe import QuantizeSpec
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -35,14 +35,14 @@ from quant.calibration import CalibrationSet
 from quant.calibration import random_calibration as calibration
 from quant.diag.calltime import CallTimes
 from quant.diag.memtrace import CudaTrace
-from quant.engine.layerwise import Layerwise
-from quant.engine.quantize import quantize_model
 from quant.eval.layer_error import checkpoint_layer_errors
-from quant.measure.profile import profile_routing
+from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.synthetic import SHAPES, TiledSource, build_model
 from quant.parallel.world import World
 from quant.plan.bitplan import plan_bits
+from quant.profile.profile import profile_routing
+from quant.quantize.driver import quantize_model
 from quant.recipe import PlanSpec, QuantizeSpec
 
 TIMERS = CallTimes()  # seconds spent in the wrapped functions (layer loads, layer writes)
@@ -206,13 +206,13 @@ def main() -> None:
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    import quant.engine.layerwise
-    import quant.engine.qstore
+    import quant.layerwise
+    import quant.quantize.qstore
 
-    TIMERS.wrap(quant.engine.layerwise, "load_layer", "load_s")
+    TIMERS.wrap(quant.layerwise, "load_layer", "load_s")
     # layer files are written by qstore.LayerWriter on a background thread (codes already on the host): write_s is
     # that thread's time, overlapped with the next layer's compute
-    TIMERS.wrap(quant.engine.qstore, "write_layer", "write_s", device_sync=False)
+    TIMERS.wrap(quant.quantize.qstore, "write_layer", "write_s", device_sync=False)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="quant-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     say(torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",

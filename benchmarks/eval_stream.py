@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from quant.calibration import random_calibration as calibration
-from quant.engine.layerwise import Layerwise
+from quant.layerwise import Layerwise
 from quant.models import ModelSource, synthetic
 from quant.models.synthetic import build_model
 from quant.parallel.world import World
@@ -52,10 +52,10 @@ def prepare(work: Path, shape: str, n_layers: int, samples: int, seqlen: int, ba
     """Model, headline plan, RTN quantization, compressed-tensors checkpoint and eval tokens under ``work``."""
     from safetensors.torch import save_file
 
-    from quant.engine.quantize import quantize_model
     from quant.export.compressed_tensors import write_compressed_tensors
-    from quant.measure.profile import profile_routing
     from quant.plan.bitplan import plan_bits
+    from quant.profile.profile import profile_routing
+    from quant.quantize.driver import quantize_model
     from quant.recipe import PlanSpec, QuantizeSpec
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from quant.engine.layerwise import LayerReader
 from quant.io.direct_read import read_into
 from quant.io.staging import copy_into
+from quant.layerwise import LayerReader
 from quant.models import ModelSource
 from quant.parallel.world import World
 

@@ -80,9 +80,9 @@ def build(shape: str, k: int, layers: int, path: Path) -> None:
 
 def _phases(tracer) -> None:
     """Wrap the engine's steps so each runs inside a tracer phase."""
-    import quant.engine.awq_layer as sm
-    from quant.engine.layer_job import LayerJob
-    from quant.engine.layerwise import Layerwise
+    import quant.quantize.awq_layer as sm
+    from quant.layerwise import Layerwise
+    from quant.quantize.layer_job import LayerJob
 
     def wrap(owner, name, label):
         fn = getattr(owner, name)
@@ -108,22 +108,22 @@ def worker(rank: int, a: argparse.Namespace, port: int, model_dir: str, out: str
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // a.ranks))
     from quant.diag.memtrace import LiveBytes
-    from quant.engine.layerwise import Layerwise
-    from quant.engine.quantize import quantize_model
-    from quant.measure.profile import profile_routing
+    from quant.layerwise import Layerwise
     from quant.models import ModelSource
     from quant.parallel.world import close_world, exit_process, init_world
     from quant.plan.bitplan import plan_bits
+    from quant.profile.profile import profile_routing
+    from quant.quantize.driver import quantize_model
     from quant.recipe import PlanSpec, QuantizeSpec
 
     torch.nn.functional.scaled_dot_product_attention = blocked_sdpa
-    import quant.engine.hessians
-    import quant.engine.routing
+    import quant.quantize.hessians
+    import quant.quantize.routing
 
     k2 = a.scale**2  # the GPU's block and temporary sizes, scaled like everything else
-    quant.engine.routing.chunk_budget = lambda device: (1 << 28) // k2
-    quant.engine.hessians.chunk_budget = quant.engine.routing.chunk_budget
-    quant.engine.hessians._add_gram.__defaults__ = ((1 << 30) // k2,)
+    quant.quantize.routing.chunk_budget = lambda device: (1 << 28) // k2
+    quant.quantize.hessians.chunk_budget = quant.quantize.routing.chunk_budget
+    quant.quantize.hessians._add_gram.__defaults__ = ((1 << 30) // k2,)
     world = init_world("cpu")
     src = ModelSource(Path(model_dir))
     samples, batch = max(1, a.samples // a.scale), max(1, a.batch // a.scale)
@@ -136,7 +136,7 @@ def worker(rank: int, a: argparse.Namespace, port: int, model_dir: str, out: str
     qspec = QuantizeSpec(algorithm=a.algo, device="cpu", batch_size=batch,
                          hessian_budget_gb=a.hessian_budget_gb / k2, solve_budget_gb=a.solve_budget_gb / k2)
     if a.background_writer:
-        import quant.engine.quantize as qz
+        import quant.quantize.driver as qz
 
         qz.LayerWriter = lambda background, cls=qz.LayerWriter: cls(True)
     tracer = LiveBytes(step=max(1, int(a.step_gb * 1e9 / k2)))

@@ -101,7 +101,7 @@ def write_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path]:
 def _prune(store: list[Path], keep: int, n_layers: int, done: threading.Event) -> None:
     """Delete the store's files of layers ``keep .. n_layers - 1`` once written (their recorded digest, the writer's
     last step, is there), until ``done``; one last sweep after it."""
-    from quant.engine.qstore import digest_file, layer_file, remove_layer
+    from quant.quantize.qstore import digest_file, layer_file, remove_layer
 
     while True:
         last = done.wait(0.5)
@@ -180,7 +180,7 @@ class _Progress(logging.Handler):
 
 def depth_worker(a: argparse.Namespace) -> None:
     """One rank of the depth run: the pipeline up to quantize on the tiled source; rank 0 writes the result."""
-    from quant.engine.layerwise import pick_device
+    from quant.layerwise import pick_device
     from quant.parallel.world import close_world, exit_process, init_world
     from quant.recipe import load_recipe
     from quant.run import stages
@@ -204,7 +204,7 @@ def depth_worker(a: argparse.Namespace) -> None:
         quant_log.addHandler(_Progress())
         quant_log.setLevel(min(quant_log.getEffectiveLevel(), logging.INFO))
     phases = _DamagePhases()
-    damage_log = logging.getLogger("quant.measure.layer_damage")
+    damage_log = logging.getLogger("quant.profile.layer_damage")
     damage_log.addHandler(phases)
     damage_log.setLevel(min(damage_log.getEffectiveLevel(), logging.INFO))
     t0 = time.perf_counter()

@@ -24,11 +24,11 @@ import torch
 
 from quant.calibration import random_calibration as calibration
 from quant.diag.calltime import CallTimes
-from quant.engine.layerwise import Layerwise
-from quant.measure.profile import profile_routing
+from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.synthetic import SHAPES, TiledSource, build_model
 from quant.parallel.world import World
+from quant.profile.profile import profile_routing
 
 TIMERS = CallTimes()
 
@@ -76,11 +76,11 @@ def main() -> None:
         src.__dict__["fingerprint"] = "not-computed"  # the cached_property's slot
     if a.build_only:
         return
-    import quant.engine.layerwise
     import quant.io.staging
+    import quant.layerwise
 
-    TIMERS.wrap(quant.engine.layerwise, "load_layer", "load_s")
-    TIMERS.wrap(quant.engine.layerwise.LayerReader, "take", "take_s", device_sync=False)  # read-ahead waits, layer 0's
+    TIMERS.wrap(quant.layerwise, "load_layer", "load_s")
+    TIMERS.wrap(quant.layerwise.LayerReader, "take", "take_s", device_sync=False)  # read-ahead waits, layer 0's
     TIMERS.wrap(quant.io.staging, "page_locked", "pin_s", device_sync=False)  # on the read-ahead thread too
     calib = calibration(a.samples, a.seqlen, SHAPES[a.shape]["vocab_size"], seed=0)
     lw = Layerwise(src, "bfloat16", a.device, a.batch, world=World())
@@ -142,8 +142,8 @@ def main() -> None:
 
 def layer_damage_phases(src: ModelSource, tokens: torch.Tensor, a: argparse.Namespace) -> None:
     """The bounded layer-damage pass, each phase and the calls inside it timed (device syncs around each)."""
-    import quant.measure.layer_damage as ld
     import quant.models.expert_compute as ec
+    import quant.profile.layer_damage as ld
 
     phases = ("_clean_pass", "_walk_back", "_head_cotangents", "_value", "_branch_kl")
     for name in phases:

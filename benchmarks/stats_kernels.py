@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from quant.engine.hessians import ExpertStats, linear_stats
 from quant.models.experts import fused_view
 from quant.parallel.relay import Relay
 from quant.parallel.world import World
+from quant.quantize.hessians import ExpertStats, linear_stats
 
 
 def timed(fn, reps: int = 1) -> float:
@@ -100,7 +100,7 @@ def main() -> None:
     zipf = 1.0 / torch.arange(1, E + 1, device="cuda", dtype=torch.float32) ** 0.8
     g = torch.Generator(device="cuda").manual_seed(0)
     idx_s = torch.multinomial(zipf.expand(x.shape[0], E), idx_u.shape[1], generator=g)
-    from quant.engine.routing import expert_intermediate, load_buckets, with_zero_row
+    from quant.quantize.routing import expert_intermediate, load_buckets, with_zero_row
 
     def ref(idx, e: int):
         rows_e = (idx == e).any(dim=1)

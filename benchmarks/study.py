@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 
 from quant.calibration import build_calibration
-from quant.engine.layerwise import Layerwise
-from quant.engine.quantize import quantize_model
-from quant.measure.profile import profile_routing
+from quant.layerwise import Layerwise
 from quant.models import resolve_model
 from quant.parallel.world import World
 from quant.plan.bitplan import plan_bits
 from quant.plan.summary import summarize
+from quant.profile.profile import profile_routing
+from quant.quantize.driver import quantize_model
 from quant.recipe import PlanSpec, QuantizeSpec
 from studies.heldout import (
     apply_quantized,

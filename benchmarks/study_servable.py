@@ -114,16 +114,16 @@ def _plan_record(plan, src, prof) -> dict:
 
 def run_task(seed: int, size: str, manifest: str, work: Path, damage_method: str = "bounded",
              configs: tuple[str, ...] = tuple(CONFIGS)) -> dict:
-    """One calibration set: profile + layer damage (``damage_method``: quant.measure.layer_damage's ``bounded`` or
+    """One calibration set: profile + layer damage (``damage_method``: quant.profile.layer_damage's ``bounded`` or
     ``exact``), then every configuration of ``configs`` the size runs (``AT_SIZE``) x algorithm quantized and
     evaluated."""
     from quant.calibration import build_calibration
-    from quant.engine.layerwise import Layerwise
-    from quant.engine.quantize import quantize_model
-    from quant.measure.layer_damage import measure_layer_damage, spread_rows
-    from quant.measure.profile import profile_routing
+    from quant.layerwise import Layerwise
     from quant.parallel.world import World
     from quant.plan.bitplan import plan_bits
+    from quant.profile.layer_damage import measure_layer_damage, spread_rows
+    from quant.profile.profile import profile_routing
+    from quant.quantize.driver import quantize_model
     from quant.recipe import PlanSpec, QuantizeSpec
 
     src, t0, cpu0 = _WORKER["src"], time.perf_counter(), time.process_time()

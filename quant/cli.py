@@ -79,7 +79,7 @@ def _stop_signals(world):
 
 
 def _stage(until: str, recipe: Path, output: Path | None, overrides, model, force) -> None:
-    from quant.engine.layerwise import pick_device
+    from quant.layerwise import pick_device
     from quant.parallel.world import close_world, init_world
     from quant.run.pipeline import run
 

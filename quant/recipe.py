@@ -113,7 +113,7 @@ class CalibrationSpec(_Strict):
 
 class LayerSensitivitySpec(_Strict):
     """Per MoE layer and scheme: KL(model ‖ model with only that layer's experts at the scheme, RTN), measured
-    in the profile stage on ``n_samples`` calibration samples (``quant.measure.layer_damage``). ``method``: ``bounded``
+    in the profile stage on ``n_samples`` calibration samples (``quant.profile.layer_damage``). ``method``: ``bounded``
     (each scheme's copy of the model runs ``carry_layers`` decoder layers past its own, the rest is valued by
     gradients and each MoE layer's routing flips: cost linear in depth) or ``exact`` (every copy runs to the output:
     cost quadratic in depth, for studies)."""

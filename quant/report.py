@@ -12,11 +12,11 @@ import torch
 
 from quant.io.rundir import atomic_write_text
 from quant.io.storage import cache_root
-from quant.measure.profile import RoutingProfile, ratio_text
 from quant.models import ModelSource
 from quant.plan.bitplan import KEEP_BITS, BitPlan, by_bits
 from quant.plan.servable import runtime_titles, same_size
 from quant.plan.summary import BITS_TERMS, PlanSummary, summarize
+from quant.profile.profile import RoutingProfile, ratio_text
 from quant.recipe import Recipe
 
 

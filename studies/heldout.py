@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from quant.calibration import resolve_dataset_path
-from quant.engine.qstore import layer_file, load_into_layer
 from quant.eval.evaluate import final_hidden
 from quant.eval.stream import ProxySums
 from quant.models import ModelSource
 from quant.models.layers import decoder_layers
+from quant.quantize.qstore import layer_file, load_into_layer
 
 HELDOUT_CODE = "calibration/data/heldout-python-code.txt"  # calibration/heldout.yaml's Python source
 

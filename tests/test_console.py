@@ -20,7 +20,7 @@ FAST = ("--set", "calibration.n_samples=4", "--set", "calibration.seq_len=32", "
 
 
 def _record(msg: str, extra: dict | None = None) -> logging.LogRecord:
-    record = logging.LogRecord("quant.engine.quantize", logging.INFO, __file__, 1, msg, (), None)
+    record = logging.LogRecord("quant.quantize.driver", logging.INFO, __file__, 1, msg, (), None)
     for key, value in (extra or {}).items():
         setattr(record, key, value)
     return record

@@ -2,7 +2,7 @@
 
 Packages (and the top-level modules beside them) sit in the rows of the architecture's table: a module imports only
 packages of its own row or of rows below it. Inside a package whose modules have an order, the same holds module by
-module (``MODULES``), so following one layer's quantize through ``engine/`` never climbs back up.
+module (``MODULES``), so following one layer's quantize through ``quantize/`` never climbs back up.
 """
 
 import ast
@@ -14,11 +14,13 @@ PACKAGES = [
     {"cli", "console"},
     {"run"},
     {"report", "publish"},
+    {"card"},
     {"export", "forecast"},
     {"eval"},
     {"plan"},
-    {"measure"},
-    {"engine"},
+    {"profile"},
+    {"quantize"},
+    {"layerwise"},
     {"calibration"},
     {"models"},
     {"parallel"},
@@ -36,9 +38,9 @@ MODULES = {
     "eval": [{"evaluate"}, {"stream", "layer_error", "shipped_gptq"}, {"lmeval", "humaneval"}, {"sandbox"}, {"sandbox_child"},
              {"isolation", "seccomp"}],
     "plan": [{"runtimes", "summary", "servable"}, {"bitplan"}, {"joint_policy"}, {"layer_policy"}],
-    "measure": [{"profile", "layer_damage"}, {"damage_memory"}],
-    "engine": [{"quantize"}, {"algorithms"}, {"gptq_layer", "awq_layer"}, {"layer_job"}, {"rank_split", "hessians"},
-               {"results", "solvers", "budgets", "layerwise", "qstore"}, {"routing"}],
+    "profile": [{"profile", "layer_damage"}, {"damage_memory"}],
+    "quantize": [{"driver"}, {"algorithms"}, {"gptq_layer", "awq_layer"}, {"layer_job"}, {"rank_split", "hessians"},
+                 {"results", "solvers", "budgets", "qstore"}, {"routing"}],
     "parallel": [{"relay"}, {"world"}],
     "io": [{"rundir"}, {"storage", "staging", "direct_read"}],
     "diag": [{"memtrace", "hostsync", "calltime"}],

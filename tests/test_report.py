@@ -62,7 +62,7 @@ def test_bit_map_names_each_scheme_of_the_plan(tmp_path):
 def test_the_bits_figures_have_one_name_each_in_the_log_line_the_report_and_the_card():
     """The terminal line, report.md and the model card name the plan's bits figures as ``BITS_TERMS`` does, each
     mapping by bits as text (``4: 39, 8: 9``), never a Python dict."""
-    from quant.export.card import _plan
+    from quant.card.render import _plan
     from quant.plan.bitplan import Headline
     from quant.plan.summary import BITS_TERMS, PlanSummary
     from quant.report import _plan_lines

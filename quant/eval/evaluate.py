@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 
 from quant.calibration import build_calibration
-from quant.engine.layerwise import device_memory_bytes, pick_device
 from quant.errors import CheckpointError, RecipeError
 from quant.eval.shipped_gptq import GptqCheckpoint, dense_copy
 from quant.eval.stream import ProxySums, ShippedCheckpoint, streamed_proxies
 from quant.io.storage import remove_stale
+from quant.layerwise import device_memory_bytes, pick_device
 from quant.models import ModelSource
 from quant.models.builtin import cache_root
 from quant.models.dequant import DequantizingSource

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from quant.engine.layerwise import Layerwise
+from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.parallel.world import World
 

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from quant.diag.hostsync import on_device
-from quant.engine.layerwise import Layerwise
 from quant.errors import CheckpointError
+from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.models.dequant import DequantizingSource
 from quant.parallel.world import World

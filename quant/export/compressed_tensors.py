@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from quant.engine.qstore import packed_words, with_codes
 from quant.export.targets import name_regexes
 from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
 from quant.parallel.world import World
 from quant.plan.bitplan import BitPlan
 from quant.plan.runtimes import expert_schemes_by_layer
+from quant.quantize.qstore import packed_words, with_codes
 from quant.serve.names import QUANT_METHOD
 
 log = logging.getLogger(__name__)

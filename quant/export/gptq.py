@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from quant.engine.qstore import packed_words, with_codes
 from quant.errors import PlanError
 from quant.export.writer import write_checkpoint
 from quant.models import ModelSource
 from quant.models.families import layer_rule
 from quant.parallel.world import World
 from quant.plan.bitplan import BitPlan
+from quant.quantize.qstore import packed_words, with_codes
 
 GPTQ_BITS = (2, 4, 8)
 # Appended to a rule that matches only vLLM's fused MoE prefix (``model.layers.3.mlp.experts``, never GPTQModel's

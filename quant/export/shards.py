@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import save_file
 
 from quant.algos.grid import QuantizedWeight, QuantSpec
-from quant.engine.qstore import layer_file, read_layer, read_layout, read_params
 from quant.errors import CheckpointError, NumericalError
 from quant.io.direct_read import DTYPE_NAMES, TORCH_DTYPES
 from quant.models import ModelSource
@@ -30,6 +29,7 @@ from quant.models.headers import DTYPE_BYTES
 from quant.models.source import layer_of_key
 from quant.parallel.world import assign
 from quant.plan.bitplan import BitPlan
+from quant.quantize.qstore import layer_file, read_layer, read_layout, read_params
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What each algorithm's solves cost in ``quant estimate``, registered under the engine's names (``COSTS``: the keys
-of ``quant.engine.algorithms.ALGORITHMS``): the memory they allocate beyond their estimated working set, the linear
+of ``quant.quantize.algorithms.ALGORITHMS``): the memory they allocate beyond their estimated working set, the linear
 groups they solve with statistics, their time, and how a run on several GPUs divides them.
 
 What the engine decides stays with the engine's algorithm (its statistics, when it sums them over ranks, what one

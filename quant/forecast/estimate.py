@@ -12,12 +12,12 @@ its peak, named after the code that allocates them (bytes, per GPU):
 
 Time comes from throughputs measured on one H200 (quant/forecast/throughputs.py, each naming its measurement's record);
 GPTQ's solve from its fp32 work at the fused column loop's rate, AWQ's search from its trial products.
-``--gpus N`` follows quant's distributed run (quant/engine/quantize.py, quant/engine/rank_split.py): calibration batches are dealt
+``--gpus N`` follows quant's distributed run (quant/quantize/driver.py, quant/quantize/rank_split.py): calibration batches are dealt
 out over ranks, so each rank holds 1/N of the activations and runs 1/N of the forward passes; every rank holds the
 whole layer and the non-expert modules' input Hessians, whose solves are shared out (the worst rank is assumed to
 solve them all). GPTQ and RTN divide the experts (their statistics, Hessians, solves and codes) over ranks; AWQ
 divides its searches over ranks but every rank accumulates every expert's statistics from every rank's batches
-(quant/engine/awq_layer.py), so its Hessian chunks and passes are the one-GPU run's.
+(quant/quantize/awq_layer.py), so its Hessian chunks and passes are the one-GPU run's.
 Export's shard files are divided over ranks, each at the one-GPU rate, up to an assumed storage bandwidth
 (``STORAGE_BYTES_PER_S``). Eval dispatches the model over the N GPUs.
 """
@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quant.engine.layerwise import ACTIVATION_BUDGET_BYTES
 from quant.errors import PlanError, RecipeError
 from quant.forecast.algorithm_costs import algorithm_cost
 from quant.forecast.layer_costs import (
@@ -48,15 +47,16 @@ from quant.forecast.layer_costs import (
 )
 from quant.forecast.throughputs import THROUGHPUTS
 from quant.io.staging import host_total_bytes
-from quant.measure.damage_memory import place
-from quant.measure.layer_damage import pass_carry, pass_cost, pass_samples, working_streams
-from quant.measure.profile import RoutingProfile
+from quant.layerwise import ACTIVATION_BUDGET_BYTES
 from quant.models import ModelSource
 from quant.models.expert_compute import WIDEN_BYTES
 from quant.models.headers import Dims, dims
 from quant.models.source import layer_of_key
 from quant.plan.bitplan import BitPlan, plan_bits
 from quant.plan.summary import summarize
+from quant.profile.damage_memory import place
+from quant.profile.layer_damage import pass_carry, pass_cost, pass_samples, working_streams
+from quant.profile.profile import RoutingProfile
 from quant.recipe import Recipe, parse_scheme
 
 GB = 1e9
@@ -122,7 +122,7 @@ def _profile_stage(layers: list[LayerShape], run: Workload, d: Dims, recipe: Rec
 
 def _with_layer_damage(stage: StageForecast, layers: list[LayerShape], run: Workload, d: Dims, ls,
                        gpu_memory_gb: float, host_bytes: float) -> StageForecast:
-    """The profile stage plus quant.measure.layer_damage's pass (``ls.method``): its walks over the weights (the
+    """The profile stage plus quant.profile.layer_damage's pass (``ls.method``): its walks over the weights (the
     routed experts as stored, the rest in ``ls.dtype``) and its layer forwards (``pass_cost``), at the pass's own
     rates (``damage_*`` in throughputs.py, fp32; a 16-bit pass at the profile's). Its hidden states: exact, every
     branch on the GPU while they fit the activation budget. Bounded, as the walk back holds them (``_walk_back_memory``);

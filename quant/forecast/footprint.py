@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quant.algos.grid import QuantSpec
-from quant.engine.qstore import packs
 from quant.errors import RunDirError
 from quant.models import ModelSource
 from quant.plan.bitplan import BitPlan
+from quant.quantize.qstore import packs
 
 MARGIN_BYTES = 1 << 20  # configs, manifests, reports
 HEADER_BYTES = 256  # per stored tensor: its name, dtype, shape and offsets in a safetensors header

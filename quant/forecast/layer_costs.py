@@ -6,18 +6,18 @@ and seconds, sized by the engine's own decisions.
   linear-input Hessians (fp32) + max over expert chunks of (that chunk's expert Hessians, fp32, chunks fit
   ``hessian_budget_gb`` + the int8 codes solved so far, which stay on the GPU until the layer file is written) +
   max(forward transient, solve working set). The forward transient is one batch's routed expert activations, the
-  statistics' padded blocks (``engine.routing.GPU_BLOCK_ELEMS``) and, where SDPA has no fused kernel for the head
+  statistics' padded blocks (``quantize.routing.GPU_BLOCK_ELEMS``) and, where SDPA has no fused kernel for the head
   dims (queries/keys and values of different width: MLA), the materialized attention scores. The solve working set
   is the algorithm's working-set factor (``algorithm_costs``) times the largest sub-batch
-  ``engine.budgets.sub_batch_cap`` admits, each element sized as the algorithm sizes it
+  ``quantize.budgets.sub_batch_cap`` admits, each element sized as the algorithm sizes it
   (``Algorithm.sub_batch_bytes``: GPTQ's solve, AWQ's search). AWQ's expert statistics come in the same chunks as
   GPTQ's (its first pass also sums every expert's mean |x|, no Hessians).
 - profile = activations + layer + the W4 sensitivity probe, which rounds the rank's experts a few at a time in fp32
   into dequantized copies it keeps for the layer's batches (``profile_memory``).
 
 The engine decides, the forecast asks it: expert chunks by Hessian budget, sub-batches by solve budget, whether the
-statistics are summed over ranks (``quant.engine.budgets``), what each algorithm accumulates, whether every rank
-holds every expert's statistics and what one element of its sub-batches holds (``quant.engine.algorithms``). What
+statistics are summed over ranks (``quant.quantize.budgets``), what each algorithm accumulates, whether every rank
+holds every expert's statistics and what one element of its sub-batches holds (``quant.quantize.algorithms``). What
 only the forecast knows of an algorithm (its working-set factor, solve time, solved linear groups) is its
 ``algorithm_costs.AlgorithmCost``; nothing here tests an algorithm's name.
 """
@@ -28,18 +28,24 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from quant.engine.algorithms import Algorithm, algorithm
-from quant.engine.budgets import expert_chunks, expert_hessian_bytes, reduce_asked, sub_batch_cap, sub_batches
-from quant.engine.layerwise import ACTIVATION_BUDGET_BYTES
-from quant.engine.routing import GPU_BLOCK_ELEMS
 from quant.forecast.algorithm_costs import AlgorithmCost, algorithm_cost
 from quant.forecast.footprint import store_module_bytes
 from quant.forecast.throughputs import THROUGHPUTS
-from quant.measure.profile import PROBE_CHUNK_BYTES
+from quant.layerwise import ACTIVATION_BUDGET_BYTES
 from quant.models import ModelSource
 from quant.models.headers import Dims
 from quant.models.source import layer_of_key
 from quant.plan.bitplan import BitPlan
+from quant.profile.profile import PROBE_CHUNK_BYTES
+from quant.quantize.algorithms import Algorithm, algorithm
+from quant.quantize.budgets import (
+    expert_chunks,
+    expert_hessian_bytes,
+    reduce_asked,
+    sub_batch_cap,
+    sub_batches,
+)
+from quant.quantize.routing import GPU_BLOCK_ELEMS
 from quant.recipe import Recipe
 
 GB = 1e9

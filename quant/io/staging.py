@@ -4,7 +4,7 @@ A copy to the GPU from pageable memory makes the host wait for the queued kernel
 link's speed; from page-locked memory it is asynchronous and runs at ~55 GB/s on an H200 host. ``Staging`` holds
 two buffers (one being read into while the other uploads); ``copy_into`` puts tensors that were computed rather
 than read (e.g. dequantized on a CPU) into one, ``views_into`` lays out tensors a GPU will write there (dequantized
-on the GPU, copied back). Owned and used by ``quant.engine.layerwise``.
+on the GPU, copied back). Owned and used by ``quant.layerwise``.
 """
 
 from __future__ import annotations

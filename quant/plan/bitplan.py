@@ -20,11 +20,11 @@ import torch
 
 from quant.algos.grid import QuantSpec, shared_group_size
 from quant.errors import PlanError
-from quant.measure.profile import RoutingProfile
 from quant.models import ModuleInfo
 from quant.models.names import block_name, parse
 from quant.plan.joint_policy import joint
 from quant.plan.layer_policy import layer_sensitivity
+from quant.profile.profile import RoutingProfile
 from quant.recipe import PlanSpec
 
 # 2: the headline is a typed field (1 carried it as a JSON string in ``notes``); 3: no algorithm (the recipe's)

@@ -8,7 +8,7 @@ layer, so a split layer costs one more call than a uniform one; no layer gets mo
 options are its K uniform schemes and, for every ordered pair of schemes (a, b) and hot-group size n (the multiples
 of ``ceil(E / HOT_STEPS)`` below E), its n experts ranked highest by ``plan.split_by`` at a and the others at b.
 Each option is priced with the profile's measured layer damage ``D[l, k]`` (KL of the output when only layer l's
-experts take scheme k, ``quant.measure.layer_damage``), shared over the layer's experts by their weight ``w[l, e]``
+experts take scheme k, ``quant.profile.layer_damage``), shared over the layer's experts by their weight ``w[l, e]``
 (``split_by``: the profile's per-expert W4 sensitivity probe, routed tokens, or routing-weight mass; normalized per
 layer):
 
@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.measure.profile import RoutingProfile
 from quant.models import ModuleInfo
 from quant.plan.layer_policy import (
     LayerGroups,
@@ -48,6 +47,7 @@ from quant.plan.layer_policy import (
     needs_damage,
     storage_per_expert,
 )
+from quant.profile.profile import RoutingProfile
 from quant.recipe import PlanSpec, parse_scheme
 
 HOT_STEPS = 32  # hot-group sizes on offer per layer: at most this many, in equal steps of experts

@@ -1,7 +1,7 @@
 """Layer policies: the expert schemes of each MoE layer, chosen within a storage budget. ``layer_sensitivity`` gives
 each layer one scheme (what vLLM and SGLang serve); ``quant.plan.joint_policy`` may split a layer in two scheme groups.
 
-``layer_sensitivity`` reads the profile's per-layer damage (``quant.measure.layer_damage``: KL of the model output when
+``layer_sensitivity`` reads the profile's per-layer damage (``quant.profile.layer_damage``: KL of the model output when
 only that layer's experts take a scheme) and solves the multiple-choice knapsack
 
     minimize  sum_l damage[l, k_l]   subject to   sum_l storage[l, k_l] <= budget
@@ -26,8 +26,8 @@ import torch
 
 from quant.algos.grid import effective_group_size, shared_group_size
 from quant.errors import PlanError
-from quant.measure.profile import RoutingProfile
 from quant.models import ModuleInfo
+from quant.profile.profile import RoutingProfile
 from quant.recipe import PlanSpec, parse_scheme
 
 SCALE_BITS = 16  # one bf16/fp16 scale per group

@@ -33,6 +33,8 @@ from quant.models.names import block_name, parse
 from quant.plan.bitplan import BitPlan
 
 RUNTIMES = ("any", "vllm", "vllm-quant", "sglang", "transformers", "gptqmodel")
+# the runtimes each checkpoint is checked against, in the order its model card names them (export's served_by)
+CHECKED_RUNTIMES = ("vllm-quant", "vllm", "sglang", "transformers", "gptqmodel")
 # vLLM with quant's plugin (quant.serve, registered by installing quant beside vLLM): per-expert schemes in one MoE layer
 PLUGIN = "vllm-quant"
 PLUGIN_NEEDS_CT = ("quant's vLLM plugin serves the compressed-tensors export of a plan whose experts differ within a "

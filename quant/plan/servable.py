@@ -1,6 +1,6 @@
 """What serving a plan with vLLM/SGLang costs: the plan's predicted damage and the best plan they can serve.
 
-Both numbers come from the profile's per-layer damage (``quant.measure.layer_damage``: KL of the model output on
+Both numbers come from the profile's per-layer damage (``quant.profile.layer_damage``: KL of the model output on
 calibration tokens when only one MoE layer's experts are quantized, round-to-nearest), so they are on one scale:
 a plan's *predicted KL* is the sum over MoE layers of its layer's damage. A layer whose experts share one
 measured scheme contributes that scheme's damage; a layer mixing schemes per expert contributes the damages of
@@ -19,12 +19,12 @@ import math
 import torch
 
 from quant.algos.grid import shared_group_size
-from quant.measure.profile import RoutingProfile
 from quant.models import ModelSource
 from quant.models.names import PROJ, expert_name
 from quant.plan.bitplan import BitPlan
 from quant.plan.layer_policy import choose_schemes, layer_storage, storage_bits
 from quant.plan.runtimes import moe_width_problem, problems_for
+from quant.profile.profile import RoutingProfile
 from quant.recipe import parse_scheme
 
 SERVING_RUNTIMES = ("vllm", "sglang")

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from quant.measure.profile import RoutingProfile
 from quant.models import ModelSource
 from quant.plan.bitplan import KEEP_BITS, BitPlan, Headline
+from quant.profile.profile import RoutingProfile
 
 SCALE_BYTES = 2
 # The bits figures quant prints, defined once; every output names them so.

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from quant.engine.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
 from quant.errors import GateFailed, QuantError, RunDirError, StopRequested
 from quant.io.rundir import RunDir, data_digest, environment_error, hash_path
-from quant.measure.profile import SCHEMA_VERSION as PROFILE_SCHEMA
+from quant.layerwise import peak_memory_bytes, pick_device, reset_peak_memory
 from quant.models import ModelSource, resolve_model
 from quant.parallel.world import World
 from quant.plan.bitplan import SCHEMA_VERSION as PLAN_SCHEMA
+from quant.profile.profile import SCHEMA_VERSION as PROFILE_SCHEMA
 from quant.progress import step as progress_step
 from quant.recipe import Recipe
 from quant.run import stages

@@ -14,14 +14,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from quant.calibration import CalibrationSet, build_calibration, load_manifest, resolve_dataset_path
-from quant.engine.layerwise import Layerwise
 from quant.errors import QuantError
 from quant.io.rundir import atomic_write_text, data_digest, temp_path
-from quant.measure.profile import RoutingProfile, profile_routing
+from quant.layerwise import Layerwise
 from quant.models import ModelSource
 from quant.parallel.world import World
 from quant.plan.bitplan import BitPlan, plan_bits
 from quant.plan.summary import summarize
+from quant.profile.profile import RoutingProfile, profile_routing
 from quant.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def run_calibrate(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
 
 def _layer_damage(recipe: Recipe, source: ModelSource, calib: CalibrationSet, world: World) -> dict:
     """The layer-damage pass, run by this process alone (``world.alone()``)."""
-    from quant.measure.layer_damage import measure_layer_damage, spread_rows
+    from quant.profile.layer_damage import measure_layer_damage, spread_rows
 
     ls = recipe.profile.layer_sensitivity
     tokens = calib.tokens[spread_rows(calib.tokens.shape[0], ls.n_samples)]
@@ -139,9 +139,9 @@ def check_eval_model(recipe: Recipe, source: ModelSource) -> None:
 def check_memory(recipe: Recipe, source: ModelSource, stage: str, ranks: int) -> None:
     """Before ``stage`` (calibrate, profile, quantize, eval) allocates: refuse when its token table and cached
     hidden states cannot fit the host's available memory."""
-    from quant.engine.layerwise import pick_device
     from quant.forecast.estimate import check_run_memory
     from quant.io.staging import host_available_bytes
+    from quant.layerwise import pick_device
 
     device = pick_device(recipe.eval.device if stage == "eval" else recipe.quantize.device)
     check_run_memory(recipe, source, stage, device.type == "cpu", ranks, host_available_bytes())
@@ -204,7 +204,7 @@ def _publish_partial(partial: Path, final: Path) -> None:
 def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -> dict:
     """Layer files go to ``quantize.partial/`` (kept across crashes, keyed by the plan); renamed when done.
     Every rank runs this; the writer alone touches the run directory."""
-    from quant.engine.quantize import quantize_model
+    from quant.quantize.driver import quantize_model
 
     plan = BitPlan.load(run_dir / "plan.json")
     partial = world.on_writer(lambda: _partial_dir(recipe, run_dir, plan))
@@ -241,8 +241,8 @@ def run_eval(recipe: Recipe, source: ModelSource, run_dir: Path, world: World) -
 
 
 def run_card(recipe: Recipe, source: ModelSource, run_dir: Path) -> dict:
-    """Each checkpoint's model card, written once, after eval (export owns it: ``export.write_cards``)."""
-    from quant.export import write_cards
+    """Each checkpoint's model card, written once, after eval (``card.write_cards``)."""
+    from quant.card import write_cards
 
     write_cards(recipe, source, run_dir)
     return {}

@@ -253,7 +253,7 @@ def test_split_trial_errors_pick_what_fp32_picks(shared: bool):
     relative on Hessian rows (``x = Lᵀ``, as quantize passes them), on activations and on activations with padding
     rows, and the search picks the same α."""
     from quant.algos.awq import smoothing_grid, trial_errors
-    from quant.engine.awq_layer import rows_from_hessian
+    from quant.quantize.awq_layer import rows_from_hessian
 
     w, x = weights(), outlier_activations()
     rows = rows_from_hessian(x.transpose(1, 2) @ x)

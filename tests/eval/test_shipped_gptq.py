@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from quant.engine.qstore import dequantize_2d, layer_file, read_layer
 from quant.errors import CheckpointError
 from quant.eval.shipped_gptq import GptqCheckpoint, dense_copy, unpack_int32
 from quant.models import resolve_model
+from quant.quantize.qstore import dequantize_2d, layer_file, read_layer
 from quant.recipe import load_recipe
 from quant.run.pipeline import run
 from tests.conftest import REPO

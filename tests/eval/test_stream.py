@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant.engine import layerwise
+from quant import layerwise
 from quant.errors import CheckpointError, RecipeError
 from quant.eval import stream as evalstream
 from quant.eval.evaluate import evaluate_run, proxy_mode

@@ -29,9 +29,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from quant.engine.qstore import dequantize_2d, layer_file, read_layer
 from quant.models import resolve_model
 from quant.plan.bitplan import BitPlan
+from quant.quantize.qstore import dequantize_2d, layer_file, read_layer
 from tests.conftest import REPO
 
 RECIPE = REPO / "recipes" / "mixed_int8_int4.yaml"
@@ -408,7 +408,7 @@ print("GENERATED", len(model.generate("Hello")[0]))
 def test_group_16_needs_the_backend_the_card_names(tmp_path):
     """The card's GPTQModel snippet names BACKEND.TORCH for 4-bit groups outside 32/64/128/256: the default CPU
     kernel (TorchAtenLinear) fails at generate, the named one works."""
-    from quant.export import write_cards
+    from quant.card import write_cards
     from quant.recipe import load_recipe
     from quant.run.pipeline import run
 

@@ -76,11 +76,11 @@ def store(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from quant.calibration import build_calibration
-    from quant.engine.layerwise import Layerwise
-    from quant.engine.quantize import quantize_model
-    from quant.measure.profile import profile_routing
+    from quant.layerwise import Layerwise
     from quant.models import resolve_model
     from quant.plan.bitplan import plan_bits
+    from quant.profile.profile import profile_routing
+    from quant.quantize.driver import quantize_model
     from quant.recipe import PlanSpec, QuantizeSpec
 
     src = resolve_model("builtin:qwen3-moe-tiny")

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant.engine.qstore import dequantize_2d, read_layer
 from quant.models import resolve_model
+from quant.quantize.qstore import dequantize_2d, read_layer
 from tests.conftest import REPO
 
 VLLM_PYTHON = os.environ.get("QUANT_VLLM_PYTHON") or (sys.executable if importlib.util.find_spec("vllm") else None)

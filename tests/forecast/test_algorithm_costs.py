@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from quant.engine.algorithms import ALGORITHMS, GPTQ
-from quant.engine.budgets import search_bytes, solve_bytes, sub_batch_cap
 from quant.errors import QuantError
 from quant.forecast import estimate, layer_costs
 from quant.forecast.algorithm_costs import AWQ_FACTOR, COSTS, SOLVE_FACTOR, AlgorithmCost, algorithm_cost
 from quant.models import resolve_model
 from quant.models.headers import dims
+from quant.quantize.algorithms import ALGORITHMS, GPTQ
+from quant.quantize.budgets import search_bytes, solve_bytes, sub_batch_cap
 from quant.recipe import parse_recipe
 
 

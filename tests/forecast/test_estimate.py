@@ -119,9 +119,9 @@ def test_fused_solve_model_matches_the_sub_batch_table():
 def test_deepseek_v3_awq_fits_80gb_at_defaults(shapes_dir):
     """AWQ on the DeepSeek-V3 layer at the recipe's defaults fits an 80 GB card, profile included: its expert
     statistics come in hessian_budget_gb chunks (one pass each, as GPTQ's) and its searches take a few experts at a
-    time, sized as quant/engine/awq_layer.py sizes them; the profile's probe rounds a few experts at a time."""
-    from quant.engine.budgets import search_bytes
+    time, sized as quant/quantize/awq_layer.py sizes them; the profile's probe rounds a few experts at a time."""
     from quant.forecast.algorithm_costs import AWQ_FACTOR
+    from quant.quantize.budgets import search_bytes
 
     path = shapes_dir("deepseek-v3", 1)
     recipe = _bench_recipe(path, 32, "awq", 3.0)
@@ -227,7 +227,7 @@ def test_reduced_statistics_hold_every_experts_hessians_on_each_rank(shapes_dir)
     """Qwen3-30B-A3B at 2 GPUs: its 128 experts' Hessians (2.4 GB) fit one pass, so by default on GPUs each rank
     sums its own batches for every expert (``quantize.statistics: reduce``) and holds all of them, as one GPU does;
     ``ordered`` holds only the rank's 64. DeepSeek-V3's (56 GB) need chunks: ordered either way."""
-    from quant.engine.budgets import expert_hessian_bytes
+    from quant.quantize.budgets import expert_hessian_bytes
 
     per = expert_hessian_bytes(2048, 768)
     path = shapes_dir("qwen3-30b-a3b", 1)
@@ -260,7 +260,7 @@ def test_export_divides_over_ranks_up_to_the_storage_bandwidth(shapes_dir):
 
 
 def test_more_gpus_divide_awq_searches_not_its_statistics(shapes_dir):
-    """AWQ (quant/engine/awq_layer.py): at 4 GPUs each rank still holds every expert's statistics chunks (same expert
+    """AWQ (quant/quantize/awq_layer.py): at 4 GPUs each rank still holds every expert's statistics chunks (same expert
     memory, same passes) but searches a quarter of the experts; its share of the batches' activations and forward
     passes shrinks too. The rendered assumptions say so."""
     path = shapes_dir("deepseek-v3", 1)
@@ -362,9 +362,9 @@ def test_the_layer_damage_forecast_counts_what_the_measurement_runs(quant_cache)
     methods, on the builtin families (DeepSeek-V3's first layer dense, OLMoE's, Mixtral's, Qwen3-MoE's routing)."""
     import torch
 
-    from quant.engine.layerwise import Layerwise
-    from quant.measure.layer_damage import measure_layer_damage
+    from quant.layerwise import Layerwise
     from quant.parallel.world import World
+    from quant.profile.layer_damage import measure_layer_damage
 
     for name in ("qwen3-moe-tiny", "deepseek-v3-tiny"):
         src = resolve_model(f"builtin:{name}")
@@ -558,9 +558,9 @@ def test_the_forecast_clamps_the_pass_as_the_run_does(quant_cache):
     that works; carry 30 and carry 3 on a 4-layer model, the same run, got two peaks)."""
     import torch
 
-    from quant.engine.layerwise import Layerwise
-    from quant.measure.layer_damage import measure_layer_damage, spread_rows
+    from quant.layerwise import Layerwise
     from quant.parallel.world import World
+    from quant.profile.layer_damage import measure_layer_damage, spread_rows
 
     def profile(*overrides):
         recipe = load_recipe(REPO / "recipes" / "mixed_int8_int4.yaml", overrides=overrides)

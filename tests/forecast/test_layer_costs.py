@@ -3,13 +3,13 @@ and its choice of reduced statistics are the ones the layer's job makes."""
 
 import pytest
 
-from quant.engine.algorithms import ALGORITHMS
-from quant.engine.layer_job import LayerJob
-from quant.engine.layerwise import Layerwise
-from quant.engine.solvers import solve_gptq
 from quant.forecast import estimate, layer_costs
+from quant.layerwise import Layerwise
 from quant.models import resolve_model
 from quant.parallel.world import World
+from quant.quantize.algorithms import ALGORITHMS
+from quant.quantize.layer_job import LayerJob
+from quant.quantize.solvers import solve_gptq
 from quant.recipe import QuantizeSpec, parse_recipe
 
 

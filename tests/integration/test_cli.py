@@ -122,7 +122,7 @@ def test_resume_after_sigkill_during_quantize(tmp_path):
     """Kill -9 inside quantize; the rerun resumes without redoing calibrate/profile/plan."""
     out = tmp_path / "k"
     slow = (
-        "import time, quant.engine.qstore as q\n"
+        "import time, quant.quantize.qstore as q\n"
         "orig = q.write_layer\n"
         "def slow(path, *args, **kwargs):\n"
         "    orig(path, *args, **kwargs)\n"

@@ -106,7 +106,7 @@ def test_crash_in_export_exits_70_logs_traceback_and_records_failure(tmp_path):
 
 def test_ctrl_c_exits_130_and_records_interruption(tmp_path):
     out = tmp_path / "k"
-    slow = ("import time, quant.engine.qstore as q\n"
+    slow = ("import time, quant.quantize.qstore as q\n"
             "orig = q.write_layer\n"
             "def slow(path, *a, **k):\n    orig(path, *a, **k)\n    open(str(path) + '.written', 'w').close()\n"
             "    time.sleep(60)\n"
@@ -216,7 +216,7 @@ def test_a_resumed_quantize_recomputes_damaged_partial_layers(tmp_path):
     """Killed after two layers were stored; then one stored layer gets a flipped byte and the other is truncated. The
     rerun recomputes both (one warning line each) and exports the checkpoint an uninterrupted run exports."""
     killed, clean = tmp_path / "killed", tmp_path / "clean"
-    kill = ("import os, quant.engine.qstore as q\n"
+    kill = ("import os, quant.quantize.qstore as q\n"
             "orig = q.write_layer\n"
             "def write_then_die(path, *a, **k):\n    orig(path, *a, **k)\n"
             "    if path.name == 'layer_00001.safetensors':\n        os._exit(137)\n"

@@ -92,8 +92,8 @@ def test_two_ranks_give_the_one_process_checkpoint_with_awq_in_expert_chunks(tmp
     experts' Hessians): every pass's relay hands both ranks every batch, each rank searches every expert, and the
     checkpoint is the one process's byte for byte (deepseek-v3-tiny: its dense first layer takes the unrouted
     path, its shared expert reuses the routed experts' s)."""
-    from quant.engine.budgets import expert_hessian_bytes
     from quant.models import resolve_model
+    from quant.quantize.budgets import expert_hessian_bytes
 
     budget = 1.3e-4
     cfg = resolve_model("builtin:deepseek-v3-tiny").config_dict
@@ -104,7 +104,7 @@ def test_two_ranks_give_the_one_process_checkpoint_with_awq_in_expert_chunks(tmp
 
 
 def _code_changes(a: Path, b: Path) -> float:
-    from quant.engine.qstore import read_layer
+    from quant.quantize.qstore import read_layer
 
     total = changed = 0
     for f in sorted((a / "quantized").glob("layer_*.safetensors")):

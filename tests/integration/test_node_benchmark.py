@@ -63,5 +63,5 @@ def test_node_benchmark_runs_the_whole_pipeline_to_depth_and_keeps_only_the_save
     for stage in ("calibrate", "profile", "plan", "quantize"):
         assert any(f"stage {stage}: done" in ln for ln in progress), stage
     for idx in range(3):
-        assert any(f"measure.profile: profile layer {idx}:" in ln for ln in progress)
-        assert any(re.search(rf"\(\+ *[\d.]+\) engine.quantize: layer {idx}: ", ln) for ln in progress)
+        assert any(f"profile.profile: profile layer {idx}:" in ln for ln in progress)
+        assert any(re.search(rf"\(\+ *[\d.]+\) quantize.driver: layer {idx}: ", ln) for ln in progress)

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant.engine.qstore import dequantize_2d, layer_file, load_into_layer, read_layer
 from quant.errors import StopRequested
 from quant.models import BUILTINS, resolve_model
 from quant.parallel.world import World
+from quant.quantize.qstore import dequantize_2d, layer_file, load_into_layer, read_layer
 from quant.recipe import load_recipe
 from quant.run.pipeline import STAGES, run
 
@@ -152,7 +152,7 @@ def test_awq_folds_ship_in_the_checkpoint(tmp_path, name):
     transformers' model equals the pipeline's in-memory quantized layers."""
     from transformers import AutoModelForCausalLM
 
-    from quant.engine.qstore import read_params
+    from quant.quantize.qstore import read_params
 
     _, result = _run(tmp_path, name, "quantize.algorithm=awq", "plan.policy=uniform", "plan.group_size=32",
                      "plan.target_runtime=transformers", until="export")

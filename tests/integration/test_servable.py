@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from quant.export.writer import CARD
-from quant.measure.profile import RoutingProfile
 from quant.models import resolve_model
 from quant.plan.bitplan import BitPlan
 from quant.plan.layer_policy import storage_bits
+from quant.profile.profile import RoutingProfile
 from quant.recipe import load_recipe
 from quant.run.pipeline import run
 from tests.conftest import expert_schemes_by_layer

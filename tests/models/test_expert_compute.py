@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quant.algos.grid import QuantSpec, quantize_weight
-from quant.engine.layerwise import Layerwise
+from quant.layerwise import Layerwise
 from quant.models import expert_compute, resolve_model
 from quant.models.expert_compute import install
 from quant.models.experts import moe_block

@@ -10,17 +10,17 @@ import torch
 from torch import nn
 
 from quant.calibration import build_calibration
-from quant.engine.algorithms import ALGORITHMS
-from quant.engine.layer_job import LayerJob
-from quant.engine.layerwise import Layerwise
-from quant.engine.qstore import layer_file, read_layer
-from quant.engine.quantize import quantize_model
 from quant.errors import ModelError
-from quant.measure.profile import profile_routing
+from quant.layerwise import Layerwise
 from quant.models import resolve_model
 from quant.models.layers import experts_of, layer_weights
 from quant.parallel.world import World
 from quant.plan.bitplan import plan_bits
+from quant.profile.profile import profile_routing
+from quant.quantize.algorithms import ALGORITHMS
+from quant.quantize.driver import quantize_model
+from quant.quantize.layer_job import LayerJob
+from quant.quantize.qstore import layer_file, read_layer
 from quant.recipe import PlanSpec, QuantizeSpec
 
 

@@ -197,7 +197,7 @@ def test_a_run_on_the_release_equals_a_run_on_its_dequantized_copy(release, dequ
     kept tensors ship in bf16."""
     from safetensors import safe_open
 
-    from quant.engine.qstore import layer_file
+    from quant.quantize.qstore import layer_file
     from quant.run.pipeline import run
 
     runs = {name: run(_recipe(path), tmp_path / name).run_dir for name, path in

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from quant.engine.layerwise import Layerwise
 from quant.errors import ModelError
+from quant.layerwise import Layerwise
 from quant.models import BUILTINS, resolve_model
 from quant.models.families import FAMILIES
 from quant.parallel.world import World

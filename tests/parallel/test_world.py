@@ -179,12 +179,12 @@ def _awq_split(world: World):
     from transformers import AutoTokenizer
 
     from quant.calibration import build_calibration
-    from quant.engine.algorithms import ALGORITHMS
-    from quant.engine.layer_job import LayerJob
-    from quant.engine.layerwise import Layerwise
-    from quant.measure.profile import profile_routing
+    from quant.layerwise import Layerwise
     from quant.models import resolve_model
     from quant.plan.bitplan import plan_bits
+    from quant.profile.profile import profile_routing
+    from quant.quantize.algorithms import ALGORITHMS
+    from quant.quantize.layer_job import LayerJob
     from quant.recipe import PlanSpec, QuantizeSpec
 
     src = resolve_model("builtin:qwen3-moe-tiny")
@@ -233,7 +233,7 @@ def _shared_read(world: World):
     loaded: the experts are received into their stacked slots (traced live bytes over the read and the load, the
     stacked parameters' storage); in a compute dtype other than the stored one they are stacked (cast) after."""
     from quant.diag.memtrace import LiveBytes
-    from quant.engine.layerwise import LayerReader
+    from quant.layerwise import LayerReader
     from quant.models import resolve_model
     from quant.models.layers import build_skeleton, load_layer, read_layer_tensors
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from quant.errors import PlanError
-from quant.measure.profile import RoutingProfile
 from quant.models import ModuleInfo
 from quant.plan.bitplan import BitPlan, Headline, plan_bits
+from quant.profile.profile import RoutingProfile
 from quant.recipe import PlanSpec
 
 E, LAYERS = 10, [0, 1, 2]

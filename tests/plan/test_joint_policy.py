@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from quant.errors import PlanError
-from quant.measure.profile import RoutingProfile
 from quant.models import ModuleInfo, resolve_model
 from quant.plan.bitplan import plan_bits
 from quant.plan.joint_policy import expert_weights, hot_sizes, layer_options, uniform_options, unsplit
 from quant.plan.layer_policy import GRID, storage_bits
 from quant.plan.runtimes import problems_for
+from quant.profile.profile import RoutingProfile
 from quant.recipe import PlanSpec
 from tests.conftest import expert_schemes_by_layer
 from tests.plan.test_layer_policy import INTER, D, moe_modules

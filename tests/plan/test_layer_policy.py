@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from quant.errors import PlanError
-from quant.measure.profile import RoutingProfile
 from quant.models import ModuleInfo
 from quant.plan.bitplan import plan_bits
 from quant.plan.layer_policy import GRID, choose_schemes, storage_bits
+from quant.profile.profile import RoutingProfile
 from quant.recipe import PlanSpec
 from tests.conftest import expert_schemes_by_layer
 

@@ -4,12 +4,12 @@ from the profile's layer damage, and the best servable plan at a per-expert plan
 import pytest
 import torch
 
-from quant.measure.profile import RoutingProfile
 from quant.models import resolve_model
 from quant.plan.bitplan import plan_bits
 from quant.plan.layer_policy import storage_bits
 from quant.plan.runtimes import problems_for
 from quant.plan.servable import best_servable, expert_storage, predicted_kl, serving_summary
+from quant.profile.profile import RoutingProfile
 from quant.recipe import PlanSpec
 from tests.conftest import expert_schemes_by_layer
 

@@ -21,11 +21,10 @@ from quant.export.writer import LM_EVAL_FILES
 from quant.models import ModelSource
 from quant.models.source import layer_of_key
 from quant.plan.bitplan import Headline
-from quant.plan.runtimes import GPTQMODEL_NEEDS_GPTQ, TRANSFORMERS_NO_GPTQ
+from quant.plan.runtimes import CHECKED_RUNTIMES, GPTQMODEL_NEEDS_GPTQ, TRANSFORMERS_NO_GPTQ
 from quant.plan.servable import runtime_titles, same_size
 from quant.recipe import Recipe
 
-RUNTIMES = ("vllm-quant", "vllm", "sglang", "transformers", "gptqmodel")
 RUNTIME_NAMES = {"vllm-quant": "vLLM with quant's plugin", "vllm": "vLLM", "sglang": "SGLang",
                  "transformers": "transformers", "gptqmodel": "GPTQModel"}
 # what a checkpoint format rules out regardless of the plan
@@ -237,7 +236,7 @@ def _servable_alternative(serving: dict | None, runtime_problems: dict[str, list
 def _serving(runtime_problems: dict[str, list[str]], fmt: str, repo: str, trust: bool,
              notes: dict[str, str], gptqmodel_backend: str | None, serving: dict | None = None) -> list[str]:
     lines = _servable_alternative(serving, runtime_problems)
-    for rt in RUNTIMES:
+    for rt in CHECKED_RUNTIMES:
         lines += [f"### {RUNTIME_NAMES[rt]}", ""]
         if rt not in runtime_problems:
             lines += ["Compatibility was not checked for this runtime.", ""]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from quant.algos.grid import QuantSpec, quantize_weight
-from quant.engine.qstore import LayerWriter, read_layer, read_params, write_layer
+from quant.quantize.qstore import LayerWriter, read_layer, read_params, write_layer
 
 
 def _results():
@@ -43,7 +43,7 @@ def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path):
 def test_codes_of_up_to_4_bits_are_stored_two_a_byte_and_read_back_unchanged(tmp_path, bits, symmetric, n_in):
     from safetensors import safe_open
 
-    from quant.engine.qstore import read_layout
+    from quant.quantize.qstore import read_layout
 
     g = torch.Generator().manual_seed(bits)
     group = n_in if n_in % 32 else 32
@@ -119,7 +119,7 @@ def test_background_writer_lets_the_codes_go_before_the_disk_write(tmp_path, mon
     disk write starts no reference to them is left."""
     import weakref
 
-    from quant.engine import qstore
+    from quant.quantize import qstore
 
     results = _results()
     refs = [weakref.ref(qw.q) for qw in results.values()]
@@ -143,7 +143,7 @@ def test_background_writer_lets_the_codes_go_before_the_disk_write(tmp_path, mon
 def test_a_stored_layer_is_reusable_only_while_its_bytes_are_the_recorded_ones(tmp_path):
     """write_layer records the file's SHA-256 beside it; a flipped byte, a truncated file or a missing record make
     the layer not reusable, each with its reason."""
-    from quant.engine.qstore import digest_file, remove_layer, stored_layer_problem
+    from quant.quantize.qstore import digest_file, remove_layer, stored_layer_problem
 
     path = tmp_path / "layer_00000.safetensors"
     write_layer(path, _results())

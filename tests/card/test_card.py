@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quant.export.card import render_card
+from quant.card.render import render_card
 from quant.models import ModelSource, resolve_model
 from quant.plan.bitplan import Headline
 from quant.recipe import parse_recipe
@@ -203,7 +203,7 @@ def test_cards_of_a_per_expert_mixtral_run(tmp_path):
     bold not to load it with transformers (it leaves the weights uninitialised), the GPTQ card says vLLM fails to
     load it: what vLLM 0.26.0 and transformers 5.17 did with such checkpoints. The tiny model is too narrow for the
     plugin's kernel, and the card says so; nothing points Mixtral users to GPTQModel; no library can serve it."""
-    from quant.export import write_cards
+    from quant.card import write_cards
     from quant.run.pipeline import run
 
     recipe = parse_recipe({"name": "headline"}, overrides=("calibration.n_samples=4", "calibration.seq_len=32",
@@ -286,7 +286,7 @@ def test_the_plugins_snippet_is_what_the_serving_tests_ran(builtin_source):
 def test_the_card_lists_the_schemes_config_json_holds(tmp_path):
     """The recipe asks for group 128; the tiny model's widths resolve it to 32 and 64: the card says what the
     checkpoint holds, not what the recipe asked for."""
-    from quant.export import write_cards
+    from quant.card import write_cards
     from quant.run.pipeline import run
 
     recipe = parse_recipe({"name": "headline"}, overrides=("calibration.n_samples=4", "calibration.seq_len=32"))

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant.engine.layerwise import Layerwise
 from quant.errors import RecipeError
 from quant.io.storage import temp_pid
-from quant.measure import damage_memory
-from quant.measure.damage_memory import CleanInputs, PassMemory, pass_layer_bytes, place
-from quant.measure.layer_damage import measure_layer_damage
+from quant.layerwise import Layerwise
 from quant.models import resolve_model
 from quant.parallel.world import World
+from quant.profile import damage_memory
+from quant.profile.damage_memory import CleanInputs, PassMemory, pass_layer_bytes, place
+from quant.profile.layer_damage import measure_layer_damage
 
 GB = 1 << 30
 H200_FREE = 138 * GB
@@ -62,7 +62,7 @@ def test_a_layer_s_bytes_count_its_experts_narrow_where_the_pass_keeps_them_so()
 
 
 def test_clean_inputs_in_files_give_the_figures_of_inputs_in_memory_and_leave_nothing(monkeypatch, tmp_path):
-    from quant.measure import layer_damage
+    from quant.profile import layer_damage
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     src = resolve_model("builtin:deepseek-v3-tiny")
@@ -120,7 +120,7 @@ def test_clean_inputs_hand_back_copies_not_the_walks_own_tensor():
 def test_clean_inputs_on_the_host_give_the_figures_of_inputs_on_the_gpu(pinned, monkeypatch):
     """Inputs kept on the host (page-locked or not), uploaded once each: the same figures bit for bit, with at most
     ``carry + 2`` of them on the GPU at any time."""
-    from quant.measure import layer_damage
+    from quant.profile import layer_damage
 
     src = resolve_model("builtin:deepseek-v3-tiny")
     tokens = torch.randint(0, 100, (3, 32), generator=torch.Generator().manual_seed(5))

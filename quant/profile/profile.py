@@ -21,8 +21,13 @@ import torch
 from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
 from quant.calibration import CalibrationSet
 from quant.diag.hostsync import on_device
-from quant.engine.layerwise import Layerwise
-from quant.engine.routing import (
+from quant.errors import ModelError
+from quant.layerwise import Layerwise
+from quant.models import ModelSource
+from quant.models.layers import ExpertsView, experts_of
+from quant.parallel.relay import Relay
+from quant.progress import step
+from quant.quantize.routing import (
     chunk_budget,
     count_ids,
     expert_intermediate,
@@ -31,11 +36,6 @@ from quant.engine.routing import (
     sort_by_expert,
     with_zero_row,
 )
-from quant.errors import ModelError
-from quant.models import ModelSource
-from quant.models.layers import ExpertsView, experts_of
-from quant.parallel.relay import Relay
-from quant.progress import step
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
@@ -43,7 +43,7 @@ _STATS = ("counts", "weight_mass", "top1", "down_in_absmax", "down_out_absmax")
 SENSITIVITY_BITS, SENSITIVITY_GROUP = 4, 128  # the probe: this expert alone at W4 g128 RTN
 # The probe's token subset: per expert and calibration batch, at most this many of its routed tokens, evenly
 # strided over the batch, each scaled by (routed / probed). Rank agreement with probing every token: Spearman
-# >= 0.99 per layer on builtin:reference-moe at 1/4 of the tokens (tests/measure/test_profile.py); the probe's extra
+# >= 0.99 per layer on builtin:reference-moe at 1/4 of the tokens (tests/profile/test_profile.py); the probe's extra
 # expert pass then costs a fraction of the layer's forward (an 8 x 2048-token batch routes ~1k tokens to each of
 # 128 experts: 1/16 of them are probed).
 PROBE_TOKENS = 64
@@ -87,7 +87,7 @@ class RoutingProfile:
     domain_counts: dict[str, torch.Tensor] = field(default_factory=dict)
     sensitivity: torch.Tensor | None = None
     # scheme name ("w4g128") -> [L] KL per token when only that MoE layer's experts take the scheme (RTN);
-    # None when profile.layer_sensitivity was not set (see quant.measure.layer_damage)
+    # None when profile.layer_sensitivity was not set (see quant.profile.layer_damage)
     layer_damage: dict[str, torch.Tensor] | None = None
     schema_version: int = SCHEMA_VERSION
 

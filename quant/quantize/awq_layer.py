@@ -29,13 +29,13 @@ import torch
 from quant.algos.awq import AWQExtra, awq_search, pick_scales, quantize_scaled, smoothing_grid, trial_errors
 from quant.algos.grid import QuantizedWeight, QuantSpec, quantize_weight
 from quant.diag.hostsync import on_device
-from quant.engine.budgets import search_bytes, sub_batches
-from quant.engine.hessians import ExpertStats, LinearStats, close_linear_stats, linear_stats
-from quant.engine.layer_job import LayerJob
-from quant.engine.layerwise import Layerwise
+from quant.layerwise import Layerwise
 from quant.models.layers import smoothing_sites
 from quant.models.names import expert_name, parse
 from quant.parallel.relay import Relay
+from quant.quantize.budgets import search_bytes, sub_batches
+from quant.quantize.hessians import ExpertStats, LinearStats, close_linear_stats, linear_stats
+from quant.quantize.layer_job import LayerJob
 
 log = logging.getLogger(__name__)
 

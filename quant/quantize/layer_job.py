@@ -2,8 +2,8 @@
 
 A :class:`LayerJob` knows what to quantize in the layer (its planned modules and their specs), how the work is
 split (this rank's experts, the Hessian passes, the linear groups) and solves batches with the algorithm's solver;
-what the solves produce goes to its :class:`~quant.engine.results.LayerResults`. The algorithm's layer driver
-(``quant.engine.algorithms``) decides which statistics feed the solves.
+what the solves produce goes to its :class:`~quant.quantize.results.LayerResults`. The algorithm's layer driver
+(``quant.quantize.algorithms``) decides which statistics feed the solves.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from torch import nn
 
 from quant.algos.grid import QuantSpec
 from quant.diag.hostsync import on_device
-from quant.engine.budgets import expert_chunks, expert_hessian_bytes, reduce_asked, sub_batches
-from quant.engine.hessians import ExpertStats, LinearStats
-from quant.engine.rank_split import LinearGroup, expert_load, my_linear_groups, share_results
-from quant.engine.results import LayerResults, Rows
-from quant.engine.solvers import Solver, solve_rtn
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, layer_weights, linears_of
 from quant.parallel.world import World, even_ranges
+from quant.quantize.budgets import expert_chunks, expert_hessian_bytes, reduce_asked, sub_batches
+from quant.quantize.hessians import ExpertStats, LinearStats
+from quant.quantize.rank_split import LinearGroup, expert_load, my_linear_groups, share_results
+from quant.quantize.results import LayerResults, Rows
+from quant.quantize.solvers import Solver, solve_rtn
 from quant.recipe import QuantizeSpec
 
 

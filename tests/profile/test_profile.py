@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from quant.calibration import build_calibration
-from quant.engine.layerwise import Layerwise
-from quant.engine.routing import expert_intermediate, expert_output, load_buckets, with_zero_row
-from quant.measure.profile import PROBE_TOKENS, RoutingProfile, profile_routing
+from quant.layerwise import Layerwise
 from quant.models import BUILTINS, resolve_model
 from quant.parallel.world import World
 from quant.plan.bitplan import plan_bits
+from quant.profile.profile import PROBE_TOKENS, RoutingProfile, profile_routing
+from quant.quantize.routing import expert_intermediate, expert_output, load_buckets, with_zero_row
 from quant.recipe import PlanSpec
 
 
@@ -115,8 +115,8 @@ def _random_experts(E: int, D: int, I: int, k: int, g: torch.Generator):
 def test_layer_statistics_equal_a_per_expert_loop_under_skewed_routing():
     """Every per-expert statistic of one layer (counts, routing mass, top-1, per-domain counts, down-projection
     maxima, the W4 sensitivity probe) against a plain loop over experts, with a hot expert and a cold one."""
-    from quant.measure.profile import _LayerStats
     from quant.models.experts import fused_view
+    from quant.profile.profile import _LayerStats
 
     T, k, E, D, I = 120, 2, 6, 32, 16
     g = torch.Generator().manual_seed(2)
@@ -156,8 +156,8 @@ def test_probe_on_a_token_subset_equals_its_definition():
     """With a per-batch cap of 5 tokens per expert, each expert's sensitivity is the sum over batches of
     (routed / probed) x the routing-weighted error of the probed tokens: evenly strided positions
     ``i * c // 5`` among its ``c`` routed tokens of the batch (every token when ``c <= 5``)."""
-    from quant.measure.profile import _LayerStats
     from quant.models.experts import fused_view
+    from quant.profile.profile import _LayerStats
 
     T, k, E, D, I, cap = 90, 2, 5, 16, 8, 5
     g = torch.Generator().manual_seed(3)
@@ -192,7 +192,7 @@ def test_probe_subset_ranks_experts_like_the_full_probe_on_the_reference_moe():
     for the busiest experts) ranks every layer's experts like probing every token: Spearman >= 0.95 (seen: 0.98+)."""
     from transformers import AutoTokenizer
 
-    from quant.measure.profile import _spearman
+    from quant.profile.profile import _spearman
 
     src = resolve_model("builtin:reference-moe")
     calib = build_calibration("calibration/bundled.yaml", AutoTokenizer.from_pretrained(src.path), 32, 256, 0)
@@ -230,9 +230,9 @@ def test_grouped_kernel_gives_the_statistics_of_the_load_buckets(monkeypatch, dt
     chunk budget: here 3 rows' worth, so experts are split over many ranges) against the padded load buckets:
     the same rows, the same probe slots, so counts and maxima are equal and sensitivities equal up to summation
     order; and it is the path taken by default where torch has grouped GEMMs."""
-    from quant.measure import profile as prof
-    from quant.measure.profile import _MAXED, _SUMMED, _LayerStats, grouped_mm_ok
     from quant.models.experts import fused_view
+    from quant.profile import profile as prof
+    from quant.profile.profile import _MAXED, _SUMMED, _LayerStats, grouped_mm_ok
 
     T, k, E, D, I = 300, 2, 7, 32, 16
     g = torch.Generator().manual_seed(5)
@@ -269,8 +269,8 @@ def test_gpu_layer_statistics_equal_the_cpu(kernel):
     """One layer's statistics from bf16 activations on the GPU (grouped GEMMs where CUDA has them, else and also
     the load buckets; aminmax maxima, the subset probe) against the same bf16 computation on the CPU: counts and
     routing mass equal, maxima and sensitivity equal up to the order of bf16 accumulation."""
-    from quant.measure.profile import _MAXED, _SUMMED, _LayerStats, _spearman, grouped_mm_ok
     from quant.models.experts import fused_view
+    from quant.profile.profile import _MAXED, _SUMMED, _LayerStats, _spearman, grouped_mm_ok
 
     T, k, E, D, I = 4000, 2, 8, 64, 32
     g = torch.Generator().manual_seed(4)
@@ -346,7 +346,7 @@ def expert_weights_alive_at_each_load(monkeypatch, module, run) -> list[int]:
     handed them out) were still alive and not released to meta."""
     import weakref
 
-    from quant.engine import layerwise
+    from quant import layerwise
 
     refs, alive_at_load = [], []
     experts_of, load_layer = module.experts_of, layerwise.load_layer
@@ -373,7 +373,7 @@ def test_a_layer_s_expert_weights_are_gone_before_the_next_layer_loads(monkeypat
     stayed alive through the next layer's load and raised the stage's peak by ~18 GB over three layers. When a layer
     loads, no earlier layer's expert weights may be alive (released to meta, or collected)."""
     from quant.calibration import CalibrationSet
-    from quant.measure import profile as profile_mod
+    from quant.profile import profile as profile_mod
 
     src = resolve_model("builtin:deepseek-v3-tiny")  # a dense first layer, then MoE layers
     tokens = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -426,7 +426,7 @@ def test_a_stop_request_ends_the_profile_after_the_layer_in_hand():
             if record.getMessage().startswith("profile layer 1:"):
                 lw.world.stop.set("SIGTERM")
 
-    logger, handler = logging.getLogger("quant.measure.profile"), StopAtLayer1(logging.INFO)
+    logger, handler = logging.getLogger("quant.profile.profile"), StopAtLayer1(logging.INFO)
     logger.addHandler(handler)
     level = logger.level
     logger.setLevel(logging.INFO)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
-from quant.engine.layerwise import Layerwise
-from quant.measure.layer_damage import STAGE, measure_layer_damage, pass_cost, spread_rows
+from quant.layerwise import Layerwise
 from quant.models import resolve_model
 from quant.models.layers import experts_of
 from quant.parallel.world import World
+from quant.profile.layer_damage import STAGE, measure_layer_damage, pass_cost, spread_rows
 from quant.progress import Step
 
 SCHEMES = ("w2g32", "w4g32", "w4g16", "w8g32")
@@ -74,11 +74,11 @@ def test_spread_rows_cover_every_source_block():
 
 
 def test_a_layer_s_expert_weights_are_gone_before_the_next_layer_loads(monkeypatch):
-    """As in the profile (tests/measure/test_profile.py): the pass's experts view must not keep a layer's expert weights
+    """As in the profile (tests/profile/test_profile.py): the pass's experts view must not keep a layer's expert weights
     alive through the next layer's load. The bounded walk back keeps the ``carry`` layers above the one it loads (its
     branches run through them): those, and no others."""
-    from quant.measure import layer_damage
-    from tests.measure.test_profile import expert_weights_alive_at_each_load
+    from quant.profile import layer_damage
+    from tests.profile.test_profile import expert_weights_alive_at_each_load
 
     src = resolve_model("builtin:deepseek-v3-tiny")
     L, first = src.n_layers, src.moe_layers()[0]
@@ -183,7 +183,7 @@ def test_more_label_draws_change_the_bounded_figures_not_the_exact_ones(source):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_carry_whose_layers_do_not_fit_the_gpu_is_refused_before_any_branch(source, monkeypatch):
     from quant.errors import RecipeError
-    from quant.measure import layer_damage
+    from quant.profile import layer_damage
 
     monkeypatch.setattr(layer_damage, "FORWARD_MARGIN_BYTES", 1 << 60)
     tokens = torch.randint(0, source.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
@@ -197,7 +197,7 @@ def test_a_layer_s_later_schemes_run_its_moe_block_alone_with_the_figures_of_who
     """After a MoE layer's first scheme, the others run only its MoE block on the recorded block input, added to the
     recorded residual: on every family the figures are those of whole layer forwards, bit for bit; and where the
     check against a whole forward fails (a layer that does not end in residual + MoE block), whole forwards run."""
-    from quant.measure import layer_damage
+    from quant.profile import layer_damage
 
     src = resolve_model(f"builtin:{model}")
     tokens = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(2))
@@ -249,7 +249,7 @@ def test_a_stop_request_ends_the_pass_after_the_layer_in_hand(source, method, at
 
     lw = Layerwise(source, "float32", "cpu", 2, World())
     stop = _StopAt(lw.world, f"layer damage: {at}")
-    logger = logging.getLogger("quant.measure.layer_damage")
+    logger = logging.getLogger("quant.profile.layer_damage")
     logger.addHandler(stop)
     level = logger.level
     logger.setLevel(logging.INFO)
@@ -268,7 +268,7 @@ def test_the_flip_law_prices_no_w8_branch_above_a_w4_one(request):
     (OLMoE-tiny: the W8 branches' increases not positive) the free least-squares slope came out near -12, and the
     law priced the W8 branches, two decades smaller, at 8.7e3 and 1.4e5 nats. The slope is held to FLIP_EXPONENTS:
     more bits never cost more damage, and a W8 layer's figure is of its own size."""
-    from quant.measure import layer_damage
+    from quant.profile import layer_damage
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

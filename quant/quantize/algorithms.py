@@ -3,7 +3,7 @@
 An algorithm declares what statistics its layer needs (:class:`Statistics`), when it accepts partial sums added
 over ranks instead of the ordered relay, what one element of its batched solves or searches is estimated to hold
 (which sizes their sub-batches), drives one layer (statistics passes, then solves, through its
-:class:`~quant.engine.layer_job.LayerJob`) and provides the solver its batches go through. ``quant estimate``
+:class:`~quant.quantize.layer_job.LayerJob`) and provides the solver its batches go through. ``quant estimate``
 reads the same declarations and decisions to forecast a run (its time and working-set models of each algorithm:
 ``quant.forecast.algorithm_costs``, under the same names).
 """
@@ -15,13 +15,13 @@ from typing import Protocol
 
 import torch
 
-from quant.engine.awq_layer import run_awq
-from quant.engine.budgets import search_bytes, solve_bytes
-from quant.engine.gptq_layer import run_gptq
-from quant.engine.layer_job import LayerJob
-from quant.engine.layerwise import Layerwise
-from quant.engine.solvers import Solver, solve_gptq, solve_rtn
 from quant.errors import QuantError
+from quant.layerwise import Layerwise
+from quant.quantize.awq_layer import run_awq
+from quant.quantize.budgets import search_bytes, solve_bytes
+from quant.quantize.gptq_layer import run_gptq
+from quant.quantize.layer_job import LayerJob
+from quant.quantize.solvers import Solver, solve_gptq, solve_rtn
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class RTN:
 
 
 class GPTQ:
-    """GPTQ on Hessians (``engine/gptq_layer``): each rank accumulates its own experts' Hessians, in expert chunks
+    """GPTQ on Hessians (``quantize/gptq_layer``): each rank accumulates its own experts' Hessians, in expert chunks
     that fit the Hessian budget."""
 
     name = "gptq"
@@ -91,7 +91,7 @@ class GPTQ:
 
 
 class AWQ:
-    """AWQ (``engine/awq_layer``): searched smoothing factors folded into the model, then round to nearest. Every
+    """AWQ (``quantize/awq_layer``): searched smoothing factors folded into the model, then round to nearest. Every
     rank holds every expert's statistics (the shared gate/up search needs all experts); the searches are
     divided over ranks."""
 

@@ -14,11 +14,11 @@ import logging
 
 import torch
 
-from quant.engine.hessians import ExpertStats, close_linear_stats, linear_stats
-from quant.engine.layer_job import LayerJob
-from quant.engine.layerwise import Layerwise
+from quant.layerwise import Layerwise
 from quant.models.layers import ExpertsView
 from quant.parallel.relay import Relay
+from quant.quantize.hessians import ExpertStats, close_linear_stats, linear_stats
+from quant.quantize.layer_job import LayerJob
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Where the layer-damage pass (``quant.measure.layer_damage``) keeps what it holds, so that its device memory is
+"""Where the layer-damage pass (``quant.profile.layer_damage``) keeps what it holds, so that its device memory is
 proportional to a layer and its host memory does not grow with the model's depth.
 
 Dimensions: L decoder layers, N samples, S sequence length, D hidden; a *stream* is one ``[N, S, D]`` tensor.
@@ -37,13 +37,13 @@ from pathlib import Path
 
 import torch
 
-from quant.engine.layerwise import Layerwise, free_gpu_bytes
 from quant.errors import RecipeError
 from quant.io.staging import host_available_bytes
 from quant.io.storage import free_bytes, remove_stale
+from quant.layerwise import Layerwise, free_gpu_bytes
 from quant.models.layers import largest_layer_bytes
 
-log = logging.getLogger("quant.measure.layer_damage")
+log = logging.getLogger("quant.profile.layer_damage")
 FORWARD_MARGIN_BYTES = 8 << 30  # free GPU memory beside what the walk back holds (a batch forward's transients)
 SPILL_PREFIX = "quant-damage-"  # + pid: the clean inputs' files (storage.remove_stale clears a killed run's)
 

@@ -14,7 +14,10 @@ import torch
 from torch import nn
 
 from quant.diag.hostsync import HostCopy, on_device
-from quant.engine.routing import (
+from quant.models.layers import ExpertsView
+from quant.parallel.relay import Relay
+from quant.parallel.world import World
+from quant.quantize.routing import (
     Bucket,
     chunk_budget,
     count_ids,
@@ -22,9 +25,6 @@ from quant.engine.routing import (
     load_buckets,
     with_zero_row,
 )
-from quant.models.layers import ExpertsView
-from quant.parallel.relay import Relay
-from quant.parallel.world import World
 
 
 def _native(x: torch.Tensor) -> bool:

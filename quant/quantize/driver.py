@@ -1,9 +1,9 @@
 """Quantize a model layer by layer: statistics -> algorithm -> codes written, weights replaced, inputs propagated.
 
 The plan arrives as canonical module name -> ``QuantSpec`` and an algorithm name (``run.stages`` converts the
-plan). For each decoder layer: load it (layerwise); let the algorithm (``engine.algorithms``) drive a ``LayerJob``
-over it: calibration passes whose hooks accumulate the statistics it needs (``engine.gptq_layer``,
-``engine.awq_layer``), then every planned module quantized — experts of one projection and one spec as a single
+plan). For each decoder layer: load it (layerwise); let the algorithm (``quantize.algorithms``) drive a ``LayerJob``
+over it: calibration passes whose hooks accumulate the statistics it needs (``quantize.gptq_layer``,
+``quantize.awq_layer``), then every planned module quantized — experts of one projection and one spec as a single
 ``[E, out, in]`` problem; write the codes to ``quantized/layer_XXXXX.safetensors``, put the dequantized
 weights into the layer and propagate the activations through the *quantized* layer, so later layers calibrate
 on what they will see at inference. A layer whose file exists, and still holds the bytes whose SHA-256 was
@@ -35,10 +35,13 @@ from torch import nn
 
 from quant.algos.grid import QuantSpec
 from quant.calibration import CalibrationSet
-from quant.engine.algorithms import Algorithm, algorithm
-from quant.engine.layer_job import LayerJob
-from quant.engine.layerwise import Layerwise
-from quant.engine.qstore import (
+from quant.errors import QuantError
+from quant.layerwise import Layerwise
+from quant.models import ModelSource
+from quant.progress import step
+from quant.quantize.algorithms import Algorithm, algorithm
+from quant.quantize.layer_job import LayerJob
+from quant.quantize.qstore import (
     LayerWriter,
     layer_file,
     load_into_layer,
@@ -46,10 +49,7 @@ from quant.engine.qstore import (
     remove_layer,
     stored_layer_problem,
 )
-from quant.engine.results import LayerReport
-from quant.errors import QuantError
-from quant.models import ModelSource
-from quant.progress import step
+from quant.quantize.results import LayerReport
 from quant.recipe import QuantizeSpec
 
 log = logging.getLogger(__name__)

@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from quant.calibration import build_calibration
-from quant.engine.layerwise import Layerwise
-from quant.engine.qstore import layer_file, read_layer
-from quant.engine.quantize import quantize_model
 from quant.errors import NumericalError
-from quant.measure.profile import profile_routing
+from quant.layerwise import Layerwise
 from quant.models import resolve_model
 from quant.parallel.world import World
 from quant.plan.bitplan import plan_bits
+from quant.profile.profile import profile_routing
+from quant.quantize.driver import quantize_model
+from quant.quantize.qstore import layer_file, read_layer
 from quant.recipe import PlanSpec, QuantizeSpec
 
 
@@ -79,7 +79,7 @@ def test_token_floor_falls_back_to_rtn_and_reports_it(setup, tmp_path):
 
 def _weight_error(stored: dict, src) -> float:
     """Σ ||W - Ŵ||² / Σ ||W||² over the stored modules (weights read from the checkpoint)."""
-    from quant.engine.qstore import dequantize_2d
+    from quant.quantize.qstore import dequantize_2d
 
     keys = {n: src.modules[n].disk_prefix + ".weight" for n in stored}
     weights = src.read_tensors(sorted(set(keys.values())))
@@ -120,7 +120,7 @@ def test_each_statistics_chunk_is_freed_before_the_next_is_allocated(setup, tmp_
     import gc
     import weakref
 
-    import quant.engine.hessians as q
+    import quant.quantize.hessians as q
 
     alive, most = [], [0]
     orig = q.ExpertStats.__init__
@@ -167,7 +167,7 @@ def test_a_damaged_stored_layer_is_recomputed_not_reused(setup, tmp_path, caplog
     first.write_bytes(bytes(data))
     with open(second, "r+b") as f:
         f.truncate(second.stat().st_size - 100)
-    with caplog.at_level("WARNING", logger="quant.engine.quantize"):
+    with caplog.at_level("WARNING", logger="quant.quantize.driver"):
         again = quantize_model(src, calib, plan.quantized_specs(), "gptq", QuantizeSpec(),
                                Layerwise(src, "bfloat16", "cpu", 4, World()), out)
     assert [r.resumed for r in again] == [False, False] + [True] * (src.n_layers - 2)
@@ -218,8 +218,8 @@ def test_statistics_passes_skip_the_routed_experts_and_change_nothing(model, alg
     computing; the experts' real forward then runs only when the activations are propagated, one call per batch."""
     from transformers import AutoTokenizer
 
-    from quant.engine.qstore import read_params
     from quant.models import experts as ex
+    from quant.quantize.qstore import read_params
 
     spec = str(request.getfixturevalue("per_expert_model")) if model == "per-expert" else f"builtin:{model}"
     src = resolve_model(spec, trust_remote_code=model == "per-expert", family="qwen3_moe" if model == "per-expert"
@@ -263,7 +263,7 @@ def test_host_reads_do_not_grow_with_the_modules(setup, tmp_path, monkeypatch):
     from collections import Counter
 
     from quant.diag.hostsync import HostSyncs
-    from quant.engine.results import LayerResults
+    from quant.quantize.results import LayerResults
 
     calls = Counter()
     record = LayerResults.record
@@ -314,7 +314,7 @@ def test_a_diverged_solve_names_the_module(setup, tmp_path, monkeypatch):
 def test_slice_sums_equal_direct_sums_per_module():
     """record's one-read checks: each (batch element, row slice)'s sum from one cumulative sum equals summing the
     slice directly (float64); a NaN row spoils only sums over its own batch element's later rows."""
-    from quant.engine.results import _slice_sums
+    from quant.quantize.results import _slice_sums
 
     g = torch.Generator().manual_seed(0)
     v = torch.rand(3, 4, 10, generator=g, dtype=torch.float64)
@@ -332,8 +332,8 @@ def test_codes_wait_for_the_writer_two_a_byte(setup, tmp_path, monkeypatch):
     """A layer's solved codes stay on the device until its file is written; W4 codes are kept packed two a byte
     from the moment they are recorded (half the memory: 5.7 instead of 11.3 GB at a DeepSeek-V3 layer's end), W8
     codes as int8, and the file holds the same codes."""
-    from quant.engine import quantize as qz
-    from quant.engine.qstore import unpack_codes
+    from quant.quantize import driver as qz
+    from quant.quantize.qstore import unpack_codes
 
     submitted = {}
     real = qz.LayerWriter.submit
@@ -357,7 +357,7 @@ def test_codes_wait_for_the_writer_two_a_byte(setup, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("min_tokens", [0, 1])
 def test_experts_without_tokens_are_not_said_to_fall_below_a_token_floor_the_recipe_did_not_set(caplog, min_tokens):
-    from quant.engine.quantize import LayerReport, _log_layer
+    from quant.quantize.driver import LayerReport, _log_layer
 
     caplog.set_level("INFO", logger="quant")
     _log_layer(LayerReport(3, rtn_fallbacks=["layers.3.experts.5.gate", "layers.3.experts.5.up"]), 4, min_tokens)
@@ -367,7 +367,7 @@ def test_experts_without_tokens_are_not_said_to_fall_below_a_token_floor_the_rec
 
 
 def test_a_token_floor_the_recipe_set_is_named_when_experts_fall_below_it(caplog):
-    from quant.engine.quantize import LayerReport, _log_layer
+    from quant.quantize.driver import LayerReport, _log_layer
 
     _log_layer(LayerReport(3, rtn_fallbacks=["layers.3.experts.5.down"]), 4, 16)
     (record,) = [r for r in caplog.records if r.levelname == "WARNING"]

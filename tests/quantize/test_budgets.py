@@ -3,7 +3,7 @@ ranks."""
 
 import pytest
 
-from quant.engine.budgets import (
+from quant.quantize.budgets import (
     expert_chunks,
     expert_hessian_bytes,
     reduce_asked,

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from quant.engine.hessians import ExpertStats, linear_stats
-from quant.engine.routing import load_buckets
 from quant.models.experts import ExpertsView, fused_view
 from quant.parallel.relay import Relay
 from quant.parallel.world import World
+from quant.quantize.hessians import ExpertStats, linear_stats
+from quant.quantize.routing import load_buckets
 
 E, D, I, K, T = 8, 32, 16, 2, 300
 
@@ -264,7 +264,7 @@ def test_gpu_linear_stats_of_bf16_inputs_equal_fp64():
 def test_bucket_add_to_equals_index_add_for_whole_and_restricted_buckets(skew):
     """``Bucket.add_to`` (a slice add over a contiguous id range) adds exactly what ``index_add_`` adds, also for
     a bucket restricted to an expert chunk (renumbered ids and span) and for load-sorted (non-contiguous) ones."""
-    from quant.engine.routing import load_buckets
+    from quant.quantize.routing import load_buckets
 
     g = torch.Generator().manual_seed(3)
     E, T, k = 16, 200, 2

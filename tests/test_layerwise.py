@@ -1,4 +1,4 @@
-"""quant.engine.layerwise's layer reader (the read-ahead copy in page-locked memory on a GPU) and its copies between
+"""quant.layerwise's layer reader (the read-ahead copy in page-locked memory on a GPU) and its copies between
 host and GPU."""
 
 import mmap
@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from quant.engine.layerwise import LayerReader, Layerwise, transfer
 from quant.io.staging import copy_into
+from quant.layerwise import LayerReader, Layerwise, transfer
 from quant.models import resolve_model
 from quant.models.layers import read_layer_tensors
 from quant.parallel.world import World

@@ -18,8 +18,8 @@ import torch
 from quant.algos.gptq import diverged_message
 from quant.algos.grid import QuantizedWeight
 from quant.diag.hostsync import on_device
-from quant.engine.qstore import codes_numel, pack_codes, packs
 from quant.errors import NumericalError
+from quant.quantize.qstore import codes_numel, pack_codes, packs
 
 # one batched problem: element ``b`` holds the modules ``rows[b]`` as (canonical name, row slice)
 Rows = list[list[tuple[str, slice]]]

@@ -10,15 +10,15 @@ import torch
 
 from quant.algos.grid import QuantSpec
 from quant.algos.rtn import rtn
-from quant.engine.algorithms import ALGORITHMS, algorithm
-from quant.engine.budgets import search_bytes, solve_bytes
-from quant.engine.layer_job import LayerJob
-from quant.engine.layerwise import Layerwise
-from quant.engine.solvers import solve_gptq, solve_rtn
 from quant.errors import QuantError
+from quant.layerwise import Layerwise
 from quant.models import resolve_model
 from quant.models.layers import layer_weights
 from quant.parallel.world import World
+from quant.quantize.algorithms import ALGORITHMS, algorithm
+from quant.quantize.budgets import search_bytes, solve_bytes
+from quant.quantize.layer_job import LayerJob
+from quant.quantize.solvers import solve_gptq, solve_rtn
 from quant.recipe import QuantizeSpec
 from tests.conftest import REPO
 
@@ -51,7 +51,7 @@ def _string_constants(node: ast.AST) -> bool:
 
 
 def test_no_module_compares_an_algorithm_s_name():
-    """What differs between algorithms is asked of the registered objects (``engine.algorithms.ALGORITHMS``,
+    """What differs between algorithms is asked of the registered objects (``quantize.algorithms.ALGORITHMS``,
     ``forecast.algorithm_costs.COSTS``), never decided by ``algorithm == "awq"`` elsewhere."""
     found = []
     for path in sorted((REPO / "quant").rglob("*.py")):

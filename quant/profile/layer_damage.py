@@ -27,7 +27,7 @@ layer's projections, resolved like the plan does). Two methods:
   per layer walked back + K·(1 + carry) per MoE layer: linear in depth; activations L·N·S·D (every layer's input,
   released as the walk passes) + R·N·S·D for each of the ``carry + 2`` gradients kept + the branches that reach the
   last layer (K·(1 + carry)); the device keeps every layer's input only when they all fit beside the walk's working
-  set, else a window of ``carry + 2`` of them (``quant.measure.damage_memory``). On the reference MoE (8 layers) it
+  set, else a window of ``carry + 2`` of them (``quant.profile.damage_memory``). On the reference MoE (8 layers) it
   ranks the layers per scheme as the exact pass does to within the exact pass's own variation between calibration
   samples (STUDY.md).
 
@@ -53,9 +53,13 @@ from dataclasses import dataclass, field
 import torch
 
 from quant.algos.grid import QuantSpec, quantize_weight, shared_group_size
-from quant.engine.layerwise import Layerwise, free_gpu_bytes, transfer
 from quant.errors import NumericalError, RecipeError
-from quant.measure.damage_memory import (
+from quant.layerwise import Layerwise, free_gpu_bytes, transfer
+from quant.models import ModelSource
+from quant.models.expert_compute import ExpertsCompute, Transform, install
+from quant.models.experts import moe_block
+from quant.models.layers import experts_of, release
+from quant.profile.damage_memory import (
     FORWARD_MARGIN_BYTES,
     CleanInputs,
     FittingBatches,
@@ -63,10 +67,6 @@ from quant.measure.damage_memory import (
     empty_stream,
     plan_memory,
 )
-from quant.models import ModelSource
-from quant.models.expert_compute import ExpertsCompute, Transform, install
-from quant.models.experts import moe_block
-from quant.models.layers import experts_of, release
 from quant.progress import step
 from quant.recipe import parse_scheme
 

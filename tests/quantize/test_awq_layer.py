@@ -3,17 +3,17 @@
 import pytest
 import torch
 
-import quant.engine.awq_layer as smooth
+import quant.quantize.awq_layer as smooth
 from quant.calibration import build_calibration
-from quant.engine.budgets import expert_hessian_bytes
-from quant.engine.hessians import ExpertStats
-from quant.engine.layerwise import Layerwise
-from quant.engine.qstore import layer_file, read_layer, read_params
-from quant.engine.quantize import quantize_model
 from quant.forecast.estimate import synthetic_profile
+from quant.layerwise import Layerwise
 from quant.models import resolve_model
 from quant.parallel.world import World
 from quant.plan.bitplan import plan_bits
+from quant.quantize.budgets import expert_hessian_bytes
+from quant.quantize.driver import quantize_model
+from quant.quantize.hessians import ExpertStats
+from quant.quantize.qstore import layer_file, read_layer, read_params
 from quant.recipe import PlanSpec, QuantizeSpec
 
 # 3 and 8 bits with a token floor: per layer the shared gate/up search has a main group, a second group that
@@ -116,7 +116,7 @@ def test_gpu_chunked_awq_matches_whole(setup, tmp_path):
     """On the GPU the chunk passes' bf16 grams can differ from a single pass by fp32 reassociation (the load
     buckets differ), so up to the first MoE layer (whose input both runs share) the codes agree to within 1% (a
     rounding tie goes another way) and that layer's folded norm to 1e-3, as GPTQ's test allows
-    (tests/engine/test_quantize.py); later layers calibrate on slightly different quantized outputs."""
+    (tests/quantize/test_driver.py); later layers calibrate on slightly different quantized outputs."""
     src = setup[0]
     whole = _awq(setup, tmp_path / "whole", device="cuda")
     chunked = _awq(setup, tmp_path / "chunked", device="cuda", hessian_budget_gb=BUDGET_GB, solve_budget_gb=2e-3)

@@ -8,7 +8,7 @@ forecasts with the same functions (``quant.forecast.estimate``), so a forecast c
   (:func:`sub_batches`, at most :func:`sub_batch_cap` elements each, sized by :func:`solve_bytes` for GPTQ and RTN,
   :func:`search_bytes` for AWQ).
 - ``quantize.statistics`` asks for partial sums added over ranks (:func:`reduce_asked`); an algorithm takes the
-  offer when its statistics allow it (``quant.engine.algorithms``).
+  offer when its statistics allow it (``quant.quantize.algorithms``).
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from quant.algos.grid import QuantizedWeight, QuantSpec
-from quant.engine.budgets import sub_batches
-from quant.engine.qstore import dequantize_2d
-from quant.engine.results import LayerReport, LayerResults
 from quant.models.layers import ExpertsView
 from quant.parallel.world import World, assign
+from quant.quantize.budgets import sub_batches
+from quant.quantize.qstore import dequantize_2d
+from quant.quantize.results import LayerReport, LayerResults
 
 # a solve group: (spec, the shared input's Hessian or None, the names of the linears solved together)
 LinearGroup = tuple[QuantSpec, torch.Tensor | None, list[str]]
