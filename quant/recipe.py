@@ -14,6 +14,7 @@ import difflib
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -33,7 +34,6 @@ MAX_CARRY_LAYERS = 64  # profile.layer_sensitivity.carry_layers: past this, meth
 MAX_DRAWS = 64  # profile.layer_sensitivity.draws
 DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
 # proxy gates -> the limit each one takes; any other gate names an eval task and takes max_drop (points)
-LAYER_DAMAGE_POLICIES = ("layer_sensitivity", "joint")  # plan policies priced with the profile's layer damage
 PROXY_GATES = {"perplexity": "max_rel_increase", "kl": "max_value", "top1_agreement": "max_value"}
 
 
@@ -172,9 +172,33 @@ class ProtectSpec(_Strict):
         return _check_bits(v, f"plan.protect.{info.field_name}")
 
 
+@dataclass(frozen=True)
+class PolicyRules:
+    """What a plan policy needs of the recipe, checked when it loads (the policy itself, registered under the same
+    name, is ``quant.plan.policies``). ``reads``: plan keys read by the policies naming them only; ``one_budget``:
+    exactly one of ``budget_avg_bits`` and ``budget_gb``; ``layer_damage``: a layer policy, priced with the
+    profile's layer damage, in the words its errors use; ``granularity``: the one a layer policy needs, ``hint``
+    its advice where the recipe asks the other one."""
+
+    reads: tuple[str, ...] = ()
+    one_budget: bool = False
+    layer_damage: str = ""
+    granularity: str = "per_layer"
+    hint: str = ""
+
+
+POLICY_RULES = {
+    "top_fraction": PolicyRules(), "budget": PolicyRules(one_budget=True), "sensitivity": PolicyRules(),
+    "random": PolicyRules(), "inverse": PolicyRules(), "uniform": PolicyRules(),
+    "layer_sensitivity": PolicyRules(("layer_group_sizes",), layer_damage="one symmetric scheme per MoE layer"),
+    "joint": PolicyRules(("layer_group_sizes", "split_by"), granularity="per_expert",
+                         layer_damage="up to two symmetric scheme groups per MoE layer, for quant's vLLM plugin",
+                         hint="; for one scheme per MoE layer use plan.policy: layer_sensitivity"),
+}
+
+
 class PlanSpec(_Strict):
-    policy: Literal["top_fraction", "budget", "sensitivity", "random", "inverse", "uniform",
-                    "layer_sensitivity", "joint"] = "top_fraction"
+    policy: Literal[tuple(POLICY_RULES)] = "top_fraction"
     top_fraction: float = 0.2
     score: Literal["tokens", "weight_mass", "product"] = "tokens"
     ranking: Literal["per_layer", "global"] = "per_layer"
@@ -234,39 +258,35 @@ class PlanSpec(_Strict):
     def _cross(self) -> PlanSpec:
         if self.high_bits < self.low_bits:
             raise ValueError(f"plan.high_bits ({self.high_bits}) must be >= plan.low_bits ({self.low_bits})")
-        if self.policy == "budget" and (self.budget_avg_bits is None) == (self.budget_gb is None):
-            raise ValueError("plan.policy 'budget' needs exactly one of plan.budget_avg_bits or plan.budget_gb")
+        rules = POLICY_RULES[self.policy]
+        if rules.one_budget and (self.budget_avg_bits is None) == (self.budget_gb is None):
+            raise ValueError(f"plan.policy '{self.policy}' needs exactly one of plan.budget_avg_bits or plan.budget_gb")
         if self.budget_avg_bits is not None and not self.low_bits <= self.budget_avg_bits <= self.high_bits:
             raise ValueError(
                 f"plan.budget_avg_bits ({self.budget_avg_bits}) must lie between low_bits ({self.low_bits}) "
                 f"and high_bits ({self.high_bits})"
             )
-        if self.policy in LAYER_DAMAGE_POLICIES:
-            self._check_layer_policy()
-        elif self.layer_group_sizes:
-            raise ValueError("plan.layer_group_sizes is read by plan.policy 'layer_sensitivity' or 'joint' only")
-        if self.split_by != "sensitivity" and self.policy != "joint":
-            raise ValueError(f"plan.split_by is read by plan.policy 'joint' only (the policy is '{self.policy}')")
+        if rules.layer_damage:
+            self._check_layer_policy(rules)
+        for key in dict.fromkeys(k for r in POLICY_RULES.values() for k in r.reads):
+            if key not in rules.reads and getattr(self, key) != PlanSpec.model_fields[key].default:
+                readers = " or ".join(f"'{n}'" for n, r in POLICY_RULES.items() if key in r.reads)
+                raise ValueError(f"plan.{key} is read by plan.policy {readers} only (the policy is '{self.policy}')")
         return self
 
     def pinned_layers(self) -> dict[int, tuple[int, int]]:
         """``layer_schemes`` as MoE layer index -> (bits, group size)."""
         return {int(k): parse_scheme(v) for k, v in self.layer_schemes.items()}
 
-    def _check_layer_policy(self) -> None:
-        joint = self.policy == "joint"
-        granularity = "per_expert" if joint else "per_layer"  # joint: experts of one layer may differ
+    def _check_layer_policy(self, rules: PolicyRules) -> None:
         fix = {"plan.budget_avg_bits": self.budget_avg_bits is not None and self.budget_gb is None,
-               f"plan.granularity: {granularity}": self.granularity == granularity,
+               f"plan.granularity: {rules.granularity}": self.granularity == rules.granularity,
                "plan.symmetric: true": self.symmetric, "plan.group_size other than -1": self.group_size != -1}
         missing = [k for k, ok in fix.items() if not ok]
         if missing:
-            what = ("up to two symmetric scheme groups per MoE layer, for quant's vLLM plugin" if joint
-                    else "one symmetric scheme per MoE layer")
-            hint = ("; for one scheme per MoE layer use plan.policy: layer_sensitivity" if joint
-                    and self.granularity == "per_layer" else "")
-            raise ValueError(f"plan.policy '{self.policy}' ({what}, within an average-bits budget) needs "
-                             f"{', '.join(missing)}{hint}")
+            hint = rules.hint if self.granularity != rules.granularity else ""
+            raise ValueError(f"plan.policy '{self.policy}' ({rules.layer_damage}, within an average-bits budget) "
+                             f"needs {', '.join(missing)}{hint}")
 
 
 class QuantizeSpec(_Strict):
@@ -392,7 +412,7 @@ class Recipe(_Strict):
     def _layer_damage_measured(self) -> Recipe:
         """A layer policy chooses among schemes the profile measured: its base schemes must be among them."""
         p = self.plan
-        if p.policy not in LAYER_DAMAGE_POLICIES:
+        if not POLICY_RULES[p.policy].layer_damage:
             return self
         ls = self.profile.layer_sensitivity
         need = [scheme_name(b, p.group_size) for b in sorted({p.low_bits, p.high_bits})]

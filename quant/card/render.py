@@ -21,6 +21,7 @@ from quant.export.writer import LM_EVAL_FILES
 from quant.models import ModelSource
 from quant.models.source import layer_of_key
 from quant.plan.bitplan import Headline
+from quant.plan.policies import policy as registered_policy
 from quant.plan.runtimes import CHECKED_RUNTIMES, GPTQMODEL_NEEDS_GPTQ, TRANSFORMERS_NO_GPTQ
 from quant.plan.servable import runtime_titles, same_size
 from quant.recipe import Recipe
@@ -92,20 +93,7 @@ def _schemes_line(recipe: Recipe, schemes: dict[str, dict[str, int]] | None) -> 
 
 def _what(recipe: Recipe, source: ModelSource, fmt: str, schemes: dict[str, dict[str, int]] | None = None) -> list[str]:
     p, q = recipe.plan, recipe.quantize
-    policy = f"`{p.policy}`"
-    if p.policy in ("top_fraction", "random", "inverse"):
-        policy += f" ({p.top_fraction:.0%} of experts at high bits; score `{p.score}`, ranking `{p.ranking}`)"
-    elif p.policy == "layer_sensitivity":
-        groups = ", ".join(str(g) for g in (p.group_size, *p.layer_group_sizes))
-        policy += (f" (one scheme per MoE layer, chosen by measured output damage within {p.budget_avg_bits} average "
-                   f"expert bits; group sizes {groups})")
-    elif p.policy == "joint":
-        groups = ", ".join(str(g) for g in (p.group_size, *p.layer_group_sizes))
-        policy += (f" (per MoE layer one scheme, or its hot experts by `{p.split_by}` at one scheme and the rest at "
-                   f"another, chosen by measured output damage within {p.budget_avg_bits} average expert bits; group "
-                   f"sizes {groups})")
-    elif p.policy == "budget":
-        policy += f" ({f'{p.budget_avg_bits} average expert bits' if p.budget_avg_bits else f'{p.budget_gb} GB'})"
+    policy = f"`{p.policy}`{registered_policy(p.policy).describe(p)}"
     # the recipe's free-text description is not repeated: --set overrides (e.g. the algorithm) may contradict it
     lines = [f"`{source.display_name}` ({source.family.name}) quantized by moe-quant with recipe `{recipe.name}`."]
     left_out = sorted({layer_of_key(k) for k in source.left_out})

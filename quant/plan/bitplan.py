@@ -3,9 +3,9 @@
 Expert decisions come from a policy over per-expert scores (routing profile); rules for attention, shared
 experts, dense MLPs, super experts and edge layers override scores; router, embeddings and lm_head are always
 kept. ``per_layer`` granularity projects expert decisions onto whole MoE layers under the same budget, which is
-what vLLM can serve (one scheme per fused MoE layer). Layer policies (``LAYER_POLICIES``: ``layer_sensitivity``,
-one scheme per MoE layer; ``joint``, a layer's hot experts and the rest in up to two scheme groups) decide bits and
-group size for a MoE layer's experts directly from measured layer damage.
+what vLLM can serve (one scheme per fused MoE layer). The policy is the registered one of ``plan.policy``
+(``policies``): an expert policy scores experts; a layer policy decides bits and group size for a MoE layer's
+experts directly from measured layer damage.
 """
 
 from __future__ import annotations
@@ -22,16 +22,14 @@ from quant.algos.grid import QuantSpec, shared_group_size
 from quant.errors import PlanError
 from quant.models import ModuleInfo
 from quant.models.names import block_name, parse
-from quant.plan.joint_policy import joint
-from quant.plan.layer_policy import layer_sensitivity
+from quant.plan.expert_policy import top_mask
+from quant.plan.policies import policy
 from quant.profile.profile import RoutingProfile
 from quant.recipe import PlanSpec
 
 # 2: the headline is a typed field (1 carried it as a JSON string in ``notes``); 3: no algorithm (the recipe's)
 SCHEMA_VERSION = 3
 KEEP_BITS = 16  # what a kept (bf16/fp16) weight costs
-# plan.policy -> function deciding each MoE layer's expert scheme groups (``layer_policy.LayerGroups``)
-LAYER_POLICIES = {"layer_sensitivity": layer_sensitivity, "joint": joint}
 
 
 @dataclass(frozen=True)
@@ -141,101 +139,19 @@ class BitPlan:
         return cls(**d)
 
 
-def expert_scores(profile: RoutingProfile, score: str) -> torch.Tensor:
-    """``[L, E]`` score per expert: routed tokens, routing-weight mass, or their product (MC-MoE style)."""
-    if score == "tokens":
-        return profile.counts.clone()
-    if score == "weight_mass":
-        return profile.weight_mass.clone()
-    share = profile.share()
-    mass = profile.weight_mass / profile.weight_mass.sum(dim=1, keepdim=True).clamp_min(1e-12)
-    return share * mass
-
-
-def _top_mask(scores: torch.Tensor, n: int, largest: bool = True) -> torch.Tensor:
-    """Boolean mask of the n best entries of a 1-D tensor; ties go to the lower index (stable)."""
-    order = torch.sort(scores if largest else -scores, descending=True, stable=True).indices
-    mask = torch.zeros_like(scores, dtype=torch.bool)
-    mask[order[:n]] = True
-    return mask
-
-
-def _fraction_mask(scores: torch.Tensor, spec: PlanSpec) -> torch.Tensor:
-    """``[L, E]`` True where the expert gets high bits under top_fraction / inverse / random policies."""
-    L, E = scores.shape
-    if spec.policy == "random":
-        gen = torch.Generator().manual_seed(spec.seed)
-        scores = torch.rand(L, E, generator=gen, dtype=torch.float64)
-    largest = spec.policy != "inverse"
-    if spec.ranking == "per_layer":
-        n = round(spec.top_fraction * E)
-        return torch.stack([_top_mask(scores[i], n, largest) for i in range(L)])
-    norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-12)
-    return _top_mask(norm.reshape(-1), round(spec.top_fraction * L * E), largest).reshape(L, E)
-
-
-def _budget_mask(scores: torch.Tensor, expert_bits: torch.Tensor, spec: PlanSpec) -> torch.Tensor:
-    """Greedy by score per extra bit: upgrade experts low->high while average expert bits stay <= target.
-
-    ``expert_bits [L, E]`` is the number of weights of each expert (all three projections).
-    """
-    numel = expert_bits.double()
-    total = numel.sum()
-    if spec.budget_avg_bits is not None:
-        allowance = (spec.budget_avg_bits - spec.low_bits) * total
-    else:
-        allowance = spec.budget_gb * 8e9 - spec.low_bits * total
-        if allowance < 0:  # not even every expert at low_bits fits: refuse rather than plan all-low silently
-            raise PlanError(f"plan.budget_gb {spec.budget_gb:g} is below the size of every expert at "
-                            f"{spec.low_bits} bits ({spec.low_bits * total.item() / 8e9:.4g} GB); raise it or lower "
-                            "plan.low_bits")
-    cost = (spec.high_bits - spec.low_bits) * numel
-    norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-12)
-    order = torch.sort((norm / cost).reshape(-1), descending=True, stable=True).indices
-    mask = torch.zeros(numel.numel(), dtype=torch.bool)
-    spent = 0.0
-    for i in order.tolist():  # O(L*E) scalar loop over a score list, not a tensor hot path
-        c = cost.reshape(-1)[i].item()
-        if spent + c <= allowance + 1e-6:
-            mask[i] = True
-            spent += c
-    return mask.reshape(scores.shape)
-
-
 def _per_layer(mask: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """Project an expert mask onto whole layers with the same number of upgraded experts (rounded)."""
     L, E = mask.shape
     n_layers_high = round(mask.sum().item() / E)
     norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-12)
     layer_score = (norm * mask).sum(dim=1)  # traffic the per-expert plan sent to high bits, per layer
-    chosen = _top_mask(layer_score, n_layers_high)
+    chosen = top_mask(layer_score, n_layers_high)
     return chosen.unsqueeze(1).expand(L, E).clone()
-
-
-def _expert_numel(modules: dict[str, ModuleInfo], profile: RoutingProfile) -> torch.Tensor:
-    numel = torch.zeros(len(profile.layers), profile.n_experts, dtype=torch.float64)
-    for m in modules.values():
-        if m.kind == "expert":
-            numel[profile.row(m.layer), m.expert] += m.numel
-    return numel
 
 
 def _high_mask(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpec) -> torch.Tensor:
     """``[L, E]`` True where an expert gets ``high_bits``, before protection rules."""
-    if spec.policy == "sensitivity":
-        if profile.sensitivity is None:
-            raise PlanError("plan.policy 'sensitivity' needs a profile with sensitivity scores; re-run `quant profile`")
-        scores = profile.sensitivity.clone()
-    else:
-        scores = expert_scores(profile, spec.score)
-    if spec.policy == "uniform":
-        mask = torch.zeros_like(scores, dtype=torch.bool)
-    elif spec.policy == "budget":
-        mask = _budget_mask(scores, _expert_numel(modules, profile), spec)
-    elif spec.policy == "sensitivity" and spec.budget_avg_bits is not None:
-        mask = _budget_mask(scores, _expert_numel(modules, profile), spec)
-    else:
-        mask = _fraction_mask(scores, spec)
+    mask, scores = policy(spec.policy).experts(profile, modules, spec)
     if spec.granularity == "per_layer":
         mask = _per_layer(mask, scores)
     return mask
@@ -317,7 +233,8 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
               formats: tuple[str, ...] = ("compressed-tensors",)) -> BitPlan:
     """Decide every module's bits from the profile and the plan spec (pure: no I/O, no model). ``formats``: the
     checkpoint formats the plan will be exported to (they decide which modules share a group size)."""
-    layer_groups = LAYER_POLICIES[spec.policy](profile, modules, spec) if spec.policy in LAYER_POLICIES else None
+    decide = policy(spec.policy)
+    layer_groups = decide.layers(profile, modules, spec) if decide.layers else None
     high = _high_mask(profile, modules, spec) if layer_groups is None else None
     supers = set(profile.super_experts(spec.protect.super_expert_ratio)) if spec.protect.super_experts else set()
     pinned = spec.pinned_layers()

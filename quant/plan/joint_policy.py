@@ -161,3 +161,11 @@ def joint(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpe
         hot = frozenset(order[r, : o.n_hot].tolist())
         out[layer] = LayerGroups(parsed[o.rest], hot, parsed[o.hot] if hot else None)
     return out
+
+
+def describe(p: PlanSpec) -> str:
+    """The model card's words for ``joint`` (after its name)."""
+    groups = ", ".join(str(g) for g in (p.group_size, *p.layer_group_sizes))
+    return (f" (per MoE layer one scheme, or its hot experts by `{p.split_by}` at one scheme and the rest at "
+            f"another, chosen by measured output damage within {p.budget_avg_bits} average expert bits; group "
+            f"sizes {groups})")

@@ -165,3 +165,10 @@ def layer_sensitivity(profile: RoutingProfile, modules: dict[str, ModuleInfo], s
     damage = torch.stack([damage_by_scheme[n] for n in names], dim=1)
     picks = choose_schemes(costs, damage, budget_bits(modules, profile, spec))
     return {layer: LayerGroups(parsed[picks[row]]) for row, layer in enumerate(profile.layers)}
+
+
+def describe(p: PlanSpec) -> str:
+    """The model card's words for ``layer_sensitivity`` (after its name)."""
+    groups = ", ".join(str(g) for g in (p.group_size, *p.layer_group_sizes))
+    return (f" (one scheme per MoE layer, chosen by measured output damage within {p.budget_avg_bits} average "
+            f"expert bits; group sizes {groups})")

@@ -31,6 +31,7 @@ from quant.models import ModelSource
 from quant.models.families import STANDARD_EXPERT_GATE_NAMES, STANDARD_PROJ_NAMES
 from quant.models.names import block_name, parse
 from quant.plan.bitplan import BitPlan
+from quant.plan.policies import policy
 
 RUNTIMES = ("any", "vllm", "vllm-quant", "sglang", "transformers", "gptqmodel")
 # the runtimes each checkpoint is checked against, in the order its model card names them (export's served_by)
@@ -77,8 +78,8 @@ def _mix_hint(plan: BitPlan, source: ModelSource, layer: int, schemes: set[tuple
         widths = ", ".join(sorted({str(s[1]) for s in schemes}, key=int))
         return (f"only their group sizes differ ({widths}: per-channel groups follow each projection's width); set "
                 f"plan.group_size to 32, 64 or 128")
-    if plan.policy == "joint":
-        return ("plan.policy joint splits a layer's experts into two scheme groups, which quant's vLLM plugin serves: "
+    if policy(plan.policy).splits_layers:
+        return (f"plan.policy {plan.policy} splits a layer's experts into two scheme groups, which quant's vLLM plugin serves: "
                 "set plan.target_runtime: vllm-quant, or plan.policy: layer_sensitivity (one scheme per MoE layer)")
     if plan.granularity == "per_expert":
         return ("set plan.granularity: per_layer (bits per MoE layer), or plan.target_runtime: vllm-quant (quant's "

@@ -1,8 +1,7 @@
 """The algorithm seam: one registry of RTN, GPTQ and AWQ, each declaring its statistics and what sizes its
 sub-batches, deciding when partial sums over ranks will do, driving a layer through a LayerJob and providing its
-solver; the recipe offers the registry's keys, and no module outside the registries tests an algorithm's name."""
+solver; the recipe offers the registry's keys (no module tests an algorithm's name: tests/test_plugin_names.py)."""
 
-import ast
 from typing import get_args
 
 import pytest
@@ -38,29 +37,6 @@ def test_registry_holds_one_object_per_algorithm_with_its_statistics_and_solver(
 
 def test_the_recipe_offers_the_registered_algorithms():
     assert get_args(QuantizeSpec.model_fields["algorithm"].annotation) == tuple(ALGORITHMS)
-
-
-def _names_an_algorithm(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Attribute) and "algorithm" in node.attr) or (
-        isinstance(node, ast.Name) and "algorithm" in node.id)
-
-
-def _string_constants(node: ast.AST) -> bool:
-    items = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
-    return all(isinstance(n, ast.Constant) and isinstance(n.value, str) for n in items)
-
-
-def test_no_module_compares_an_algorithm_s_name():
-    """What differs between algorithms is asked of the registered objects (``quantize.algorithms.ALGORITHMS``,
-    ``forecast.algorithm_costs.COSTS``), never decided by ``algorithm == "awq"`` elsewhere."""
-    found = []
-    for path in sorted((REPO / "quant").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare):
-                operands = [node.left, *node.comparators]
-                if any(map(_names_an_algorithm, operands)) and any(map(_string_constants, operands)):
-                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
-    assert not found, found
 
 
 def test_an_unknown_algorithm_names_the_valid_ones():
