@@ -10,7 +10,9 @@ and token count, CUDA-graph replays of:
   about half of the pairs) through ``MixedExpertsMethod.apply``: ``separate`` (a call per group) and ``shared`` (one
   routing, ``quant.serve.moe_routing``), each one group after the other (``-seq``) and overlapped (``-ovl``), and
   ``mixed``: quant's mixed-scheme kernel (``quant.serve.mixed_moe``, one Triton launch per projection for both
-  groups; the plugin runs it with ``QUANT_MOE_KERNEL=mixed``).
+  groups; the plugin runs it with ``QUANT_MOE_KERNEL=mixed``), and ``nibbles``: every expert in one asymmetric 4-bit
+  stack, each W8 expert as two rows (``quant.serve.nibbles``), one Marlin MoE GEMM per projection
+  (``QUANT_MOE_KERNEL=nibbles``); ``w4a``: every expert W4 g128 with zero points (the stack's own kernel).
 
 ``--sweep`` times the mixed kernel at every tile shape of a small grid instead, per shape and token count, prints
 the fastest beside the one ``mixed_moe.CONFIGS`` picks (the table is set from it) and, with ``--tiles FILE``, writes
@@ -40,7 +42,14 @@ def method(schemes, H: int, N: int, E: int, routing: str, overlap: bool, dev, se
     """A ``MixedExpertsMethod`` over random codes, without a vLLM layer (its constructor needs an engine)."""
     from quant.serve.layout import expert_groups, stacked_shapes
     from quant.serve.mixed_moe import CONFIGS
-    from quant.serve.vllm_mixed import MarlinGroup, MixedExpertsMethod, mixed_layer, to_kernel_layout
+    from quant.serve.vllm_mixed import (
+        MarlinGroup,
+        MixedExpertsMethod,
+        marlin_make_workspace_new,
+        mixed_layer,
+        nibble_layer,
+        to_kernel_layout,
+    )
 
     g = torch.Generator(device=dev).manual_seed(seed)
     m = object.__new__(MixedExpertsMethod)
@@ -51,13 +60,16 @@ def method(schemes, H: int, N: int, E: int, routing: str, overlap: bool, dev, se
                 grp.tensors[key] = (torch.rand(shape, generator=g, device=dev) * 2e-3 + 1e-3).to(torch.bfloat16)
             else:
                 grp.tensors[key] = torch.randint(-2**31, 2**31 - 1, shape, generator=g, device=dev, dtype=torch.int32)
-    m.mixed, m.tiles = None, CONFIGS
+    m.mixed, m.nibbles, m.tiles, m.kernel = None, None, CONFIGS, kernel
+    m.sizes = SimpleNamespace(hidden=H, intermediate=N)
     if kernel == "mixed":
         m.mixed = mixed_layer([grp.group for grp in m.groups], [grp.tensors for grp in m.groups], E)
+    elif kernel == "nibbles":
+        m.nibbles = nibble_layer(m.groups, m.sizes, E)
+        m.workspace = marlin_make_workspace_new(dev, 4)
     else:
         for grp in m.groups:
             to_kernel_layout(grp, H, N, E)
-    m.sizes = SimpleNamespace(hidden=H, intermediate=N)
     m.routing, m.overlap_max_tokens = routing, (None if overlap else 0)
     m.side = m.side_workspace = None
     m.finish(E)
@@ -114,12 +126,13 @@ def main() -> None:
         hot = E // 5
         mixed = [Scheme(8, 128) if e < hot else Scheme(4, 128) for e in range(E)]
         variants = {"w4": ([Scheme(4, 128)] * E, "separate", False), "w8": ([Scheme(8, 128)] * E, "separate", False),
-                    "mixed": (mixed, "separate", False)}
+                    "w4a": ([Scheme(4, 128, False)] * E, "separate", False),
+                    "mixed": (mixed, "separate", False), "nibbles": (mixed, "separate", False)}
         from quant.serve.vllm_mixed import SHARED_ROUTING
 
         for r in ("separate", "shared") if SHARED_ROUTING else ("separate",):
             variants |= {f"{r}-seq": (mixed, r, False), f"{r}-ovl": (mixed, r, True)}
-        methods = {name: method(s, H, N, E, r, ovl, dev, 0, "mixed" if name == "mixed" else "marlin")
+        methods = {name: method(s, H, N, E, r, ovl, dev, 0, name if name in ("mixed", "nibbles") else "marlin")
                    for name, (s, r, ovl) in variants.items()}
         for T in a.tokens:
             x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
@@ -134,17 +147,18 @@ def main() -> None:
             row["per-layer"] = round(0.8 * row["w4"] + 0.2 * row["w8"], 1)
             ref = outs["separate-seq"].float()
             row["max_rel_diff"] = max(float((outs[n].float() - ref).abs().max() / ref.abs().max())
-                                      for n in outs if n.startswith(("shared", "separate-ovl", "mixed")))
+                                      for n in outs if n.startswith(("shared", "separate-ovl", "mixed", "nibbles")))
+            row["nibbles_rel_diff"] = float((outs["nibbles"].float() - ref).abs().max() / ref.abs().max())
             print(json.dumps(row), flush=True)
             rows.append(row)
         del methods
         torch.cuda.empty_cache()
-    cols = [c for c in ("w4", "w8", "per-layer", "separate-seq", "separate-ovl", "shared-seq", "shared-ovl", "mixed")
-            if c in rows[0]]
+    cols = [c for c in ("w4", "w8", "per-layer", "w4a", "separate-seq", "separate-ovl", "shared-seq", "shared-ovl",
+                        "mixed", "nibbles") if c in rows[0]]
     print("\nus per layer forward (CUDA graphs, median of 5 x 50 replays); last column: best mixed / per-layer")
     print(f"{'shape':14} {'T':>5} " + " ".join(f"{c:>12}" for c in cols) + "   ratio")
     for r in rows:
-        best = min(r[c] for c in cols[3:])
+        best = min(r[c] for c in cols[4:])
         print(f"{r['shape']:14} {r['tokens']:>5} " + " ".join(f"{r[c]:>12}" for c in cols)
               + f"   {r['per-layer'] / best:.2f}")
 

@@ -21,7 +21,9 @@ Benchmark-only plans (RTN through ``quant export`` with plans of this script, la
   decode-sized batches only.
 
 ``headline-mixed`` and ``joint-mixed`` serve those checkpoints with quant's mixed-scheme kernel
-(``QUANT_MOE_KERNEL=mixed``) instead of a Marlin MoE call per scheme group.
+(``QUANT_MOE_KERNEL=mixed``) instead of a Marlin MoE call per scheme group; ``headline-nibbles`` and
+``joint-nibbles`` with the nibble stack (``QUANT_MOE_KERNEL=nibbles``: one Marlin MoE call over every expert, each W8
+expert as two 4-bit rows).
 
 Each model (and the bf16 one) is served with vLLM, CUDA graphs on, ``--processes`` times, each time by a process
 of its own: for each of ``--concurrency`` (requests in flight together) and ``--shapes`` (prompt/generated tokens),
@@ -67,9 +69,10 @@ RECIPES = {
 # another model's checkpoint served with VARIANT_ENV: the plugin's Marlin groups one after the other or overlapped,
 # and the plugin's checkpoints on its mixed kernel instead of a Marlin MoE call per scheme group
 VARIANTS = {"experts-seq": "experts", "experts-overlap": "experts", "headline-mixed": "headline",
-            "joint-mixed": "joint"}
+            "joint-mixed": "joint", "headline-nibbles": "headline", "joint-nibbles": "joint"}
 VARIANT_ENV = {"experts-seq": {"QUANT_MOE_OVERLAP": "0"}, "experts-overlap": {"QUANT_MOE_OVERLAP": "1"},
-               "headline-mixed": {"QUANT_MOE_KERNEL": "mixed"}, "joint-mixed": {"QUANT_MOE_KERNEL": "mixed"}}
+               "headline-mixed": {"QUANT_MOE_KERNEL": "mixed"}, "joint-mixed": {"QUANT_MOE_KERNEL": "mixed"},
+               "headline-nibbles": {"QUANT_MOE_KERNEL": "nibbles"}, "joint-nibbles": {"QUANT_MOE_KERNEL": "nibbles"}}
 
 
 def say(**kw) -> None:

@@ -28,6 +28,7 @@ import torch
 
 from quant.serve.layout import Scheme
 from quant.serve.moe_routing import group_rows
+from quant.serve.nibbles import servable as nibble_servable
 
 MAX_GROUPS = 2
 
@@ -80,19 +81,21 @@ def servable(schemes: Sequence[Scheme]) -> str | None:
     return None
 
 
-KERNELS = ("marlin", "mixed")
+KERNELS = ("marlin", "mixed", "nibbles")
 
 
 def choose_kernel(asked: str, schemes: Sequence[Scheme]) -> str:
     """The kernel a mixed layer of these groups' schemes runs: ``asked`` (``QUANT_MOE_KERNEL``: ``marlin``, ``mixed``,
-    or empty for the default ``marlin``, a Marlin MoE call per group, faster on an H100 at every batch but one
-    Qwen3-30B-A3B token, BENCHMARKS.md); ValueError for another value, or ``mixed`` for a layer this kernel cannot run."""
+    ``nibbles``, or empty for the default ``marlin``, a Marlin MoE call per group); ValueError for another value, or
+    for a kernel that cannot run this layer. ``nibbles``: one Marlin MoE call over every expert, each W8 expert as
+    two 4-bit rows (``quant.serve.nibbles``)."""
     if asked not in ("", *KERNELS):
-        raise ValueError(f"QUANT_MOE_KERNEL={asked!r}: use marlin (a Marlin MoE call per scheme group, the default) "
-                         f"or mixed (one launch per projection for at most {MAX_GROUPS} symmetric W4/W8 groups)")
-    why = servable(schemes) if asked == "mixed" else None
+        raise ValueError(f"QUANT_MOE_KERNEL={asked!r}: use marlin (a Marlin MoE call per scheme group, the default), "
+                         f"mixed (one launch per projection for at most {MAX_GROUPS} symmetric W4/W8 groups) or "
+                         "nibbles (one Marlin MoE call, W8 experts split into two 4-bit rows)")
+    why = {"mixed": servable, "nibbles": nibble_servable}.get(asked, lambda _: None)(schemes)
     if why is not None:
-        raise ValueError(f"QUANT_MOE_KERNEL=mixed cannot run {why}")
+        raise ValueError(f"QUANT_MOE_KERNEL={asked} cannot run {why}")
     return asked or "marlin"
 
 

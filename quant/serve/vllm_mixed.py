@@ -70,6 +70,7 @@ from quant.serve.mixed_moe import (
 )
 from quant.serve.moe_routing import MoeOps, group_rows, shared_routing_moe
 from quant.serve.names import QUANT_METHOD
+from quant.serve.nibbles import nibble_moe, nibble_stack, stack_scheme
 
 # vLLM 0.26's Marlin MoE takes act-order tensors (g_idx, their sort indices, is_k_full) in its weight converter and
 # its calls, and its converter takes the K-first stacks of ``quant.serve.layout``; 0.33's takes none of them, and
@@ -184,6 +185,7 @@ class MixedExpertsMethod(FusedMoEMethodBase):
         self.rows = None  # [G, E]: each expert's row in each group's stack (moe_routing.group_rows)
         self.kernel = _kernel_choice(prefix, [g.group.scheme for g in self.groups])
         self.mixed = None  # the mixed kernel's weights and tables (MixedLayer), after loading
+        self.nibbles = None  # the nibble stack (a MarlinGroup), its rows and its alignment's expert map, after loading
         self.tiles = _tile_table() if self.kernel == "mixed" else None
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
@@ -192,6 +194,11 @@ class MixedExpertsMethod(FusedMoEMethodBase):
             why = check_servable(g.group.scheme, hidden_size, intermediate_size_per_partition)
             if why is not None:
                 raise ValueError(f"{QUANT_METHOD}: {self.prefix}: {why}")
+            if self.kernel == "nibbles":
+                why = check_servable(stack_scheme([g.group.scheme for g in self.groups]), hidden_size,
+                                     intermediate_size_per_partition)
+                if why is not None:
+                    raise ValueError(f"{QUANT_METHOD}: {self.prefix}: QUANT_MOE_KERNEL=nibbles: {why}")
             for key, shape in stacked_shapes(g.group.scheme, len(g.group.experts), hidden_size,
                                              intermediate_size_per_partition).items():
                 dtype = params_dtype if key[1] == "weight_scale" else torch.int32
@@ -226,6 +233,9 @@ class MixedExpertsMethod(FusedMoEMethodBase):
                                      layer.global_num_experts)
             for g in self.groups:
                 g.tensors = {}
+        elif self.kernel == "nibbles":
+            self.nibbles = nibble_layer(self.groups, self.sizes, layer.global_num_experts)
+            self.workspace = marlin_make_workspace_new(self.nibbles[1].first.device, 4)
         else:
             for g in self.groups:
                 to_kernel_layout(g, self.sizes.hidden, self.sizes.intermediate, layer.global_num_experts)
@@ -235,8 +245,8 @@ class MixedExpertsMethod(FusedMoEMethodBase):
 
     def finish(self, n_experts: int) -> None:
         """The layer-wide state once every group is in the kernel layout: the routing table, the workspaces and
-        the side stream (Marlin groups; the mixed kernel needs none of them)."""
-        if self.mixed is not None:
+        the side stream (Marlin groups; the mixed kernel and the nibble stack need none of them)."""
+        if self.mixed is not None or self.nibbles is not None:
             return
         dev = self.groups[0].expert_map.device
         self.rows = group_rows([g.group for g in self.groups], n_experts, dev)
@@ -271,6 +281,15 @@ class MixedExpertsMethod(FusedMoEMethodBase):
         if self.mixed is not None:
             return mixed_moe(x, topk_weights, topk_ids, self.mixed, align=align, act=act,
                              weight_on_input=layer.apply_router_weight_on_input, configs=self.tiles)
+        if self.nibbles is not None:
+            stack, rows, emap = self.nibbles
+
+            def align_rows(ids, block_m, n_rows):  # pairs of id n_rows (a W4 expert's second slot) left out
+                return moe_align_block_size(ids, block_m, n_rows + 1, emap, ignore_invalid_experts=True)
+
+            ops = MoeOps(align=align_rows, gemm=_marlin_gemm, act=act)
+            return nibble_moe(x, topk_weights, topk_ids, rows, stack, ops, intermediate=self.sizes.intermediate,
+                              weight_on_input=layer.apply_router_weight_on_input, workspace=self.workspace)
         side = self._side_for(x.shape[0])
         if self.routing == "shared":
             ops = MoeOps(align=align, gemm=_marlin_gemm, act=act)
@@ -331,6 +350,21 @@ def mixed_layer(groups: list[ExpertGroup], tensors: list[dict], n_experts: int) 
 
     dev = tensors[0][("w13", "weight_packed")].device
     return MixedLayer(proj("w13"), proj("w2"), *layer_tables(groups, n_experts, dev))
+
+
+def nibble_layer(groups: list[MarlinGroup], sizes, n_experts: int):
+    """Every group's stacked tensors as one asymmetric W4 stack in Marlin's layout (``quant.serve.nibbles``): the
+    stack (a ``MarlinGroup``), each expert's rows and the alignment's expert map (id ``n_rows``: no row). The groups'
+    own tensors are dropped."""
+    scheme, tensors, rows = nibble_stack([g.group for g in groups], [g.tensors for g in groups], n_experts)
+    for g in groups:
+        g.tensors = {}
+    stack = MarlinGroup(ExpertGroup(scheme, tuple(range(rows.n_rows))), tensors)
+    to_kernel_layout(stack, sizes.hidden, sizes.intermediate, rows.n_rows)
+    dev = rows.first.device
+    emap = torch.cat([torch.arange(rows.n_rows, dtype=torch.int32, device=dev),
+                      torch.full((1,), -1, dtype=torch.int32, device=dev)])
+    return stack, rows, emap
 
 
 def to_kernel_layout(g: MarlinGroup, hidden: int, intermediate: int, n_experts: int) -> None:

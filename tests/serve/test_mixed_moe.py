@@ -189,3 +189,6 @@ def test_the_kernel_choice_and_its_refusals():
         choose_kernel("mixed", [W8, W4, Scheme(4, 64)])
     with pytest.raises(ValueError, match="mixed cannot run scheme w4g128a"):
         choose_kernel("mixed", [W8, Scheme(4, 128, False)])
+    assert choose_kernel("nibbles", [W8, Scheme(4, 128, False), Scheme(4, 32)]) == "nibbles"
+    with pytest.raises(ValueError, match="nibbles cannot run w8g128a experts"):
+        choose_kernel("nibbles", [Scheme(8, 128, False), W4])

@@ -190,8 +190,12 @@ def served(request, tmp_path_factory):
         spec_models.append({"name": f"qwen3-experts/{variant}", "path": str(runs["qwen3-experts"] / "checkpoint"),
                             "env": env})
     for name in ("qwen3-experts", "deepseek-experts"):
-        spec_models.append({"name": f"{name}/mixed", "path": str(runs[name] / "checkpoint"),
-                            "env": {"QUANT_MOE_KERNEL": "mixed"}})
+        for kernel in ("mixed", "nibbles"):
+            spec_models.append({"name": f"{name}/{kernel}", "path": str(runs[name] / "checkpoint"),
+                                "env": {"QUANT_MOE_KERNEL": kernel}})
+    # the nibble stack inside CUDA graphs: its alignment and zeroed rows captured, replayed at every decode size
+    spec_models.append({"name": "qwen3-experts/nibbles-graphs", "path": str(runs["qwen3-experts"] / "checkpoint"),
+                        "enforce_eager": False, "env": {"QUANT_MOE_KERNEL": "nibbles"}})
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, 512, (N_PROMPTS, PROMPT_LEN), generator=g).tolist()
     spec = {"prompts": prompts, "max_model_len": 512, "greedy_tokens": GREEDY, "enforce_eager": True,
@@ -213,8 +217,9 @@ def _table(results: dict) -> list[dict]:
     rows = []
     for name in CASES:
         ref = results[f"{name}/ref"]
-        extra = {"qwen3-experts": ["graphs", "sequential", "overlapped", "mixed", "stock"],
-                 "deepseek-experts": ["mixed"], "mixtral-layers": ["plugin"], "qwen3-narrow": ["plugin"]}.get(name, [])
+        extra = {"qwen3-experts": ["graphs", "sequential", "overlapped", "mixed", "nibbles", "nibbles-graphs", "stock"],
+                 "deepseek-experts": ["mixed", "nibbles"], "mixtral-layers": ["plugin"],
+                 "qwen3-narrow": ["plugin"]}.get(name, [])
         for fmt in CASES[name][3] + extra:
             r = results[f"{name}/{fmt}"]
             row = {"case": name, "format": fmt, "quantization": r.get("quantization"), "error": r.get("error")}
@@ -287,6 +292,20 @@ def test_the_plugins_mixed_kernel_serves_both_groups_in_one_launch(served):
         assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
         # the same layer as the Marlin calls compute (fp32 sums in other orders)
         assert _top1(got, results[f"{name}/compressed-tensors"]) >= 0.98
+
+
+def test_the_plugins_nibble_stack_serves_every_expert_in_one_marlin_call(served):
+    results, _, _ = served
+    names = ("qwen3-experts/nibbles", "deepseek-experts/nibbles", "qwen3-experts/nibbles-graphs")
+    if _refused_by_version(results, *names):
+        return
+    for name in names:
+        case = name.split("/")[0]
+        got, ref = results[name], results[f"{case}/ref-graphs" if name.endswith("graphs") else f"{case}/ref"]
+        assert "error" not in got, got.get("traceback")
+        assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY, (name, _top1(got, ref))
+        # the same layer as the Marlin calls compute (a W8 expert's two halves rounded apart)
+        assert _top1(got, results[f"{case}/compressed-tensors"]) >= 0.98, name
 
 
 def test_stock_vllm_refuses_a_per_expert_checkpoint_by_name(served):
