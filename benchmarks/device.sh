@@ -42,6 +42,10 @@
 #              vllm from there (skipped when /tmp/vsite already imports the parts' version). Kept apart from
 #              /tmp/site: vLLM pins compressed-tensors 0.17, quant needs 0.19. Use it as PYTHONPATH=/tmp/vsite
 #              VLLM_USE_FLASHINFER_SAMPLER=0 python3 ...
+#   sglang-part, sglang-install  the same for SGLang (benchmarks/sglang_wheels.sh makes .sglang-part-N): parts in
+#              /tmp/sgparts, unpacked into /tmp/sgsite, where sgl_kernel and SGLang's engine must import
+#   sglang-tests  tests/serve/test_sglang.py: per-layer checkpoints served by SGLang from /tmp/sgsite against their
+#              dequantized references; the agreement rows land in $OUT/sglang-report.json
 #   serve-tests  the serving tests (tests/serve: every checkpoint form served by vLLM from /tmp/vsite against its
 #              dequantized reference, the plugin, the refusals); the agreement table lands in $OUT/serve-report.json
 #   serve-recipes, serve-recipes-dsv3  benchmarks/serve.py on the shipped recipes' checkpoints (headline with vllm-quant,
@@ -64,7 +68,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 for task in "$@"; do
-  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|dsv3-damage|expert-compute|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|serve-tests|serve-bench|moe-layer|moe-sweep|cold-load|serve-recipes|serve-recipes-dsv3) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
+  case $task in suite|gpu|qwen3|qwen3-q|profile|profile-qwen3|profile-dsv3|read-dsv3|dsv3|fp8|e2e48|headline48|dsv3-damage|expert-compute|x2|x2-awq|node1|x8-build|x8-depth|x8-breadth|vllm-part|vllm-install|sglang-part|sglang-install|sglang-tests|serve-tests|serve-bench|moe-layer|moe-sweep|cold-load|serve-recipes|serve-recipes-dsv3) ;; *) echo "unknown task: $task" >&2; exit 2 ;; esac
 done
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT=${OUT:-$PWD/device-out}
@@ -86,71 +90,86 @@ run() {  # run TASK COMMAND...: log, time, and free the scratch disk after
   echo "== $task: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$task.log"
 }
 
-vllm_part() {  # the carried .vllm-part-N/part -> /tmp/parts/N, with its SHA256SUMS
-  local d n want have found=0
-  mkdir -p /tmp/parts
-  for d in .vllm-part-*/; do
-    n=${d#.vllm-part-}; n=${n%/}
+# a carried runtime (benchmarks/runtime_wheels.sh): its parts' folder on the host, its site, its import check
+parts_dir() { case $1 in vllm) echo /tmp/parts ;; sglang) echo /tmp/sgparts ;; esac; }
+site_dir() { case $1 in vllm) echo /tmp/vsite ;; sglang) echo /tmp/sgsite ;; esac; }
+
+runtime_part() {  # RUNTIME: the carried .RUNTIME-part-N/part -> its parts' folder /N, with its SHA256SUMS
+  local r=$1 d n want have found=0 parts
+  parts=$(parts_dir "$r")
+  mkdir -p "$parts"
+  for d in ."$r"-part-*/; do
+    n=${d#."$r"-part-}; n=${n%/}
     [[ $n =~ ^[0-9]+$ && -f $d/part && -f $d/SHA256SUMS ]] || continue
     found=1
     want=$(awk -v n="$n" '$2 == n {print $1}' "$d/SHA256SUMS")
     have=$(sha256sum < "$d/part" | cut -d' ' -f1)
     [ -n "$want" ] && [ "$want" = "$have" ] || { echo "part $n: sha256 $have, SHA256SUMS says '$want'"; return 1; }
-    if [ -f "/tmp/parts/$n" ] && [ "$(sha256sum < "/tmp/parts/$n" | cut -d' ' -f1)" = "$want" ]; then
-      echo "part $n: already in /tmp/parts"
+    if [ -f "$parts/$n" ] && [ "$(sha256sum < "$parts/$n" | cut -d' ' -f1)" = "$want" ]; then
+      echo "part $n: already in $parts"
     else
-      cp "$d/part" "/tmp/parts/$n.tmp" && mv "/tmp/parts/$n.tmp" "/tmp/parts/$n" || return 1
+      cp "$d/part" "$parts/$n.tmp" && mv "$parts/$n.tmp" "$parts/$n" || return 1
       echo "part $n: copied"
     fi
-    cp "$d/SHA256SUMS" /tmp/parts/SHA256SUMS.tmp && mv /tmp/parts/SHA256SUMS.tmp /tmp/parts/SHA256SUMS || return 1
+    cp "$d/SHA256SUMS" "$parts/SHA256SUMS.tmp" && mv "$parts/SHA256SUMS.tmp" "$parts/SHA256SUMS" || return 1
   done
-  [ "$found" = 1 ] || echo "no .vllm-part-N/part carried"
-  echo "/tmp/parts now (name, bytes):"
-  (cd /tmp/parts && find . -maxdepth 1 -type f -printf '%f %s\n' | sort -n)
-  if [ -f /tmp/parts/SHA256SUMS ]; then
+  [ "$found" = 1 ] || echo "no .$r-part-N/part carried"
+  echo "$parts now (name, bytes):"
+  (cd "$parts" && find . -maxdepth 1 -type f -printf '%f %s\n' | sort -n)
+  if [ -f "$parts/SHA256SUMS" ]; then
     local missing
-    missing=$(awk 'NR > 1 {print $2}' /tmp/parts/SHA256SUMS | while read -r n; do [ -f "/tmp/parts/$n" ] || echo "$n"; done | xargs)
-    echo "parts: $(($(wc -l < /tmp/parts/SHA256SUMS) - 1)) in all, missing: ${missing:-none}"
+    missing=$(awk 'NR > 1 {print $2}' "$parts/SHA256SUMS" | while read -r n; do [ -f "$parts/$n" ] || echo "$n"; done | xargs)
+    echo "parts: $(($(wc -l < "$parts/SHA256SUMS") - 1)) in all, missing: ${missing:-none}"
   fi
   [ "$found" = 1 ]
 }
 
-vllm_version() {  # the version /tmp/vsite imports, or nothing
-  env PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 python3 -c 'import vllm; print(vllm.__version__)' \
-    2>"$OUT/vllm-import.err" | tail -1
+runtime_version() {  # RUNTIME: the version its site imports (SGLang: its engine's whole import chain), or nothing
+  local site; site=$(site_dir "$1")
+  case $1 in
+    vllm) env PYTHONPATH="$site" VLLM_USE_FLASHINFER_SAMPLER=0 python3 -c 'import vllm; print(vllm.__version__)' ;;
+    sglang) env PYTHONPATH="$site" HF_HUB_OFFLINE=1 python3 -c \
+              'import sgl_kernel, sglang, sglang.srt.entrypoints.engine; print(sglang.__version__)' ;;
+  esac 2>"$OUT/$1-import.err" | tail -1
 }
 
-vllm_install() {  # /tmp/parts -> /tmp/vsite
-  local sums=/tmp/parts/SHA256SUMS archive want v n missing
-  archive=$(head -1 "$sums" 2>/dev/null | awk '{print $2}')  # vllm-VERSION-site.tar.xz
-  want=${archive#vllm-}; want=${want%-site.tar.xz}; want=${want:-${VLLM_VERSION:-0.26.0}}
-  if [ -f /tmp/vsite/vllm/__init__.py ] && v=$(vllm_version) && [ "$v" = "$want" ]; then
-    echo "vllm $v: already in /tmp/vsite"; return 0
+runtime_install() {  # RUNTIME: its parts' folder -> its site
+  local r=$1 parts site sums archive want v n missing
+  parts=$(parts_dir "$r"); site=$(site_dir "$r"); sums=$parts/SHA256SUMS
+  archive=$(head -1 "$sums" 2>/dev/null | awk '{print $2}')  # RUNTIME-VERSION-site.tar.xz
+  want=${archive#"$r"-}; want=${want%-site.tar.xz}
+  [ -n "$want" ] || case $r in vllm) want=${VLLM_VERSION:-0.26.0} ;; sglang) want=${SGLANG_VERSION:-0.5.17} ;; esac
+  if [ -f "$site/$r/__init__.py" ] && v=$(runtime_version "$r") && [ "$v" = "$want" ]; then
+    echo "$r $v: already in $site"; return 0
   fi
-  [ -f "$sums" ] || { echo "no /tmp/parts/SHA256SUMS: run vllm-part first"; return 1; }
-  missing=$(tail -n +2 "$sums" | awk '{print $2}' | while read -r n; do [ -f "/tmp/parts/$n" ] || echo "$n"; done | xargs)
-  [ -z "$missing" ] || { echo "parts missing from /tmp/parts: $missing (vllm-part with each)"; return 1; }
-  (cd /tmp/parts && tail -n +2 SHA256SUMS | sha256sum --quiet -c -) || { echo "parts missing or damaged"; return 1; }
-  for n in $(tail -n +2 "$sums" | awk '{print $2}' | sort -n); do cat "/tmp/parts/$n"; done > "/tmp/$archive" || return 1
+  [ -f "$sums" ] || { echo "no $sums: run $r-part first"; return 1; }
+  missing=$(tail -n +2 "$sums" | awk '{print $2}' | while read -r n; do [ -f "$parts/$n" ] || echo "$n"; done | xargs)
+  [ -z "$missing" ] || { echo "parts missing from $parts: $missing ($r-part with each)"; return 1; }
+  (cd "$parts" && tail -n +2 SHA256SUMS | sha256sum --quiet -c -) || { echo "parts missing or damaged"; return 1; }
+  for n in $(tail -n +2 "$sums" | awk '{print $2}' | sort -n); do cat "$parts/$n"; done > "/tmp/$archive" || return 1
   (cd /tmp && head -1 "$sums" | sha256sum -c -) || { rm -f "/tmp/$archive"; return 1; }
-  rm -rf /tmp/vsite.tmp && mkdir -p /tmp/vsite.tmp && tar -C /tmp/vsite.tmp -xJf "/tmp/$archive" || return 1
-  rm -rf /tmp/vsite "/tmp/$archive" && mv /tmp/vsite.tmp /tmp/vsite || return 1
-  echo "unpacked into /tmp/vsite: $(du -sh /tmp/vsite | cut -f1)"
-  v=$(vllm_version)
-  [ "$v" = "$want" ] || { echo "import vllm from /tmp/vsite gave '$v', want $want:"; tail -20 "$OUT/vllm-import.err"; return 1; }
-  echo "vllm $v (PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0)"
+  rm -rf "$site.tmp" && mkdir -p "$site.tmp" && tar -C "$site.tmp" -xJf "/tmp/$archive" || return 1
+  rm -rf "$site" "/tmp/$archive" && mv "$site.tmp" "$site" || return 1
+  echo "unpacked into $site: $(du -sh "$site" | cut -f1)"
+  v=$(runtime_version "$r")
+  [ "$v" = "$want" ] || { echo "importing $r from $site gave '$v', want $want:"; tail -30 "$OUT/$r-import.err"; return 1; }
+  rm -rf "$parts"  # the site holds it all now
+  echo "$r $v (PYTHONPATH=$site)"
 }
 
 for task in "$@"; do
   case $task in
-    vllm-part|vllm-install)
+    vllm-part|vllm-install|sglang-part|sglang-install)
       t0=$(date +%s)
       echo "== $task" | tee -a "$OUT/$task.log"
-      "vllm_${task#vllm-}" 2>&1 | tee -a "$OUT/$task.log"
+      "runtime_${task#*-}" "${task%%-*}" 2>&1 | tee -a "$OUT/$task.log"
       echo "== $task: $([ "${PIPESTATUS[0]}" = 0 ] && echo ok || echo FAILED), $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$task.log"
       continue ;;  # nothing in $W
     serve-tests) run serve-tests env QUANT_VLLM_PYTHONPATH=/tmp/vsite QUANT_SERVE_REPORT="$OUT/serve-report.json" \
                    python3 -m pytest -p no:cacheprovider tests/serve -v -rfEs --tb=short ;;
+    sglang-tests) run sglang-tests env QUANT_SGLANG_PYTHONPATH=/tmp/sgsite \
+                    QUANT_SERVE_REPORT="$OUT/sglang-report.json" \
+                    python3 -m pytest -p no:cacheprovider tests/serve/test_sglang.py -v -rfEs --tb=short ;;
     moe-layer) run moe-layer env PYTHONPATH="/tmp/vsite:$PYTHONPATH" VLLM_USE_FLASHINFER_SAMPLER=0 \
                  python3 benchmarks/moe_layer.py ${MOE_TOKENS:+--tokens $MOE_TOKENS} ;;
     moe-sweep) run moe-sweep env PYTHONPATH="/tmp/vsite:$PYTHONPATH" VLLM_USE_FLASHINFER_SAMPLER=0 \

@@ -9,7 +9,8 @@ torch and the standard library only. ``SPEC.json``::
 For each model ``OUT.json`` gets ``top1`` (per prompt, vLLM's most likely next token at every prompt position
 after the first, from ``prompt_logprobs``), ``greedy`` (per prompt, ``greedy_tokens`` generated at temperature 0),
 ``quantization`` (the method vLLM chose) and ``seconds``; or ``error``: the last line of what vLLM raised, when it
-refused the folder. Each model is served by a process of its own (``--jobs N``: N at a time), with the model's
+refused the folder, with ``log``, the last lines the serving process printed. Each model is served by a process of
+its own (``--jobs N``: N at a time), with the model's
 ``env`` added to its environment (``VLLM_PLUGINS=""`` loads no plugin: stock vLLM).
 """
 
@@ -30,6 +31,13 @@ def _top1(prompt_logprobs) -> list[int]:
         best = min(pos.items(), key=lambda kv: kv[1].rank)
         out.append(int(best[0]))
     return out
+
+
+def failure(e: BaseException, t0: float) -> dict:
+    """A serving attempt that raised, as a result: the last line of what was raised, its traceback's end."""
+    message = " ".join(" ".join(traceback.format_exception_only(type(e), e)).split())
+    return {"error": message[:2000], "traceback": traceback.format_exc().splitlines()[-40:],
+            "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def serve_one(model: dict, spec: dict) -> dict:
@@ -56,9 +64,7 @@ def serve_one(model: dict, spec: dict) -> dict:
                 "greedy": [list(r.outputs[0].token_ids) for r in generated],
                 "quantization": quant, "seconds": round(time.perf_counter() - t0, 2)}
     except Exception as e:  # a refusal is a result: the caller checks it was the expected one
-        message = " ".join(" ".join(traceback.format_exception_only(type(e), e)).split())
-        return {"error": message[:2000], "traceback": traceback.format_exc().splitlines()[-40:],
-                "seconds": round(time.perf_counter() - t0, 2)}
+        return failure(e, t0)
     finally:
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None:
@@ -76,10 +82,10 @@ log = logging.getLogger("quant.serve.vllm_check")
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
-def _serve_apart(spec_path: str, models: list[dict], jobs: int, work: str) -> dict:
-    """Each model in a process of its own (``--only``) with its ``env``, ``jobs`` at a time: engines start in
-    parallel on one GPU (the spec's ``kv_cache_memory_bytes`` keeps each one's share small and fixed), and a model
-    vLLM refuses cannot leave state behind for the next."""
+def _serve_apart(spec_path: str, models: list[dict], jobs: int, work: str, module: str, engine_env: dict) -> dict:
+    """Each model in a process of its own (``python -m module ... --only``) with ``engine_env`` and its ``env``,
+    ``jobs`` at a time: engines start in parallel on one GPU (the spec's ``kv_cache_memory_bytes`` keeps each one's
+    share small and fixed), and a model the runtime refuses cannot leave state behind for the next."""
     import subprocess
 
     pending, running, results = list(enumerate(models)), {}, {}
@@ -88,28 +94,31 @@ def _serve_apart(spec_path: str, models: list[dict], jobs: int, work: str) -> di
             i, model = pending.pop(0)
             name = model["name"]
             out, err = os.path.join(work, f"{i}.json"), open(os.path.join(work, f"{i}.log"), "w")  # noqa: SIM115
-            running[name] = (subprocess.Popen([sys.executable, "-m", "quant.serve.vllm_check", spec_path, out,
-                                               "--only", name], stdout=err, stderr=subprocess.STDOUT,
-                                              env={**os.environ, **ENGINE_ENV, **model.get("env", {})}), out, err)
+            running[name] = (subprocess.Popen([sys.executable, "-m", module, spec_path, out, "--only", name],
+                                              stdout=err, stderr=subprocess.STDOUT,
+                                              env={**os.environ, **engine_env, **model.get("env", {})}), out, err)
         for name, (proc, out, err) in list(running.items()):
             if proc.poll() is None:
                 continue
             del running[name]
             err.close()
+            with open(err.name) as f:
+                tail = f.read().splitlines()[-60:]  # the engine's own last lines (its workers' errors among them)
             try:
                 with open(out) as f:
                     results.update(json.load(f))
             except (OSError, ValueError):
-                with open(err.name) as f:
-                    tail = f.read().splitlines()[-40:]
                 results[name] = {"error": f"the serving process exited {proc.returncode} without a result",
-                                 "traceback": tail}
+                                 "traceback": tail[-40:]}
+            if "error" in results[name]:
+                results[name]["log"] = tail
         time.sleep(0.2)
     return results
 
 
-def main(argv: list[str]) -> int:
-    """``SPEC.json OUT.json [--jobs N] [--only NAME]``."""
+def main(argv: list[str], serve=serve_one, module: str = "quant.serve.vllm_check", engine_env: dict = ENGINE_ENV) -> int:
+    """``SPEC.json OUT.json [--jobs N] [--only NAME]``: each model served by ``serve(model, spec)`` in a process of
+    its own running ``module`` (this one for vLLM; ``sglang_check`` passes its own)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # this module is its own command line
     args = list(argv)
     opts = {}
@@ -125,7 +134,7 @@ def main(argv: list[str]) -> int:
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="vllm-check-") as work:
-            results = _serve_apart(spec_path, spec["models"], int(opts.get("--jobs", 1)), work)
+            results = _serve_apart(spec_path, spec["models"], int(opts.get("--jobs", 1)), work, module, engine_env)
         models = spec["models"]
         for m in models:
             r = results[m["name"]]
@@ -136,7 +145,7 @@ def main(argv: list[str]) -> int:
         return 0
     (model,) = [m for m in spec["models"] if m["name"] == opts["--only"]]
     with open(out_path, "w") as f:
-        json.dump({model["name"]: serve_one(model, spec)}, f)
+        json.dump({model["name"]: serve(model, spec)}, f)
     return 0
 
 

@@ -13,28 +13,26 @@ plugin reaches vLLM as an installed package registers it: its entry point in the
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
 import pytest
-import torch
-import yaml
 
 from quant.serve.names import vllm_version_problem
 from quant.serve.vllm_plugin import checkout_entry_point
-from tests.conftest import REPO, repo_pythonpath
+from tests.serve.serving import (
+    GREEDY,
+    MIN_GREEDY,
+    MIN_TOP1,
+    exported,
+    greedy,
+    prompts,
+    record,
+    runtime_paths,
+    runtime_version,
+    serve,
+    top1,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
-N_PROMPTS, PROMPT_LEN, GREEDY = 32, 128, 32
-# top-1 over the 32 x 127 prompt positions; the greedy figure compares the free-running generations position by
-# position, so after the first flip the two continuations differ: on these random-weight models every form, stock
-# per-layer checkpoints included, measured 0.89-0.99 (1x H200, vLLM 0.26.0, 2026-12-01)
-MIN_TOP1, MIN_GREEDY = 0.98, 0.85
 # name -> (shape, decoder layers, plan keys, export formats)
 CASES = {
     # one scheme per MoE layer: both bits and every group size vLLM's MoE kernels take, in both formats
@@ -70,100 +68,16 @@ CASES = {
 }
 
 
-def vllm_paths() -> list[str]:
-    """``QUANT_VLLM_PYTHONPATH``: one folder per vLLM installation to serve with, ``os.pathsep`` between them (the
-    whole module runs against each: the serving matrix)."""
-    return [p for p in os.environ.get("QUANT_VLLM_PYTHONPATH", "").split(os.pathsep) if p]
-
-
-def _vllm_version(path: str) -> tuple[str | None, str | None]:
-    """(vLLM's version at ``path``, None) or (None, why the module is skipped there)."""
-    if not torch.cuda.is_available():
-        return None, "needs a CUDA GPU (the GPU tier; see README 'Tests on a GPU')"
-    if not path:
-        return None, "set QUANT_VLLM_PYTHONPATH to folders holding vLLM (benchmarks/device.sh vllm-install)"
-    probe = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"],
-                           env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True)
-    if probe.returncode:
-        return None, f"vLLM does not import from {path} ({(probe.stderr.strip().splitlines() or ['?'])[-1]})"
-    return probe.stdout.strip().splitlines()[-1], None
-
-
-REPORT: list[dict] = []  # every vLLM's agreement rows, written to QUANT_SERVE_REPORT after each
-
-
-def _inputs(work: Path) -> tuple[Path, Path]:
-    """Random-word calibration and held-out text over the synthetic models' word-level vocabulary (ids 1..511)."""
-    from quant.models.synthetic import random_words
-
-    data = work / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    manifests = []
-    for name, seed in (("calibration", 0), ("heldout", 1)):
-        (data / f"{name}.txt").write_text(random_words(40 * 128, 512, seed))
-        (data / f"{name}.yaml").write_text(yaml.safe_dump(
-            {"name": f"random-{name}", "sources": [{"name": name, "kind": "text", "path": f"{name}.txt"}]}))
-        manifests.append(data / f"{name}.yaml")
-    return manifests[0], manifests[1]
-
-
-def _export(name: str, work: Path, models: dict[str, Path], calib: Path) -> Path:
-    shape, _, plan, formats = CASES[name]
-    recipe = {"name": name, "model": {"path": str(models[name]), "dtype": "bfloat16"},
-              "calibration": {"dataset": str(calib), "n_samples": 16, "seq_len": 128, "seed": 0},
-              "plan": plan, "quantize": {"algorithm": "rtn"}, "export": {"formats": formats}}
-    path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    run_dir = work / f"run-{name}"
-    p = subprocess.run([sys.executable, "-m", "quant.cli", "export", str(path), "-o", str(run_dir)], cwd=REPO,
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": repo_pythonpath()},
-                       timeout=900)
-    assert p.returncode == 0, f"{name}: quant export failed\n{p.stderr[-3000:]}"
-    return run_dir
-
-
-def _dequantized(checkpoint: Path, out: Path) -> Path:
-    from compressed_tensors.entrypoints.convert import convert_checkpoint
-    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
-
-    convert_checkpoint(checkpoint, out, CompressedTensorsDequantizer(checkpoint), device="cpu")
-    return out
-
-
-def _top1(a: dict, b: dict) -> float:
-    pairs = [(x, y) for pa, pb in zip(a["top1"], b["top1"], strict=True) for x, y in zip(pa, pb, strict=True)]
-    assert len(pairs) >= 4000
-    return sum(x == y for x, y in pairs) / len(pairs)
-
-
-def _greedy(a: dict, b: dict) -> float:
-    pairs = [(x, y) for ga, gb in zip(a["greedy"], b["greedy"], strict=True) for x, y in zip(ga[:GREEDY], gb[:GREEDY], strict=True)]
-    return sum(x == y for x, y in pairs) / len(pairs)
-
-
-@pytest.fixture(scope="module", params=vllm_paths() or [""])
+@pytest.fixture(scope="module", params=runtime_paths("QUANT_VLLM_PYTHONPATH") or [""])
 def served(request, tmp_path_factory):
     """Every case exported, dequantized and served by the vLLM at ``request.param``; ``{model name: vllm_check
     result}`` plus the run folders and that vLLM's version."""
-    version, reason = _vllm_version(request.param)
+    version, reason = runtime_version(request.param, "vllm", "QUANT_VLLM_PYTHONPATH",
+                                      "benchmarks/device.sh vllm-install")
     if reason:
         pytest.skip(reason)
-    from quant.models.synthetic import build_model
-
     work = tmp_path_factory.mktemp("vllm")
-    calib, _ = _inputs(work)
-    shapes = {(CASES[n][0], CASES[n][1]) for n in CASES}
-    folders = {key: work / f"model-{key[0]}-{key[1]}" for key in shapes}
-    for (shape, layers), folder in folders.items():
-        build_model(shape, layers, folder, seed=0, logit_scale=4.0)
-    models = {n: folders[(CASES[n][0], CASES[n][1])] for n in CASES}
-    def export_and_reference(name: str) -> Path:
-        run = _export(name, work, models, calib)
-        _dequantized(run / "checkpoint", work / f"ref-{name}")
-        return run
-
-    with ThreadPoolExecutor(6) as pool:
-        runs = dict(zip(CASES, pool.map(export_and_reference, CASES), strict=True))
+    runs, models = exported(CASES, work, jobs=6)
     spec_models = []
     for name, run in runs.items():
         spec_models.append({"name": f"{name}/ref", "path": str(work / f"ref-{name}")})
@@ -196,19 +110,11 @@ def served(request, tmp_path_factory):
     # the nibble stack inside CUDA graphs: its alignment and zeroed rows captured, replayed at every decode size
     spec_models.append({"name": "qwen3-experts/nibbles-graphs", "path": str(runs["qwen3-experts"] / "checkpoint"),
                         "enforce_eager": False, "env": {"QUANT_MOE_KERNEL": "nibbles"}})
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, 512, (N_PROMPTS, PROMPT_LEN), generator=g).tolist()
-    spec = {"prompts": prompts, "max_model_len": 512, "greedy_tokens": GREEDY, "enforce_eager": True,
+    spec = {"prompts": prompts(), "max_model_len": 512, "greedy_tokens": GREEDY, "enforce_eager": True,
             "kv_cache_memory_bytes": 1 << 30, "models": spec_models}
-    (work / "spec.json").write_text(json.dumps(spec))
-    path = os.pathsep.join([request.param, str(checkout_entry_point(work / "plugin")), str(REPO)])
-    p = subprocess.run([sys.executable, "-m", "quant.serve.vllm_check", str(work / "spec.json"),
-                        str(work / "served.json"), "--jobs", "8"], cwd=REPO, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": path}, timeout=1200)
-    assert p.returncode == 0, p.stderr[-3000:]
-    results = json.loads((work / "served.json").read_text())
-    REPORT.extend({"vllm": version, **row} for row in _table(results))
-    (Path(os.environ.get("QUANT_SERVE_REPORT", work / "report.json"))).write_text(json.dumps(REPORT, indent=1))
+    results = serve("quant.serve.vllm_check", spec, work, [request.param, str(checkout_entry_point(work / "plugin"))],
+                    jobs=8, timeout_s=1200)
+    record([{"runtime": "vllm", "version": version, **row} for row in _table(results)], work)
     results["vllm_version"] = version
     return results, runs, models
 
@@ -224,7 +130,7 @@ def _table(results: dict) -> list[dict]:
             r = results[f"{name}/{fmt}"]
             row = {"case": name, "format": fmt, "quantization": r.get("quantization"), "error": r.get("error")}
             if "error" not in r and "error" not in ref:
-                row |= {"top1": round(_top1(r, ref), 4), "greedy": round(_greedy(r, ref), 4)}
+                row |= {"top1": round(top1(r, ref), 4), "greedy": round(greedy(r, ref), 4)}
             rows.append(row)
     return rows
 
@@ -255,8 +161,8 @@ def test_served_checkpoint_agrees_with_its_dequantized_reference(served, name, f
                 "gptq": None}[fmt]
     if expected:
         assert got["quantization"] == expected
-    assert _top1(got, ref) >= MIN_TOP1, (name, fmt, _top1(got, ref))
-    assert _greedy(got, ref) >= MIN_GREEDY, (name, fmt, _greedy(got, ref))
+    assert top1(got, ref) >= MIN_TOP1, (name, fmt, top1(got, ref))
+    assert greedy(got, ref) >= MIN_GREEDY, (name, fmt, greedy(got, ref))
 
 
 def test_the_plugin_serves_inside_cuda_graphs(served):
@@ -265,7 +171,7 @@ def test_the_plugin_serves_inside_cuda_graphs(served):
         return
     got, ref = results["qwen3-experts/graphs"], results["qwen3-experts/ref-graphs"]
     assert "error" not in got, got.get("traceback")
-    assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
+    assert top1(got, ref) >= MIN_TOP1 and greedy(got, ref) >= MIN_GREEDY
 
 
 def test_the_plugins_marlin_groups_serve_one_after_another_and_side_by_side(served):
@@ -276,9 +182,9 @@ def test_the_plugins_marlin_groups_serve_one_after_another_and_side_by_side(serv
     sequential, overlapped = results["qwen3-experts/sequential"], results["qwen3-experts/overlapped"]
     for got in (sequential, overlapped):
         assert "error" not in got, got.get("traceback")
-        assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
+        assert top1(got, ref) >= MIN_TOP1 and greedy(got, ref) >= MIN_GREEDY
     # the same kernels on the same inputs: the streams change when they run, not what they compute
-    assert _top1(sequential, overlapped) >= 0.999, _top1(sequential, overlapped)
+    assert top1(sequential, overlapped) >= 0.999, top1(sequential, overlapped)
 
 
 
@@ -289,9 +195,9 @@ def test_the_plugins_mixed_kernel_serves_both_groups_in_one_launch(served):
     for name in ("qwen3-experts", "deepseek-experts"):
         got, ref = results[f"{name}/mixed"], results[f"{name}/ref"]
         assert "error" not in got, got.get("traceback")
-        assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
+        assert top1(got, ref) >= MIN_TOP1 and greedy(got, ref) >= MIN_GREEDY
         # the same layer as the Marlin calls compute (fp32 sums in other orders)
-        assert _top1(got, results[f"{name}/compressed-tensors"]) >= 0.98
+        assert top1(got, results[f"{name}/compressed-tensors"]) >= 0.98
 
 
 def test_the_plugins_nibble_stack_serves_every_expert_in_one_marlin_call(served):
@@ -303,9 +209,9 @@ def test_the_plugins_nibble_stack_serves_every_expert_in_one_marlin_call(served)
         case = name.split("/")[0]
         got, ref = results[name], results[f"{case}/ref-graphs" if name.endswith("graphs") else f"{case}/ref"]
         assert "error" not in got, got.get("traceback")
-        assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY, (name, _top1(got, ref))
+        assert top1(got, ref) >= MIN_TOP1 and greedy(got, ref) >= MIN_GREEDY, (name, top1(got, ref))
         # the same layer as the Marlin calls compute (a W8 expert's two halves rounded apart)
-        assert _top1(got, results[f"{case}/compressed-tensors"]) >= 0.98, name
+        assert top1(got, results[f"{case}/compressed-tensors"]) >= 0.98, name
 
 
 def test_stock_vllm_refuses_a_per_expert_checkpoint_by_name(served):
@@ -333,7 +239,7 @@ def test_the_plugin_serves_mixtral_by_its_own_expert_names(served):
     got, ref = results["mixtral-layers/plugin"], results["mixtral-layers/ref"]
     assert "error" not in got, got.get("traceback")
     assert got["quantization"] == "moe-quant-mixed"
-    assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
+    assert top1(got, ref) >= MIN_TOP1 and greedy(got, ref) >= MIN_GREEDY
 
 
 def test_experts_narrower_than_marlin_tiles_serve_as_the_runtime_check_says(served):
@@ -352,4 +258,4 @@ def test_experts_narrower_than_marlin_tiles_serve_as_the_runtime_check_says(serv
     plugin = [] if _refused_by_version(results, "qwen3-narrow/plugin") else [results["qwen3-narrow/plugin"]]
     for got in (results["qwen3-narrow/compressed-tensors"], *plugin):
         assert "error" not in got, got.get("traceback")
-        assert _top1(got, ref) >= MIN_TOP1 and _greedy(got, ref) >= MIN_GREEDY
+        assert top1(got, ref) >= MIN_TOP1 and greedy(got, ref) >= MIN_GREEDY
