@@ -133,6 +133,24 @@ runtime_version() {  # RUNTIME: the version its site imports (SGLang: its engine
   esac 2>"$OUT/$1-import.err" | tail -1
 }
 
+pth_links() {  # SITE: what its .pth files add to sys.path, linked into SITE (PYTHONPATH folders read no .pth file)
+  python3 - "$1" <<'EOF'
+import os, re, sys
+site = sys.argv[1]
+for pth in sorted(f for f in os.listdir(site) if f.endswith(".pth")):
+    for line in open(os.path.join(site, pth)):
+        # "import sys, os, PKG; sys.path.insert(0, os.path.join(PKG.__path__[0], 'SUB'))" or a plain folder
+        m = re.search(r"os\.path\.join\((\w+)\.__path__\[0\],\s*['\"]([^'\"]+)['\"]\)", line)
+        folder = os.path.join(m[1], m[2]) if m else ("" if line.startswith(("import", "#")) else line.strip())
+        if not folder or not os.path.isdir(os.path.join(site, folder)):
+            continue
+        for entry in sorted(os.listdir(os.path.join(site, folder))):
+            if not os.path.lexists(os.path.join(site, entry)):
+                os.symlink(os.path.join(folder, entry), os.path.join(site, entry))
+                print(f"{pth}: linked {entry} -> {folder}/{entry}")
+EOF
+}
+
 runtime_install() {  # RUNTIME: its parts' folder -> its site
   local r=$1 parts site sums archive want v n missing
   parts=$(parts_dir "$r"); site=$(site_dir "$r"); sums=$parts/SHA256SUMS
@@ -149,6 +167,7 @@ runtime_install() {  # RUNTIME: its parts' folder -> its site
   for n in $(tail -n +2 "$sums" | awk '{print $2}' | sort -n); do cat "$parts/$n"; done > "/tmp/$archive" || return 1
   (cd /tmp && head -1 "$sums" | sha256sum -c -) || { rm -f "/tmp/$archive"; return 1; }
   rm -rf "$site.tmp" && mkdir -p "$site.tmp" && tar -C "$site.tmp" -xJf "/tmp/$archive" || return 1
+  pth_links "$site.tmp" || return 1
   rm -rf "$site" "/tmp/$archive" && mv "$site.tmp" "$site" || return 1
   echo "unpacked into $site: $(du -sh "$site" | cut -f1)"
   v=$(runtime_version "$r")
