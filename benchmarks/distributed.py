@@ -136,7 +136,7 @@ def worker(a: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     with CudaTrace() if a.memory_trace else contextlib.nullcontext() as trace, _torch_profile(a.torch_profile) as prof:
         qspec = QuantizeSpec(algorithm=a.algo, device=dev, batch_size=a.batch, statistics=a.statistics)
-        reports = quantize_model(src, calib, plan.quantized_specs(), a.algo, qspec,
+        reports = quantize_model(src, calib, plan.quantized_schemes(), a.algo, qspec,
                                  Layerwise(src, "bfloat16", dev, a.batch, world=world), qdir)
     sync()
     world.barrier()

@@ -96,7 +96,7 @@ def run_quant(src: ModelSource, calib: CalibrationSet, algo: str, work: Path, ba
     sync()
     t0 = time.perf_counter()
     with CudaTrace() if memory_trace else contextlib.nullcontext() as trace:
-        reports = quantize_model(src, calib, plan.quantized_specs(), algo, qspec,
+        reports = quantize_model(src, calib, plan.quantized_schemes(), algo, qspec,
                                  Layerwise(src, "bfloat16", dev, batch, world=World()), qdir)
     sync()
     total = time.perf_counter() - t0

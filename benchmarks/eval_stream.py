@@ -67,7 +67,7 @@ def prepare(work: Path, shape: str, n_layers: int, samples: int, seqlen: int, ba
     plan = plan_bits(profile_routing(src, calib, Layerwise(src, DTYPE, dev, batch, World())), src.modules, PlanSpec(),
                      src.n_layers)
     plan.save(work / "plan.json")
-    quantize_model(src, calib, plan.quantized_specs(), "rtn", QuantizeSpec(device=dev, batch_size=batch),
+    quantize_model(src, calib, plan.quantized_schemes(), "rtn", QuantizeSpec(device=dev, batch_size=batch),
                    Layerwise(src, DTYPE, dev, batch, World()),
                    work / "quantized")
     t2 = time.perf_counter()

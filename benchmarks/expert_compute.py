@@ -14,10 +14,11 @@ import time
 
 import torch
 
-from quant.algos.grid import QuantSpec, quantize_weight
+from quant.algos.grid import quantize_weight
 from quant.models.expert_compute import install
 from quant.models.experts import ExpertsView
 from quant.models.synthetic import SHAPES
+from quant.scheme import Scheme
 
 
 def _timed(fn, repeats: int) -> tuple[float, torch.Tensor]:
@@ -49,7 +50,7 @@ def main() -> None:
     x = torch.randn(a.tokens, D, device=dev, generator=gen)
     idx = torch.rand(a.tokens, E, device=dev, generator=gen).topk(k, dim=1).indices
     w = torch.softmax(torch.randn(a.tokens, k, device=dev, generator=gen), dim=1)
-    spec = QuantSpec(4, 128)
+    spec = Scheme(4, 128)
     rtn = lambda t: quantize_weight(t, spec, t.dtype).dequantize()  # noqa: E731
     rows, ref = {}, None
     for mode in ("widened", "at w4g128"):

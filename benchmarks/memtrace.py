@@ -144,7 +144,7 @@ def worker(rank: int, a: argparse.Namespace, port: int, model_dir: str, out: str
     lw = Layerwise(src, "bfloat16", "cpu", batch, world=world)
     lw.reader.shared = a.shared_read and world.distributed  # NCCL's read path: a share per rank, then broadcasts
     with tracer:
-        quantize_model(src, calib, plan.quantized_specs(), a.algo, qspec, lw, Path(out) / f"q{a.ranks}")
+        quantize_model(src, calib, plan.quantized_schemes(), a.algo, qspec, lw, Path(out) / f"q{a.ranks}")
     mine = {"rank": rank, "peak": tracer.peak.table(top=a.top, scale=k2),
             "phases": {p: round(b * k2 / 1e9, 2) for p, b in tracer.phase_peaks.items()}}
     got = world.all_gather_object(mine)

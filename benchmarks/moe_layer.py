@@ -107,7 +107,7 @@ def timed(fn, reps: int = 50, rounds: int = 5) -> tuple[float, float, float]:
 def main() -> None:
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-    from quant.serve.layout import Scheme
+    from quant.scheme import Scheme
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
@@ -167,7 +167,7 @@ def sweep(shapes, tokens, dev, tiles: str | None = None) -> None:
     """The mixed kernel's forward at every tile shape of a grid: JSON lines, then the fastest per point."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-    from quant.serve.layout import Scheme
+    from quant.scheme import Scheme
     from quant.serve.mixed_moe import TileConfig, mixed_moe, tile_config
     from quant.serve.vllm_mixed import align, apply_moe_activation
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from quant.algos.gptq import gptq
-from quant.algos.grid import QuantSpec
+from quant.scheme import Scheme
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CALIBRATION_TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -127,7 +127,7 @@ def layer_hessians(layer, inputs) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def quantize_layer(layer, hessians: dict[str, torch.Tensor], spec: QuantSpec, scale_dtype, act_order: bool):
+def quantize_layer(layer, hessians: dict[str, torch.Tensor], spec: Scheme, scale_dtype, act_order: bool):
     """One ``gptq`` call per group of same-shape linears; weights replaced by their dequantized values."""
     by_shape = defaultdict(list)
     for name, module in layer.named_modules():
@@ -154,7 +154,7 @@ def _hidden(output):
 def run_ours(model, calibration: torch.Tensor, scale_dtype, act_order: bool, batch_size: int = 8):
     """-> (total seconds, seconds inside gptq, repairs)."""
     start = time.perf_counter()
-    spec = QuantSpec(BITS, GROUP_SIZE, symmetric=True)
+    spec = Scheme(BITS, GROUP_SIZE, symmetric=True)
     inputs = first_layer_inputs(model, calibration, batch_size)
     gptq_seconds, repairs = 0.0, []
     for index, layer in enumerate(model.model.layers):

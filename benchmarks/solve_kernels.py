@@ -23,7 +23,8 @@ import torch
 from quant.algos import gptq_triton
 from quant.algos.cholesky import upper_inverse_factor
 from quant.algos.gptq import dampen, gptq, reversed_hessian
-from quant.algos.grid import QuantSpec, fit_grid
+from quant.algos.grid import fit_grid
+from quant.scheme import Scheme
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128), "deepseek-v3": (7168, 2048, 256)}  # D, I, experts
 
@@ -75,7 +76,7 @@ def bench_projection(name: str, n_out: int, n_in: int, n_experts: int, budget_gb
         t, (U, ok) = timed(lambda base=base, Hr=Hr: upper_inverse_factor(Hr, base=base), reps=1)
         row[f"u_new_s_base{base}"] = t
         row[f"u_rel_diff_base{base}"] = ((U - U_old).norm() / U_old.norm()).item()
-    spec = QuantSpec(4, 128, True)
+    spec = Scheme(4, 128, True)
     runs = {}
     for kernel in ("triton", "torch"):
         t, res = timed(lambda kernel=kernel: gptq(w, H, spec, torch.bfloat16, act_order=True, kernel=kernel,
@@ -94,7 +95,7 @@ def bench_projection(name: str, n_out: int, n_in: int, n_experts: int, budget_gb
     return row
 
 
-def tune_columns(w: torch.Tensor, H: torch.Tensor, spec: QuantSpec) -> dict:
+def tune_columns(w: torch.Tensor, H: torch.Tensor, spec: Scheme) -> dict:
     """The fused column loop alone (act-order static grids) for several tile settings."""
     B, n_out, n_in = w.shape
     W = w.float()
@@ -120,7 +121,7 @@ def profile_solve(n_out: int, n_in: int, n_experts: int, budget_gb: float) -> No
 
     B = max(1, int(budget_gb * 1e9) // (4 * (2 * n_out * n_in + 3 * n_in * n_in)))
     w, H = problem(B, n_out, n_in, seed=n_in)
-    spec = QuantSpec(4, 128, True)
+    spec = Scheme(4, 128, True)
     solve = lambda: gptq(w, H, spec, torch.bfloat16, act_order=True, with_loss=False)  # noqa: E731
     t, _ = timed(solve, reps=3)
     say(profile_shape=[B, n_out, n_in], solve_s=t)

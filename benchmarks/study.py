@@ -95,7 +95,7 @@ def run(seeds: list[int], out: Path, n_lines: int) -> dict:
             bits[name] = summarize(plan, src, prof).headline.avg_bits_experts
             qdir = out / "work" / f"{seed}-{len(results[name])}-{abs(hash(name)) % 10**8}"
             shutil.rmtree(qdir, ignore_errors=True)
-            quantize_model(src, calib, plan.quantized_specs(), q_kw["algorithm"], QuantizeSpec(**q_kw),
+            quantize_model(src, calib, plan.quantized_schemes(), q_kw["algorithm"], QuantizeSpec(**q_kw),
                            Layerwise(src, "bfloat16", "cpu", 8, World()), qdir)
             model = load_model(src.path)
             apply_quantized(model, src, qdir)

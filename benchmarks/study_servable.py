@@ -147,7 +147,7 @@ def run_task(seed: int, size: str, manifest: str, work: Path, damage_method: str
             if algo == "gptq" or key not in _RTN_SEEN:
                 qdir = work / f"{seed}-{size}-{algo}-{abs(hash(name)) % 10**8}-{os.getpid()}"
                 shutil.rmtree(qdir, ignore_errors=True)
-                quantize_model(src, calib if algo == "gptq" else one, plan.quantized_specs(), algo,
+                quantize_model(src, calib if algo == "gptq" else one, plan.quantized_schemes(), algo,
                                QuantizeSpec(algorithm=algo), Layerwise(src, "bfloat16", "cpu", 8, World()), qdir)
                 metrics = _evaluate(qdir, with_lines=size == "1x" and algo == "gptq")
                 shutil.rmtree(qdir, ignore_errors=True)

@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from quant import strict_yaml
 from quant.errors import RecipeError
+from quant.scheme import VALID_BITS, Scheme
 
 SCHEMA_VERSION = 1
-VALID_BITS = (2, 3, 4, 8)
 Keep = Literal["keep"]
 BitsOrKeep = Union[int, Keep]  # noqa: UP007 - a runtime alias pydantic evaluates
 MAX_SEED = 2**63 - 1
@@ -49,26 +49,6 @@ def _check_group(value: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or (value != -1 and (value < 8 or value & (value - 1))):
         raise ValueError(f"{what} must be -1 (per channel) or a power of two >= 8, got {value!r}")
     return value
-
-
-_SCHEME = re.compile(r"^w(\d+)g(\d+)$")
-
-
-def parse_scheme(name: str) -> tuple[int, int]:
-    """``"w4g128"`` -> (bits, group size): one symmetric expert scheme of a whole MoE layer."""
-    m = _SCHEME.match(str(name))
-    if not m:
-        raise ValueError(f"a layer scheme is written w<bits>g<group>, e.g. w4g128 or w8g32; got {name!r}")
-    bits, group = int(m.group(1)), int(m.group(2))
-    if bits not in VALID_BITS:
-        raise ValueError(f"bits of scheme {name!r} must be one of {VALID_BITS}")
-    if group < 8 or group & (group - 1):
-        raise ValueError(f"group of scheme {name!r} must be a power of two >= 8 (per channel is not offered here)")
-    return bits, group
-
-
-def scheme_name(bits: int, group_size: int) -> str:
-    return f"w{bits}g{group_size}"
 
 
 def _check_fraction(value: float, what: str) -> float:
@@ -134,10 +114,10 @@ class LayerSensitivitySpec(_Strict):
     def _schemes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         if not v:
             raise ValueError("profile.layer_sensitivity.schemes must name at least one scheme")
-        parsed = [parse_scheme(s) for s in v]
+        parsed = [Scheme.parse(s) for s in v]
         if len(set(parsed)) != len(parsed):
             raise ValueError(f"profile.layer_sensitivity.schemes has duplicates: {list(v)}")
-        return tuple(scheme_name(*p) for p in parsed)
+        return tuple(p.label for p in parsed)
 
     @model_validator(mode="after")
     def _carry_read(self) -> LayerSensitivitySpec:
@@ -226,9 +206,9 @@ class PlanSpec(_Strict):
         for layer, scheme in v.items():
             if not layer.isdigit() or len(layer) > 6:
                 raise ValueError(f"plan.layer_schemes: key {layer!r} is not a layer index (0, 1, ...)")
-            bits, group = parse_scheme(scheme)
-            _check_bits(bits, f"plan.layer_schemes[{layer}]")
-            _check_group(group, f"plan.layer_schemes[{layer}]")
+            parsed = Scheme.parse(scheme)
+            _check_bits(parsed.bits, f"plan.layer_schemes[{layer}]")
+            _check_group(parsed.group_size, f"plan.layer_schemes[{layer}]")
         return v
 
     @field_validator("high_bits", "low_bits")
@@ -274,9 +254,9 @@ class PlanSpec(_Strict):
                 raise ValueError(f"plan.{key} is read by plan.policy {readers} only (the policy is '{self.policy}')")
         return self
 
-    def pinned_layers(self) -> dict[int, tuple[int, int]]:
-        """``layer_schemes`` as MoE layer index -> (bits, group size)."""
-        return {int(k): parse_scheme(v) for k, v in self.layer_schemes.items()}
+    def pinned_layers(self) -> dict[int, Scheme]:
+        """``layer_schemes`` as MoE layer index -> its experts' scheme (the group size as asked)."""
+        return {int(k): Scheme.parse(v) for k, v in self.layer_schemes.items()}
 
     def _check_layer_policy(self, rules: PolicyRules) -> None:
         fix = {"plan.budget_avg_bits": self.budget_avg_bits is not None and self.budget_gb is None,
@@ -415,14 +395,14 @@ class Recipe(_Strict):
         if not POLICY_RULES[p.policy].layer_damage:
             return self
         ls = self.profile.layer_sensitivity
-        need = [scheme_name(b, p.group_size) for b in sorted({p.low_bits, p.high_bits})]
+        need = [Scheme(b, p.group_size).label for b in sorted({p.low_bits, p.high_bits})]
         have = set(ls.schemes) if ls else set()
         lacking = [s for s in need if s not in have]
         if lacking:
             raise ValueError(f"plan.policy '{p.policy}' needs profile.layer_sensitivity.schemes to include "
                              f"{', '.join(lacking)} (have: {', '.join(sorted(have)) or 'profile.layer_sensitivity unset'})")
         for g in p.layer_group_sizes:
-            if not any(parse_scheme(s)[1] == g for s in have):
+            if not any(Scheme.parse(s).group_size == g for s in have):
                 raise ValueError(f"plan.layer_group_sizes has {g}, but profile.layer_sensitivity.schemes measures "
                                  f"no scheme with group {g}: add e.g. w{p.low_bits}g{g}")
         return self

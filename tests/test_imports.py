@@ -27,7 +27,7 @@ PACKAGES = [
     {"io", "diag"},
     {"algos"},
     {"recipe", "strict_yaml", "progress"},
-    {"errors", "serve"},
+    {"errors", "serve", "scheme"},
 ]
 # run in the sandbox's child processes, where quant is not importable: they import each other only
 STANDALONE = {"eval.sandbox_child", "eval.isolation", "eval.seccomp"}

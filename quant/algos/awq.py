@@ -37,8 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from quant.algos import triton_runs
-from quant.algos.grid import QuantizedWeight, QuantSpec, all_finite, quantize_weight
+from quant.algos.grid import QuantizedWeight, all_finite, quantize_weight
 from quant.errors import NumericalError
+from quant.scheme import Scheme
 
 # Channels whose mean |x| is below this fraction of the largest are floored to it, so s stays finite and a
 # channel that was (nearly) silent in calibration is not blown up by 1/s.
@@ -54,7 +55,7 @@ class AWQExtra:
     w: torch.Tensor
     x: torch.Tensor
     mask: torch.Tensor
-    spec: QuantSpec
+    spec: Scheme
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def awq_search(
     w: torch.Tensor,
     x: torch.Tensor,
     mask: torch.Tensor,
-    spec: QuantSpec,
+    spec: Scheme,
     scale_dtype: torch.dtype,
     *,
     n_grid: int = 20,
@@ -241,7 +242,7 @@ def _smoothing(means: torch.Tensor, alpha: float) -> torch.Tensor:
     return s / (s.amax(dim=-1, keepdim=True) * s.amin(dim=-1, keepdim=True)).sqrt()
 
 
-def quantize_scaled(w: torch.Tensor, s: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype) -> QuantizedWeight:
+def quantize_scaled(w: torch.Tensor, s: torch.Tensor, spec: Scheme, scale_dtype: torch.dtype) -> QuantizedWeight:
     """``Q(W · s)`` for ``w [B', O, I]`` and ``s [B' or 1, I]``."""
     return quantize_weight(w.float() * s[:, None, :], spec, scale_dtype)
 

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quant.algos.grid import QuantSpec
 from quant.algos.triton_rounding import MANTISSA_DROP, interpreted, rint, round_bits
+from quant.scheme import Scheme
 
 TILE = 4096  # weights one program handles: BO rows x one group
 
@@ -69,7 +69,7 @@ def _delta_kernel(w_ptr, s_ptr, a_ptr, n_out, n_in, sw_b, sw_o, ss_b, sa_b, sa_o
     tl.store(out + 2 * n_in, hi.to(tl.bfloat16), mask=inside)
 
 
-def trial_deltas(w: torch.Tensor, s: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype) -> torch.Tensor:
+def trial_deltas(w: torch.Tensor, s: torch.Tensor, spec: Scheme, scale_dtype: torch.dtype) -> torch.Tensor:
     """``w [B, O, I]`` (any float dtype), ``s [B or 1, I]`` -> ``[B, O, 3I]`` bf16: ``[Δ_hi | Δ_lo | Δ_hi]`` of
     ``Δ = Q(W · s) / s − W`` (``Q``: ``grid.quantize_weight`` then ``dequantize``)."""
     B, n_out, n_in = w.shape

@@ -40,8 +40,9 @@ import torch
 
 from quant.algos import triton_runs
 from quant.algos.cholesky import upper_inverse_factor
-from quant.algos.grid import QuantizedWeight, QuantSpec, all_finite, dequantize, fit_grid, quantize
+from quant.algos.grid import QuantizedWeight, all_finite, dequantize, fit_grid, quantize
 from quant.errors import NumericalError
+from quant.scheme import Scheme
 
 _DAMPENING_GROWTH = 10.0
 # Damping is a fraction of mean(diag H); at 10 GPTQ is close to RTN, and a Hessian that still fails is not
@@ -67,7 +68,7 @@ class GPTQResult:
 def gptq(
     w: torch.Tensor,
     H: torch.Tensor,
-    spec: QuantSpec,
+    spec: Scheme,
     scale_dtype: torch.dtype,
     *,
     dampening: float = 0.01,
@@ -262,7 +263,7 @@ def _blocks(n_in: int, group_size: int, block_size: int) -> list[tuple[int, int]
     return list(zip(starts, starts[1:] + [n_in], strict=True))
 
 
-def _quantize_columns(W, U, spec: QuantSpec, scale_dtype: torch.dtype, block_size: int, static):
+def _quantize_columns(W, U, spec: Scheme, scale_dtype: torch.dtype, block_size: int, static):
     """GPTQ's column loop on ``W [B, O, I]`` (processing order) with ``U [B, I, I]``. ``static``: per-column
     grids ``(scale, zero) [B, O, I]`` fixed in advance, or None to fit each group's grid when the group starts.
     -> codes ``[B, O, I]``, when fitted here ``scale, zero [B, O, G]``, and ``diverged [B]`` (NaN/Inf in the
@@ -306,12 +307,12 @@ def _quantize_columns(W, U, spec: QuantSpec, scale_dtype: torch.dtype, block_siz
     return qt.transpose(1, 2).contiguous(), scale, zero, ~all_finite(Wt)
 
 
-def _column_block(spec: QuantSpec, scale_dtype, starts: tuple[int, ...], W1, U1, s_static=None, z_static=None):
+def _column_block(spec: Scheme, scale_dtype, starts: tuple[int, ...], W1, U1, s_static=None, z_static=None):
     """One block of GPTQ columns, in place on ``W1 [B, w, O]`` (transposed), ``U1 [B, w, w]``. Grids are fitted at
     the block offsets ``starts`` (dynamic) or read from ``s_static/z_static [B, w, O]``.
     -> (W1, codes [B, w, O], errors [B, w, O], ([(offset, scale [B, O])], [zero [B, O]] or None))."""
     B, width, n_out = W1.shape
-    gs, column = spec.group_size, QuantSpec(spec.bits, 1, spec.symmetric)
+    gs, column = spec.group_size, Scheme(spec.bits, 1, spec.symmetric)
     q1 = torch.empty(B, width, n_out, dtype=torch.int8, device=W1.device)
     err = torch.empty(B, width, n_out, dtype=W1.dtype, device=W1.device)
     scales, zeros = [], None if spec.symmetric else []

@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from quant.algos.grid import QuantSpec, all_finite, fit_grid
+from quant.algos.grid import all_finite, fit_grid
 from quant.algos.triton_rounding import MANTISSA_DROP, interpreted, rint, round_bits
+from quant.scheme import Scheme
 
 BLOCK_COLUMNS = 128  # the widest block one launch handles (the tile's BW)
 ROWS_PER_PROGRAM = 32  # BO: tile rows of one program
@@ -90,7 +91,7 @@ def _block_kernel(w_ptr, u_ptr, q_ptr, e_ptr, s_ptr, z_ptr, g_ptr, i1, width, n_
 
 
 def column_block(Wt: torch.Tensor, U: torch.Tensor, qt: torch.Tensor, err: torch.Tensor, scale: torch.Tensor,
-                 zero: torch.Tensor, gidx: torch.Tensor | None, i1: int, i2: int, spec: QuantSpec,
+                 zero: torch.Tensor, gidx: torch.Tensor | None, i1: int, i2: int, spec: Scheme,
                  scale_dtype: torch.dtype) -> None:
     """GPTQ columns ``i1 .. i2 - 1`` in place on ``Wt [B, I, O]`` (fp32, contiguous rows), given ``U [B, I, I]``.
 
@@ -119,7 +120,7 @@ def column_block(Wt: torch.Tensor, U: torch.Tensor, qt: torch.Tensor, err: torch
     )
 
 
-def quantize_columns(W: torch.Tensor, U: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype, block_size: int,
+def quantize_columns(W: torch.Tensor, U: torch.Tensor, spec: Scheme, scale_dtype: torch.dtype, block_size: int,
                      grids: tuple[torch.Tensor, torch.Tensor | None] | None, perm: torch.Tensor | None):
     """GPTQ's column loop on ``W [B, O, I]`` (fp32, processing order) with ``U [B, I, I]``; the fused counterpart
     of ``gptq._quantize_columns``. ``grids``: static ``(scale, zero) [B, O, G]`` of the original column order,

@@ -15,24 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.scheme import Scheme
+
 _MIN_SCALE = 1e-10
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """``group_size`` is the effective group (already clamped to the input width, never -1)."""
-
-    bits: int
-    group_size: int
-    symmetric: bool = True
-
-    @property
-    def qmin(self) -> int:
-        return -(1 << (self.bits - 1))
-
-    @property
-    def qmax(self) -> int:
-        return (1 << (self.bits - 1)) - 1
 
 
 @dataclass
@@ -42,7 +27,7 @@ class QuantizedWeight:
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
-    spec: QuantSpec
+    spec: Scheme
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.q, self.scale, self.zero, self.spec.group_size)
@@ -74,7 +59,7 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.reshape(B, out, n_in // group_size, group_size)
 
 
-def fit_grid(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fit_grid(w: torch.Tensor, spec: Scheme, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Min/max grid per group of ``w [B, out, in]`` -> ``scale [B, out, G]`` (scale_dtype), ``zero`` or None."""
     assert w.ndim == 3, f"expected [B, out, in], got {tuple(w.shape)}"
     g = _grouped(w.float(), spec.group_size)
@@ -95,7 +80,7 @@ def _to_scale_dtype(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tens
     return scale.clamp_min(_MIN_SCALE).to(scale_dtype).clamp_min(torch.finfo(scale_dtype).tiny)
 
 
-def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
+def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: Scheme) -> torch.Tensor:
     """Codes of ``w [B, out, in]`` on the given grid (round half to even, clamped), as int8."""
     g = _grouped(w.float(), spec.group_size)
     x = g / scale.float().unsqueeze(-1)
@@ -113,7 +98,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
     return (g * scale.unsqueeze(-1)).reshape(q.shape)
 
 
-def quantize_weight(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype) -> QuantizedWeight:
+def quantize_weight(w: torch.Tensor, spec: Scheme, scale_dtype: torch.dtype) -> QuantizedWeight:
     """Round-to-nearest on a min/max grid: the baseline every other algorithm must beat."""
     scale, zero = fit_grid(w, spec, scale_dtype)
     return QuantizedWeight(quantize(w, scale, zero, spec), scale, zero, spec)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from quant.algos.grid import QuantizedWeight, QuantSpec, quantize_weight
+from quant.algos.grid import QuantizedWeight, quantize_weight
+from quant.scheme import Scheme
 
 
-def rtn(w: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype) -> QuantizedWeight:
+def rtn(w: torch.Tensor, spec: Scheme, scale_dtype: torch.dtype) -> QuantizedWeight:
     assert w.ndim == 3, f"expected [B, out, in], got {tuple(w.shape)}"
     return quantize_weight(w, spec, scale_dtype)

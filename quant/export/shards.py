@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from quant.algos.grid import QuantizedWeight, QuantSpec
+from quant.algos.grid import QuantizedWeight
 from quant.errors import CheckpointError, NumericalError
 from quant.io.direct_read import DTYPE_NAMES, TORCH_DTYPES
 from quant.models import ModelSource
@@ -30,6 +30,7 @@ from quant.models.source import layer_of_key
 from quant.parallel.world import assign
 from quant.plan.bitplan import BitPlan
 from quant.quantize.qstore import layer_file, read_layer, read_layout, read_params
+from quant.scheme import Scheme
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def plan_tensors(source: ModelSource, plan: BitPlan, qdir: Path, module_tensors:
     return out
 
 
-def _probe(layout: tuple[QuantSpec, tuple], module_tensors: Callable) -> list[tuple[str, tuple[int, ...], str]]:
+def _probe(layout: tuple[Scheme, tuple], module_tensors: Callable) -> list[tuple[str, tuple[int, ...], str]]:
     """(part, shape, dtype) of what ``module_tensors`` makes of a stored module of this layout (a zero module)."""
     spec, parts = layout
     q, scale, zero = (None if p is None else torch.zeros(p[0], dtype=TORCH_DTYPES[p[1]]) for p in parts)

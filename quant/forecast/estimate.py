@@ -57,7 +57,8 @@ from quant.plan.summary import summarize
 from quant.profile.damage_memory import place
 from quant.profile.layer_damage import pass_carry, pass_cost, pass_samples, working_streams
 from quant.profile.profile import RoutingProfile
-from quant.recipe import Recipe, parse_scheme
+from quant.recipe import Recipe
+from quant.scheme import Scheme
 
 GB = 1e9
 HOST_BASE = 3 * GB  # python, torch, CUDA host state
@@ -307,8 +308,8 @@ def plan_for(recipe: Recipe, source: ModelSource) -> tuple[BitPlan, RoutingProfi
     profile = synthetic_profile(source)
     if recipe.profile.layer_sensitivity is not None:  # same damage in every layer, less with more bits / smaller groups
         profile = dataclasses.replace(profile, layer_damage={
-            s: torch.full((len(profile.layers),), 4.0 ** -b * g / 128, dtype=torch.float64)
-            for s, (b, g) in ((s, parse_scheme(s)) for s in recipe.profile.layer_sensitivity.schemes)})
+            s: torch.full((len(profile.layers),), 4.0 ** -p.bits * p.group_size / 128, dtype=torch.float64)
+            for s, p in ((s, Scheme.parse(s)) for s in recipe.profile.layer_sensitivity.schemes)})
     return plan_bits(profile, source.modules, recipe.plan, source.n_layers,
                      recipe.export.formats), profile
 

@@ -13,11 +13,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from quant.algos.grid import QuantSpec
 from quant.errors import RunDirError
 from quant.models import ModelSource
 from quant.plan.bitplan import BitPlan
 from quant.quantize.qstore import packs
+from quant.scheme import Scheme
 
 MARGIN_BYTES = 1 << 20  # configs, manifests, reports
 HEADER_BYTES = 256  # per stored tensor: its name, dtype, shape and offsets in a safetensors header
@@ -59,7 +59,7 @@ def store_module_bytes(n_in: int, n_out: int, p, scale_bytes: int = 2) -> int:
     """One module's bytes in the quantized store (``p``: its ModulePlan): codes (qstore.packs: two a byte), scales,
     zero points, safetensors header entries."""
     G, zero = _groups(n_in, p.group_size), 0 if p.symmetric else 1
-    codes = n_out * n_in // 2 if packs(QuantSpec(p.bits, p.group_size, p.symmetric), n_in) else n_out * n_in
+    codes = n_out * n_in // 2 if packs(Scheme(p.bits, p.group_size, p.symmetric), n_in) else n_out * n_in
     return codes + n_out * G * (scale_bytes + zero) + (2 + zero) * HEADER_BYTES
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from quant.algos.grid import QuantSpec, shared_group_size
+from quant.algos.grid import shared_group_size
 from quant.errors import PlanError
 from quant.models import ModuleInfo
 from quant.models.names import block_name, parse
@@ -26,6 +26,7 @@ from quant.plan.expert_policy import top_mask
 from quant.plan.policies import policy
 from quant.profile.profile import RoutingProfile
 from quant.recipe import PlanSpec
+from quant.scheme import Scheme
 
 # 2: the headline is a typed field (1 carried it as a JSON string in ``notes``); 3: no algorithm (the recipe's)
 SCHEMA_VERSION = 3
@@ -46,10 +47,10 @@ class ModulePlan:
         return self.bits is None
 
     @property
-    def spec(self) -> QuantSpec:
-        """The quantization grid of a quantized module (``algos`` and the engine speak in these)."""
-        assert self.bits is not None, "a kept module has no quantization spec"
-        return QuantSpec(self.bits, self.group_size, self.symmetric)
+    def scheme(self) -> Scheme:
+        """The scheme of a quantized module (``algos``, the engine and the export writers speak in these)."""
+        assert self.bits is not None, "a kept module has no scheme"
+        return Scheme(self.bits, self.group_size, self.symmetric)
 
 
 def _by_bits(d: dict[Any, float]) -> dict[int, float]:
@@ -120,9 +121,9 @@ class BitPlan:
     def quantized(self) -> dict[str, ModulePlan]:
         return {n: p for n, p in self.modules.items() if not p.keep}
 
-    def quantized_specs(self) -> dict[str, QuantSpec]:
-        """Canonical name -> spec of every quantized module, in plan order: what the engine quantizes."""
-        return {n: p.spec for n, p in self.quantized().items()}
+    def quantized_schemes(self) -> dict[str, Scheme]:
+        """Canonical name -> scheme of every quantized module, in plan order: what the engine quantizes."""
+        return {n: p.scheme for n, p in self.quantized().items()}
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
@@ -248,10 +249,11 @@ def plan_bits(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: Pla
         if rule is not None:
             bits, reason = rule
         elif m.kind == "expert" and m.layer in pinned:
-            bits, group_size = pinned[m.layer]
+            bits, group_size = pinned[m.layer].bits, pinned[m.layer].group_size
             reason = f"plan.layer_schemes:w{bits}g{group_size}"
         elif layer_groups is not None:
-            (bits, group_size), role = layer_groups[m.layer].of(m.expert)
+            scheme, role = layer_groups[m.layer].of(m.expert)
+            bits, group_size = scheme.bits, scheme.group_size
             reason = f"{spec.policy}:{role + ':' if role else ''}w{bits}g{group_size}"
         elif high[profile.row(m.layer), m.expert]:
             bits, reason = spec.high_bits, f"{spec.policy}:high"

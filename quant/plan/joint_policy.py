@@ -48,7 +48,8 @@ from quant.plan.layer_policy import (
     storage_per_expert,
 )
 from quant.profile.profile import RoutingProfile
-from quant.recipe import PlanSpec, parse_scheme
+from quant.recipe import PlanSpec
+from quant.scheme import Scheme
 
 HOT_STEPS = 32  # hot-group sizes on offer per layer: at most this many, in equal steps of experts
 
@@ -146,8 +147,8 @@ def joint(profile: RoutingProfile, modules: dict[str, ModuleInfo], spec: PlanSpe
     """MoE layer -> its expert scheme groups (at most two): least summed predicted damage within the budget."""
     damage_by_scheme = needs_damage(profile, "joint")
     names = candidate_schemes(damage_by_scheme, spec)
-    parsed = [parse_scheme(n) for n in names]
-    cost = torch.stack([storage_per_expert(modules, profile, b, g) for b, g in parsed], dim=2)  # [L, E, K]
+    parsed = [Scheme.parse(n) for n in names]
+    cost = torch.stack([storage_per_expert(modules, profile, s.bits, s.group_size) for s in parsed], dim=2)  # [L, E, K]
     damage = torch.stack([damage_by_scheme[n] for n in names], dim=1)  # [L, K]
     weight = expert_weights(profile, spec.split_by)
     order = torch.sort(weight, dim=1, descending=True, stable=True).indices  # ties: the lower expert index first

@@ -28,11 +28,11 @@ from quant.algos.grid import effective_group_size, shared_group_size
 from quant.errors import PlanError
 from quant.models import ModuleInfo
 from quant.profile.profile import RoutingProfile
-from quant.recipe import PlanSpec, parse_scheme
+from quant.recipe import PlanSpec
+from quant.scheme import Scheme
 
 SCALE_BITS = 16  # one bf16/fp16 scale per group
 GRID = 100_000
-Scheme = tuple[int, int]  # (bits, requested group size), symmetric
 
 
 @dataclass(frozen=True)
@@ -114,13 +114,14 @@ def candidate_schemes(measured: dict[str, torch.Tensor], spec: PlanSpec) -> list
     """Measured schemes the plan may use: bits in {low, high}, group in {group_size} + layer_group_sizes; the two
     base schemes first (cheapest first), so ties go to them."""
     groups = (spec.group_size, *spec.layer_group_sizes)
-    ok = [n for n in measured if parse_scheme(n)[0] in (spec.low_bits, spec.high_bits) and parse_scheme(n)[1] in groups]
-    base = [f"w{b}g{spec.group_size}" for b in sorted({spec.low_bits, spec.high_bits})]
+    ok = [n for n in measured
+          if Scheme.parse(n).bits in (spec.low_bits, spec.high_bits) and Scheme.parse(n).group_size in groups]
+    base = [Scheme(b, spec.group_size).label for b in sorted({spec.low_bits, spec.high_bits})]
     lacking = [b for b in base if b not in ok]
     if lacking:
         raise PlanError(f"the profile's layer damage lacks {', '.join(lacking)}; add it to "
                         f"profile.layer_sensitivity.schemes and re-run `quant profile`")
-    return base + sorted((n for n in ok if n not in base), key=lambda n: parse_scheme(n))
+    return base + sorted((n for n in ok if n not in base), key=Scheme.parse)
 
 
 def storage_per_expert(modules: dict[str, ModuleInfo], profile: RoutingProfile, bits: float, group: int) -> torch.Tensor:
@@ -160,8 +161,8 @@ def layer_sensitivity(profile: RoutingProfile, modules: dict[str, ModuleInfo], s
     """MoE layer -> the one (bits, group size) of its experts: least summed damage within the storage budget."""
     damage_by_scheme = needs_damage(profile, "layer_sensitivity")
     names = candidate_schemes(damage_by_scheme, spec)
-    parsed = [parse_scheme(n) for n in names]
-    costs = torch.stack([layer_storage(modules, profile, b, g) for b, g in parsed], dim=1)
+    parsed = [Scheme.parse(n) for n in names]
+    costs = torch.stack([layer_storage(modules, profile, s.bits, s.group_size) for s in parsed], dim=1)
     damage = torch.stack([damage_by_scheme[n] for n in names], dim=1)
     picks = choose_schemes(costs, damage, budget_bits(modules, profile, spec))
     return {layer: LayerGroups(parsed[picks[row]]) for row, layer in enumerate(profile.layers)}

@@ -32,6 +32,7 @@ from quant.models.families import STANDARD_EXPERT_GATE_NAMES, STANDARD_PROJ_NAME
 from quant.models.names import block_name, parse
 from quant.plan.bitplan import BitPlan
 from quant.plan.policies import policy
+from quant.scheme import Scheme
 
 RUNTIMES = ("any", "vllm", "vllm-quant", "sglang", "transformers", "gptqmodel")
 # the runtimes each checkpoint is checked against, in the order its model card names them (export's served_by)
@@ -128,7 +129,7 @@ def moe_width_problem(runtime: str, bits: int, group: int, symmetric: bool, hidd
     channel = group == hidden
     divides = channel or (hidden % group == 0 and intermediate % group == 0)
     if runtime == PLUGIN:
-        from quant.serve.layout import Scheme, check_servable
+        from quant.serve.layout import check_servable
 
         return check_servable(Scheme(bits, group, symmetric), hidden, intermediate)
     if runtime == "sglang":

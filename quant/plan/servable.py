@@ -25,7 +25,7 @@ from quant.plan.bitplan import BitPlan
 from quant.plan.layer_policy import choose_schemes, layer_storage, storage_bits
 from quant.plan.runtimes import moe_width_problem, problems_for
 from quant.profile.profile import RoutingProfile
-from quant.recipe import parse_scheme
+from quant.scheme import Scheme
 
 SERVING_RUNTIMES = ("vllm", "sglang")
 RUNTIME_TITLES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -46,8 +46,8 @@ def _expert_scheme(plan: BitPlan, source: ModelSource, layer: int, expert: int, 
         return "keep"
     widths = {in_f for _, in_f in projs}
     for name in measured:
-        bits, group = parse_scheme(name)
-        if all(not p.keep and p.symmetric and p.bits == bits and p.group_size == shared_group_size(group, widths)
+        s = Scheme.parse(name)
+        if all(not p.keep and p.symmetric and p.bits == s.bits and p.group_size == shared_group_size(s.group_size, widths)
                for p, _ in projs):
             return name
     return None
@@ -67,7 +67,7 @@ def predicted_kl(plan: BitPlan, source: ModelSource, profile: RoutingProfile) ->
     if damage is None:
         return None
     share = _expert_weights(profile)
-    measured = sorted(damage, key=parse_scheme)
+    measured = sorted(damage, key=Scheme.parse)
     total = 0.0
     for row, layer in enumerate(profile.layers):
         for e in range(profile.n_experts):
@@ -98,11 +98,11 @@ def servers(source: ModelSource, profile: RoutingProfile, names: list[str]) -> d
     """Runtime of ``SERVING_RUNTIMES`` -> ``[L][K]`` whether its fused-MoE kernels take measured scheme ``names[k]``
     (symmetric, the group shared by the layer's projections) at layer l's widths (``runtimes.moe_width_problem``);
     only runtimes that take some scheme in every layer."""
-    widths, schemes = _layer_widths(source, profile.layers), [parse_scheme(n) for n in names]
+    widths, schemes = _layer_widths(source, profile.layers), [Scheme.parse(n) for n in names]
     out = {}
     for rt in SERVING_RUNTIMES:
-        takes = [[moe_width_problem(rt, b, shared_group_size(g, {hidden, inter}), True, hidden, inter) is None
-                  for b, g in schemes] for hidden, inter in widths]
+        takes = [[moe_width_problem(rt, s.bits, shared_group_size(s.group_size, {hidden, inter}), True, hidden, inter)
+                  is None for s in schemes] for hidden, inter in widths]
         if all(any(row) for row in takes):
             out[rt] = takes
     return out
@@ -120,13 +120,13 @@ def best_servable(plan: BitPlan, source: ModelSource, profile: RoutingProfile) -
     or without such a plan."""
     if profile.layer_damage is None:
         return None
-    names = sorted((n for n in profile.layer_damage if parse_scheme(n)[0] in SERVED_BITS), key=parse_scheme)
+    names = sorted((n for n in profile.layer_damage if Scheme.parse(n).bits in SERVED_BITS), key=Scheme.parse)
     takes = servers(source, profile, names) if names else {}
     if not takes:
         return None
     allowed = torch.tensor([[all(t[r][k] for t in takes.values()) for k in range(len(names))]
                             for r in range(len(profile.layers))])
-    layer_bits = torch.stack([layer_storage(source.modules, profile, *parse_scheme(n)) for n in names], dim=1)
+    layer_bits = torch.stack([layer_storage(source.modules, profile, Scheme.parse(n).bits, Scheme.parse(n).group_size) for n in names], dim=1)
     damage = torch.stack([profile.layer_damage[n] for n in names], dim=1).double().masked_fill(~allowed, math.inf)
     budget, numel = expert_storage(plan, source)
     if layer_bits.masked_fill(~allowed, math.inf).min(dim=1).values.sum().item() > budget:

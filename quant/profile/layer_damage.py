@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quant.algos.grid import QuantSpec, quantize_weight, shared_group_size
+from quant.algos.grid import quantize_weight, shared_group_size
 from quant.errors import NumericalError, RecipeError
 from quant.layerwise import Layerwise, free_gpu_bytes, transfer
 from quant.models import ModelSource
@@ -68,7 +68,7 @@ from quant.profile.damage_memory import (
     plan_memory,
 )
 from quant.progress import step
-from quant.recipe import parse_scheme
+from quant.scheme import Scheme
 
 log = logging.getLogger(__name__)
 STAGE = "layer damage"
@@ -153,7 +153,7 @@ def measure_layer_damage(source: ModelSource, tokens: torch.Tensor, lw: Layerwis
                          method: str = "bounded", carry: int = 1, draws: int = 1, seed: int = 0) -> LayerDamage:
     """``tokens [N, S]`` -> each scheme's damage per MoE layer (module docstring). ``carry``: decoder layers a branch
     runs past its own (bounded); ``draws``: label draws for the gradients (bounded); ``seed``: their generator."""
-    parsed = {name: parse_scheme(name) for name in schemes}
+    parsed = {name: Scheme.parse(name) for name in schemes}
     if method == "exact":
         damage, forwards = _exact(source, tokens, lw, parsed)
     elif method == "bounded":
@@ -183,11 +183,12 @@ def moe_layer(lw: Layerwise, idx: int, ahead: int | None = None
                 compute.remove()
 
 
-def at_scheme(compute: ExpertsCompute, bits: int, group: int) -> Transform:
-    """Round-to-nearest at ``bits`` (symmetric), one group size for the layer's projections (as the plan resolves
-    it), in the pass's dtype."""
+def at_scheme(compute: ExpertsCompute, scheme: Scheme) -> Transform:
+    """Round-to-nearest at ``scheme``, one group size for the layer's projections (as the plan resolves it from the
+    scheme's), in the pass's dtype."""
     view = compute.view
-    spec = QuantSpec(bits, shared_group_size(group, (view.gate_up.shape[2], view.down.shape[2])))
+    spec = Scheme(scheme.bits, shared_group_size(scheme.group_size, (view.gate_up.shape[2], view.down.shape[2])),
+                  scheme.symmetric)
     return lambda w: quantize_weight(w, spec, w.dtype).dequantize()
 
 
@@ -199,7 +200,7 @@ def _progress(lw: Layerwise, done: int, total: int, what: str, idx: int) -> None
 
 
 def _exact(source: ModelSource, tokens: torch.Tensor, lw: Layerwise,
-           parsed: dict[str, tuple[int, int]]) -> tuple[dict[str, torch.Tensor], int]:
+           parsed: dict[str, Scheme]) -> tuple[dict[str, torch.Tensor], int]:
     clean = lw.embed(tokens)
     moe = source.moe_layers()
     store = _store(lw, clean, 1 + len(parsed) * len(moe))
@@ -212,8 +213,8 @@ def _exact(source: ModelSource, tokens: torch.Tensor, lw: Layerwise,
             for b in branches:
                 lw.forward(layer, b.hidden, out=b.hidden)
             if compute is not None:
-                for name, (bits, group) in parsed.items():
-                    compute.transform = at_scheme(compute, bits, group)
+                for name, scheme in parsed.items():
+                    compute.transform = at_scheme(compute, scheme)
                     out = torch.empty(clean.shape, dtype=clean.dtype, device=store)
                     branches.append(_Branch(moe.index(idx), name, idx, source.n_layers - 1,
                                             lw.forward(layer, clean, out=out)))
@@ -282,7 +283,7 @@ def _branch_layers(moe: list[int], n_layers: int, n_schemes: int, carry: int) ->
     return out
 
 
-def _bounded(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, parsed: dict[str, tuple[int, int]],
+def _bounded(source: ModelSource, tokens: torch.Tensor, lw: Layerwise, parsed: dict[str, Scheme],
              carry: int, draws: int, seed: int) -> tuple[dict[str, torch.Tensor], int]:
     L, moe = source.n_layers, source.moe_layers()
     carry = pass_carry(carry, L)
@@ -428,7 +429,7 @@ def _value(lw: Layerwise, b: _Branch, idx: int, clean_out: torch.Tensor, g: torc
 
 
 def _walk_back(source: ModelSource, lw: Layerwise, batches: FittingBatches, inputs: CleanInputs,
-               final: torch.Tensor, parsed: dict[str, tuple[int, int]], carry: int, draws: int, seed: int,
+               final: torch.Tensor, parsed: dict[str, Scheme], carry: int, draws: int, seed: int,
                memory: PassMemory, done: int, total: int) -> tuple[list[_Branch], int]:
     """From the last layer down to the first MoE layer, one weight read each: at layer ``idx`` (the ``carry`` layers
     above it still on the device, experts clean) each scheme's branch runs ``idx`` with its experts round-to-nearest
@@ -464,8 +465,8 @@ def _walk_back(source: ModelSource, lw: Layerwise, batches: FittingBatches, inpu
                     hooks.callback(setattr, compute, "transform", None)  # the layer runs clean once its branches are made
                     if shortcut is not None:
                         hooks.callback(shortcut.stop_recording)
-                    for k, (name, (bits, group)) in enumerate(parsed.items()):
-                        compute.transform = at_scheme(compute, bits, group)
+                    for k, (name, scheme) in enumerate(parsed.items()):
+                        compute.transform = at_scheme(compute, scheme)
                         b = _Branch(moe.index(idx), name, idx, min(idx + carry, L - 1), None)
                         out = empty_stream(clean_in.shape, clean_in.dtype, memory.working, memory.pinned)
                         if k == 0 or shortcut is None or not shortcut.ok:
@@ -555,7 +556,7 @@ def _law(points: list[tuple[float, float]]) -> tuple[float, float] | None:
 
 
 def _estimate(branches: list[_Branch], moe: list[int], L: int,
-              parsed: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+              parsed: dict[str, Scheme]) -> dict[str, torch.Tensor]:
     """Each branch's damage: its exact KL when it ran the last layer, else its Fisher form where it stopped plus, for
     each later MoE layer, that layer's flip law at the branch's size there."""
     laws: dict[int, tuple[float, float]] = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
+from quant.algos.grid import effective_group_size, quantize_weight
 from quant.calibration import CalibrationSet
 from quant.diag.hostsync import on_device
 from quant.errors import ModelError
@@ -36,6 +36,7 @@ from quant.quantize.routing import (
     sort_by_expert,
     with_zero_row,
 )
+from quant.scheme import Scheme
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
@@ -364,7 +365,7 @@ def grouped_mm_ok(view: ExpertsView, dtype: torch.dtype) -> bool:
 
 def _rtn_probe(w: torch.Tensor) -> torch.Tensor:
     """``w [E, out, in]`` round-to-nearest at the probe's precision, dequantized, in ``w``'s dtype."""
-    spec = QuantSpec(SENSITIVITY_BITS, effective_group_size(SENSITIVITY_GROUP, w.shape[2]))
+    spec = Scheme(SENSITIVITY_BITS, effective_group_size(SENSITIVITY_GROUP, w.shape[2]))
     out = torch.empty_like(w)
     step = max(1, PROBE_CHUNK_BYTES // (4 * w[0].numel()))
     for i in range(0, w.shape[0], step):

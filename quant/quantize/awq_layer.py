@@ -27,7 +27,7 @@ import logging
 import torch
 
 from quant.algos.awq import AWQExtra, awq_search, pick_scales, quantize_scaled, smoothing_grid, trial_errors
-from quant.algos.grid import QuantizedWeight, QuantSpec, quantize_weight
+from quant.algos.grid import QuantizedWeight, quantize_weight
 from quant.diag.hostsync import on_device
 from quant.layerwise import Layerwise
 from quant.models.layers import smoothing_sites
@@ -36,6 +36,7 @@ from quant.parallel.relay import Relay
 from quant.quantize.budgets import search_bytes, sub_batches
 from quant.quantize.hessians import ExpertStats, LinearStats, close_linear_stats, linear_stats
 from quant.quantize.layer_job import LayerJob
+from quant.scheme import Scheme
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def rows_from_hessian(H: torch.Tensor) -> torch.Tensor:
     return L.transpose(1, 2)
 
 
-def _search(w: torch.Tensor, H: torch.Tensor, means: torch.Tensor, spec: QuantSpec, job: LayerJob):
+def _search(w: torch.Tensor, H: torch.Tensor, means: torch.Tensor, spec: Scheme, job: LayerJob):
     """Per-element search (one s per batch element) of ``w [B, O, I]`` given ``H [B, I, I]``."""
     x = rows_from_hessian(H)
     mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
@@ -207,7 +208,7 @@ def _smooth_linears(job: LayerJob, names: list[str], lin_stats: dict[str, Linear
     specs = {job.modules[n] for n in names}
     if len(specs) > 1 or any(n not in lin_stats for n in names):
         return torch.ones(mods[0].in_features, device=mods[0].weight.device)
-    spec: QuantSpec = specs.pop()
+    spec: Scheme = specs.pop()
     w = torch.cat([m.weight.data for m in mods], dim=0)[None]
     bounds = [0]
     for m in mods:

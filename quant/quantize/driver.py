@@ -1,6 +1,6 @@
 """Quantize a model layer by layer: statistics -> algorithm -> codes written, weights replaced, inputs propagated.
 
-The plan arrives as canonical module name -> ``QuantSpec`` and an algorithm name (``run.stages`` converts the
+The plan arrives as canonical module name -> ``Scheme`` and an algorithm name (``run.stages`` converts the
 plan). For each decoder layer: load it (layerwise); let the algorithm (``quantize.algorithms``) drive a ``LayerJob``
 over it: calibration passes whose hooks accumulate the statistics it needs (``quantize.gptq_layer``,
 ``quantize.awq_layer``), then every planned module quantized — experts of one projection and one spec as a single
@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quant.algos.grid import QuantSpec
 from quant.calibration import CalibrationSet
 from quant.errors import QuantError
 from quant.layerwise import Layerwise
@@ -51,11 +50,12 @@ from quant.quantize.qstore import (
 )
 from quant.quantize.results import LayerReport
 from quant.recipe import QuantizeSpec
+from quant.scheme import Scheme
 
 log = logging.getLogger(__name__)
 
 
-def quantize_model(source: ModelSource, calib: CalibrationSet, modules: Mapping[str, QuantSpec], algorithm_name: str,
+def quantize_model(source: ModelSource, calib: CalibrationSet, modules: Mapping[str, Scheme], algorithm_name: str,
                    spec: QuantizeSpec, lw: Layerwise, out_dir: Path) -> list[LayerReport]:
     """Quantize the planned modules (``modules``: canonical name -> spec, in the plan's order) with the algorithm
     ``algorithm_name`` into ``out_dir``, one file a layer (existing complete layer files are reused). In a world of

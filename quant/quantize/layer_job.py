@@ -14,7 +14,6 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from quant.algos.grid import QuantSpec
 from quant.diag.hostsync import on_device
 from quant.models import ModelSource
 from quant.models.layers import ExpertsView, experts_of, layer_weights, linears_of
@@ -25,17 +24,18 @@ from quant.quantize.rank_split import LinearGroup, expert_load, my_linear_groups
 from quant.quantize.results import LayerResults, Rows
 from quant.quantize.solvers import Solver, solve_rtn
 from quant.recipe import QuantizeSpec
+from quant.scheme import Scheme
 
 
 class LayerJob:
     """Quantizes the planned modules (``modules``: canonical name -> spec, of any layer) of decoder layer ``idx``,
     materialized as ``layer``, with ``solver``; this rank's share in ``world``."""
 
-    def __init__(self, source: ModelSource, idx: int, layer: nn.Module, modules: Mapping[str, QuantSpec],
+    def __init__(self, source: ModelSource, idx: int, layer: nn.Module, modules: Mapping[str, Scheme],
                  spec: QuantizeSpec, world: World, solver: Solver):
         self.source, self.idx, self.layer, self.spec, self.world, self.solver = source, idx, layer, spec, world, solver
         prefix = f"layers.{idx}."
-        self.modules: dict[str, QuantSpec] = {n: s for n, s in modules.items() if n.startswith(prefix)}
+        self.modules: dict[str, Scheme] = {n: s for n, s in modules.items() if n.startswith(prefix)}
         self.linears: dict[str, nn.Linear] = {n: m for n, m in linears_of(source, layer, idx).items()
                                               if n in self.modules}
         self.view: ExpertsView | None = experts_of(source, layer, idx)
@@ -43,7 +43,7 @@ class LayerJob:
         n_experts = self.view.n_experts if self.has_experts() else 0
         self.ranges: list[range] = even_ranges(n_experts, world.size)  # each rank's experts
 
-    def experts_planned(self) -> dict[str, QuantSpec]:
+    def experts_planned(self) -> dict[str, Scheme]:
         return {n: s for n, s in self.modules.items() if ".experts." in n}
 
     def has_experts(self) -> bool:
@@ -64,7 +64,7 @@ class LayerJob:
         """Whether ``quantize.statistics`` asks for partial sums added over ranks (``budgets.reduce_asked``)."""
         return reduce_asked(self.spec.statistics, self.world.size, self.world.backend)
 
-    def solve(self, w: torch.Tensor, H: torch.Tensor | None, spec: QuantSpec, rows: Rows,
+    def solve(self, w: torch.Tensor, H: torch.Tensor | None, spec: Scheme, rows: Rows,
               solver: Solver | None = None) -> torch.Tensor:
         """Quantize a ``[B, out, in]`` batch whose element ``b`` holds the modules ``rows[b]`` (name, row slice):
         GPTQ treats rows independently given H, so modules sharing an input are solved as one problem.
@@ -132,7 +132,7 @@ class LayerJob:
                 local = None if H is None or fallback else H[on_device([e - first for e in sub], H.device)]
                 self._solve_experts(proj, weights, local, spec, sub, fallback, I)
 
-    def _solve_experts(self, proj: str, weights: torch.Tensor, H: torch.Tensor | None, spec: QuantSpec,
+    def _solve_experts(self, proj: str, weights: torch.Tensor, H: torch.Tensor | None, spec: Scheme,
                        experts: list[int], fallback: bool, I: int) -> None:
         """``H`` is already indexed to ``experts`` (None for RTN or the token-floor fallback)."""
         splits = [("gate", slice(0, I)), ("up", slice(I, 2 * I))] if proj == "gate_up" else [(proj, slice(None))]

@@ -22,9 +22,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from quant.algos.grid import QuantizedWeight, QuantSpec
+from quant.algos.grid import QuantizedWeight
 from quant.io.rundir import atomic_write_text
 from quant.io.storage import file_sha256
+from quant.scheme import Scheme
 
 
 def layer_file(root: Path, layer: int | None) -> Path:
@@ -62,18 +63,18 @@ def remove_layer(path: Path) -> None:
 PARAM_PREFIX = "__param__."
 
 
-def packs(spec: QuantSpec, n_in: int) -> bool:
+def packs(spec: Scheme, n_in: int) -> bool:
     """Whether the store keeps this module's codes two a byte."""
     return spec.bits <= 4 and n_in % 2 == 0
 
 
-def pack_codes(q: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+def pack_codes(q: torch.Tensor, spec: Scheme) -> torch.Tensor:
     """int8 codes ``[..., in]`` (``in`` even) -> ``uint8 [..., in / 2]``, on ``q``'s device."""
     u = (q - spec.qmin).view(torch.uint8)  # codes of <= 4 bits: -qmin <= 8, no int8 overflow
     return u[..., 0::2] | (u[..., 1::2] << 4)
 
 
-def unpack_codes(p: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+def unpack_codes(p: torch.Tensor, spec: Scheme) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: int8 ``[..., 2 * p.shape[-1]]``."""
     u = torch.stack((p & 15, p >> 4), dim=-1).reshape(*p.shape[:-1], -1)
     return u.view(torch.int8) + spec.qmin
@@ -114,7 +115,7 @@ def stored_tensors(weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tenso
 
 def write_layer(path: Path, weights: dict[str, QuantizedWeight], params: dict[str, torch.Tensor] | None = None,
                 report: dict | None = None, tensors: dict[str, torch.Tensor] | None = None,
-                specs: dict[str, QuantSpec] | None = None) -> None:
+                specs: dict[str, Scheme] | None = None) -> None:
     """Write 2-D quantized modules (``q [out, in]``) atomically, plus ``params``: kept tensors the algorithm
     changed (AWQ folds 1/s into norms and routers), by the layer's in-memory parameter name, and ``report``: the
     layer's quantization report (errors, fallbacks, times), so a resumed run reports what was measured.
@@ -145,14 +146,14 @@ def read_layer(path: Path, device: str | torch.device = "cpu", names=None,
             if names is not None and name not in names:
                 continue
             zero = f.get_tensor(f"{name}.zero") if not sym else None
-            spec = QuantSpec(bits, group, sym)
+            spec = Scheme(bits, group, sym)
             q = f.get_tensor(f"{name}.q")
             out[name] = QuantizedWeight(unpack_codes(q, spec) if q.dtype == torch.uint8 and not packed else q,
                                         f.get_tensor(f"{name}.scale"), zero, spec)
     return out
 
 
-def read_layout(path: Path) -> dict[str, tuple[QuantSpec, tuple]]:
+def read_layout(path: Path) -> dict[str, tuple[Scheme, tuple]]:
     """Per stored module, from the file's header alone (no tensor is read): its spec and the ``(shape, dtype)`` of
     its codes (as :func:`read_layer` returns them: int8 ``[out, in]``, also when stored packed), scale and zero point
     (None when symmetric), dtypes as safetensors names them (``I8``, ``BF16``)."""
@@ -169,7 +170,7 @@ def read_layout(path: Path) -> dict[str, tuple[QuantSpec, tuple]]:
                 if part == "q" and dtype == "U8":  # packed: report the codes readers return
                     shape, dtype = (shape[0], 2 * shape[1]), "I8"
                 parts.append((shape, dtype))
-            out[name] = (QuantSpec(bits, group, sym), tuple(parts))
+            out[name] = (Scheme(bits, group, sym), tuple(parts))
     return out
 
 

@@ -15,15 +15,16 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from quant.algos.grid import QuantizedWeight, QuantSpec
+from quant.algos.grid import QuantizedWeight
 from quant.models.layers import ExpertsView
 from quant.parallel.world import World, assign
 from quant.quantize.budgets import sub_batches
 from quant.quantize.qstore import dequantize_2d
 from quant.quantize.results import LayerReport, LayerResults
+from quant.scheme import Scheme
 
 # a solve group: (spec, the shared input's Hessian or None, the names of the linears solved together)
-LinearGroup = tuple[QuantSpec, torch.Tensor | None, list[str]]
+LinearGroup = tuple[Scheme, torch.Tensor | None, list[str]]
 
 
 def solve_cost(n_out: int, n_in: int, batch: float = 1.0) -> float:
@@ -52,7 +53,7 @@ def my_linear_groups(groups: list[LinearGroup], linears: Mapping[str, nn.Linear]
     return [g for g, r in zip(groups, owner, strict=True) if r == world.rank]
 
 
-def share_results(results: LayerResults, modules: Mapping[str, QuantSpec], weights: Mapping[str, torch.Tensor],
+def share_results(results: LayerResults, modules: Mapping[str, Scheme], weights: Mapping[str, torch.Tensor],
                   world: World) -> None:
     """Every rank's codes on every rank (a world of several ranks): other ranks' planned ``modules`` go into
     ``results`` and, dequantized, into the layer's ``weights`` (canonical name -> the tensor the layer computes

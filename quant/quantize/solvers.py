@@ -12,25 +12,26 @@ from typing import Protocol
 
 import torch
 
-from quant.algos.grid import QuantizedWeight, QuantSpec
+from quant.algos.grid import QuantizedWeight
 from quant.algos.rtn import rtn
 from quant.recipe import QuantizeSpec
+from quant.scheme import Scheme
 
 Solved = tuple[QuantizedWeight, list[tuple[int, str]], torch.Tensor | None]
 
 
 class Solver(Protocol):
-    def __call__(self, w: torch.Tensor, H: torch.Tensor | None, spec: QuantSpec, scale_dtype: torch.dtype,
+    def __call__(self, w: torch.Tensor, H: torch.Tensor | None, spec: Scheme, scale_dtype: torch.dtype,
                  q: QuantizeSpec) -> Solved: ...
 
 
-def solve_rtn(w: torch.Tensor, H: torch.Tensor | None, spec: QuantSpec, scale_dtype: torch.dtype,
+def solve_rtn(w: torch.Tensor, H: torch.Tensor | None, spec: Scheme, scale_dtype: torch.dtype,
               q: QuantizeSpec) -> Solved:
     """Round to nearest (``H`` unused)."""
     return rtn(w, spec, scale_dtype), [], None
 
 
-def solve_gptq(w: torch.Tensor, H: torch.Tensor | None, spec: QuantSpec, scale_dtype: torch.dtype,
+def solve_gptq(w: torch.Tensor, H: torch.Tensor | None, spec: Scheme, scale_dtype: torch.dtype,
                q: QuantizeSpec) -> Solved:
     """GPTQ given ``H``, with the recipe's dampening, block size and act order."""
     from quant.algos.gptq import gptq

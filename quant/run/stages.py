@@ -209,7 +209,7 @@ def run_quantize(recipe: Recipe, source: ModelSource, run_dir: Path, world: Worl
     plan = BitPlan.load(run_dir / "plan.json")
     partial = world.on_writer(lambda: _partial_dir(recipe, run_dir, plan))
     # the engine's vocabulary: each quantized module's grid (the plan's), and the algorithm's name (the recipe's)
-    reports = quantize_model(source, load_calibration(run_dir), plan.quantized_specs(), recipe.quantize.algorithm,
+    reports = quantize_model(source, load_calibration(run_dir), plan.quantized_schemes(), recipe.quantize.algorithm,
                              recipe.quantize, _layerwise(recipe, source, recipe.quantize.batch_size, world), partial)
     world.on_writer(lambda: _publish_partial(partial, run_dir / "quantized"))
     return {"layers": len(reports), "rtn_fallbacks": sum(len(r.rtn_fallbacks) for r in reports),

@@ -24,25 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.scheme import Scheme
+
 KINDS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 SHARDS = {"w1": "gate", "w3": "up", "w2": "down"}
-
-
-@dataclass(frozen=True, order=True)
-class Scheme:
-    """One expert's weight scheme: integer bits, group size along the input, symmetric or with zero points."""
-
-    bits: int
-    group_size: int
-    symmetric: bool = True
-
-    @property
-    def pack_factor(self) -> int:
-        return 32 // self.bits
-
-    @property
-    def label(self) -> str:
-        return f"w{self.bits}g{self.group_size}{'' if self.symmetric else 'a'}"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.serve.layout import Scheme
+from quant.scheme import Scheme
 from quant.serve.moe_routing import group_rows
 from quant.serve.nibbles import servable as nibble_servable
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.serve.layout import Scheme
+from quant.scheme import Scheme
 from quant.serve.moe_routing import MoeOps, block_size_m
 
 KINDS = ("weight_packed", "weight_scale", "weight_zero_point")

@@ -49,10 +49,10 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_workspace_new
 from vllm.scalar_type import scalar_types
 
+from quant.scheme import Scheme
 from quant.serve.layout import (
     KINDS,
     ExpertGroup,
-    Scheme,
     check_servable,
     expert_groups,
     place,

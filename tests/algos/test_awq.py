@@ -7,11 +7,12 @@ import torch
 
 import quant.algos.awq as awq_module
 from quant.algos.awq import AWQExtra, AWQResult, awq_search
-from quant.algos.grid import QuantSpec, quantize_weight
+from quant.algos.grid import quantize_weight
 from quant.errors import NumericalError
+from quant.scheme import Scheme
 
 B, C, N_OUT, N_IN = 4, 96, 48, 256
-SPEC = QuantSpec(4, 64, symmetric=True)
+SPEC = Scheme(4, 64, symmetric=True)
 
 
 def outlier_activations(B: int = B, C: int = C, n_in: int = N_IN, seed: int = 0) -> torch.Tensor:
@@ -41,7 +42,7 @@ def full_mask(B: int = B, C: int = C) -> torch.Tensor:
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_beats_rtn_per_expert_on_outlier_channels(symmetric: bool) -> None:
-    spec = QuantSpec(4, 64, symmetric)
+    spec = Scheme(4, 64, symmetric)
     w, x, mask = weights(), outlier_activations(), full_mask()
     result = awq_search(w, x, mask, spec, torch.bfloat16)
     assert isinstance(result, AWQResult) and result.scales.shape == (B, N_IN)
@@ -134,7 +135,7 @@ def test_extra_weights_share_the_scale() -> None:
     w, x, mask = weights(), outlier_activations(), full_mask()
     x[:, :, :3] *= 30
     shared_w = weights(1, 64, N_IN, seed=9)
-    extra = AWQExtra(shared_w, x.reshape(1, B * C, N_IN), mask.reshape(1, B * C), QuantSpec(8, 64, False))
+    extra = AWQExtra(shared_w, x.reshape(1, B * C, N_IN), mask.reshape(1, B * C), Scheme(8, 64, False))
     result = awq_search(w, x, mask, SPEC, torch.bfloat16, share_across_batch=True, extra=extra)
     s = result.scales
     assert torch.equal(result.extra_weight.q, quantize_weight(shared_w * s, extra.spec, torch.bfloat16).q)
@@ -215,10 +216,10 @@ def _device() -> torch.device:
 
 
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("spec", [QuantSpec(4, 64, True), QuantSpec(4, 32, False), QuantSpec(8, 64, False),
-                                  QuantSpec(4, 48, False)], ids=["w4-sym-g64", "w4-asym-g32", "w8-asym", "g48"])
+@pytest.mark.parametrize("spec", [Scheme(4, 64, True), Scheme(4, 32, False), Scheme(8, 64, False),
+                                  Scheme(4, 48, False)], ids=["w4-sym-g64", "w4-asym-g32", "w8-asym", "g48"])
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fused_trial_deltas_equal_the_torch_quantizer(shared: bool, spec: QuantSpec, scale_dtype) -> None:
+def test_fused_trial_deltas_equal_the_torch_quantizer(shared: bool, spec: Scheme, scale_dtype) -> None:
     """The kernel's ``[Δ_hi | Δ_lo | Δ_hi]`` with ``Δ = Q(W·s)/s − W`` equals the same thing from
     ``grid.quantize_weight`` (the shipped quantizer) and torch casts: bit for bit in the interpreter. On a GPU,
     where torch divides by a Python constant through its reciprocal (scale = max / 7.5), an fp32 scale can differ

@@ -7,8 +7,9 @@ import torch
 
 from quant.algos import grid
 from quant.algos.gptq import GPTQResult, gptq, hessian_error
-from quant.algos.grid import QuantSpec, dequantize, fit_grid, quantize, quantize_weight
+from quant.algos.grid import dequantize, fit_grid, quantize, quantize_weight
 from quant.errors import NumericalError
+from quant.scheme import Scheme
 
 N_OUT, N_IN = 32, 192  # N_IN = 192: two lazy blocks at block_size 128; groups 32/64/192
 
@@ -36,7 +37,7 @@ def random_weights(B: int, n_out: int = N_OUT, n_in: int = N_IN, seed: int = 1) 
     return torch.randn(B, n_out, n_in, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
-def reference_gptq(w: torch.Tensor, H: torch.Tensor, spec: QuantSpec, scale_dtype: torch.dtype,
+def reference_gptq(w: torch.Tensor, H: torch.Tensor, spec: Scheme, scale_dtype: torch.dtype,
                    dampening: float = 0.01, act_order: bool = False,
                    static_groups: bool = False) -> grid.QuantizedWeight:
     """Algorithm 1 of the GPTQ paper for one matrix ``w [O, I]``, ``H [I, I]``: column by column, every error
@@ -71,7 +72,7 @@ def reference_gptq(w: torch.Tensor, H: torch.Tensor, spec: QuantSpec, scale_dtyp
                     zero[:, j // gs] = z_fit[0, :, 0]
             s, z = scale[:, j // gs], None if zero is None else zero[:, j // gs]
         s3, z3 = s[None, :, None], None if z is None else z[None, :, None]
-        qj = quantize(W[None, :, j : j + 1], s3, z3, QuantSpec(spec.bits, 1, spec.symmetric))
+        qj = quantize(W[None, :, j : j + 1], s3, z3, Scheme(spec.bits, 1, spec.symmetric))
         wq = dequantize(qj, s3, z3, 1).float()[0, :, 0]
         err = (W[:, j] - wq) / U[j, j]
         W[:, j:] -= err[:, None] * U[j, j:][None, :]
@@ -93,7 +94,7 @@ def row_errors(w: torch.Tensor, w_hat: torch.Tensor, H: torch.Tensor) -> torch.T
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_batched_matches_reference(B: int, grids: str, group_size: int, bits: int, symmetric: bool) -> None:
-    spec = QuantSpec(bits, grid.effective_group_size(group_size, N_IN), symmetric)
+    spec = Scheme(bits, grid.effective_group_size(group_size, N_IN), symmetric)
     w, H = random_weights(B), correlated_hessians(B, N_IN)
     options = {"act_order": grids == "act_order", "static_groups": grids == "static"}
     block_size = 48 if B == 5 else 128  # 48 is not a multiple of 32 and does not divide 64 or 192
@@ -121,7 +122,7 @@ def test_batched_matches_reference(B: int, grids: str, group_size: int, bits: in
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_gptq_beats_rtn_on_every_element(act_order: bool, symmetric: bool) -> None:
-    B, spec = 4, QuantSpec(4, 64, symmetric)
+    B, spec = 4, Scheme(4, 64, symmetric)
     w, H = random_weights(B, seed=3), correlated_hessians(B, N_IN, seed=4)
     result = gptq(w, H, spec, torch.bfloat16, act_order=act_order)
     rtn_loss = hessian_error(w, quantize_weight(w, spec, torch.bfloat16).dequantize(), H)
@@ -132,7 +133,7 @@ def test_gptq_beats_rtn_on_every_element(act_order: bool, symmetric: bool) -> No
 def test_mixed_bits_batches_stay_in_range() -> None:
     w, H = random_weights(6, seed=5), correlated_hessians(6, N_IN, seed=6)
     for (lo, hi), bits in [((0, 3), 4), ((3, 6), 8)]:
-        spec = QuantSpec(bits, 64, symmetric=False)
+        spec = Scheme(bits, 64, symmetric=False)
         q = gptq(w[lo:hi], H[lo:hi], spec, torch.bfloat16).weight
         assert q.q.dtype == torch.int8 and int(q.q.min()) >= spec.qmin and int(q.q.max()) <= spec.qmax
         assert int(q.zero.min()) >= spec.qmin and int(q.zero.max()) <= spec.qmax
@@ -142,7 +143,7 @@ def test_mixed_bits_batches_stay_in_range() -> None:
 
 def test_grids_and_dtypes_follow_spec() -> None:
     w, H = random_weights(2).to(torch.bfloat16), correlated_hessians(2, N_IN)
-    res = gptq(w, H, QuantSpec(4, 64, symmetric=True), torch.float16)
+    res = gptq(w, H, Scheme(4, 64, symmetric=True), torch.float16)
     assert res.weight.scale.dtype == torch.float16 and res.weight.zero is None
     assert res.weight.dequantize().dtype == torch.float16 and res.loss.shape == (2,)
 
@@ -153,11 +154,11 @@ def test_non_pd_hessian_is_repaired_and_reported() -> None:
     vals, vecs = torch.linalg.eigh(H[1])
     vals[:4] = -0.05 * vals.mean()  # indefinite: 1% dampening cannot fix it, 10% can
     H[1] = vecs @ torch.diag(vals) @ vecs.T
-    result = gptq(w, H, QuantSpec(4, 64), torch.bfloat16)
+    result = gptq(w, H, Scheme(4, 64), torch.bfloat16)
     assert [b for b, _ in result.repairs] == [1]
     assert "not positive definite" in result.repairs[0][1] and "0.1 x mean" in result.repairs[0][1]
     assert torch.isfinite(result.loss).all()
-    clean = gptq(w[[0, 2]], H[[0, 2]], QuantSpec(4, 64), torch.bfloat16)
+    clean = gptq(w[[0, 2]], H[[0, 2]], Scheme(4, 64), torch.bfloat16)
     assert torch.equal(clean.weight.q, result.weight.q[[0, 2]])  # other elements untouched
 
 
@@ -165,7 +166,7 @@ def test_hopeless_hessian_raises() -> None:
     H = correlated_hessians(2, N_IN)
     H[0] = -H[0]
     with pytest.raises(NumericalError, match=r"batch index \[0\]"):
-        gptq(random_weights(2), H, QuantSpec(4, 64), torch.bfloat16)
+        gptq(random_weights(2), H, Scheme(4, 64), torch.bfloat16)
 
 
 def test_dead_inputs_and_unseen_expert() -> None:
@@ -173,11 +174,11 @@ def test_dead_inputs_and_unseen_expert() -> None:
     H[0, 5, :] = 0.0
     H[0, :, 5] = 0.0
     H[2] = 0.0  # an expert no calibration token reached
-    result = gptq(w, H, QuantSpec(4, 64), torch.bfloat16)
+    result = gptq(w, H, Scheme(4, 64), torch.bfloat16)
     reasons = dict(result.repairs)
     assert set(reasons) == {0, 2} and "1 dead input" in reasons[0] and "all zero" in reasons[2]
     assert (result.weight.q[0, :, 5] == 0).all()
-    rtn = quantize_weight(w[2:], QuantSpec(4, 64), torch.bfloat16)
+    rtn = quantize_weight(w[2:], Scheme(4, 64), torch.bfloat16)
     assert torch.equal(result.weight.q[2], rtn.q[0])  # unseen -> round-to-nearest, not zeros
 
 
@@ -205,8 +206,8 @@ def test_divergence_raises_or_is_left_to_the_caller(kernel, monkeypatch) -> None
     if kernel == "triton" and torch.cuda.is_available():  # elsewhere the kernel runs in Triton's interpreter
         w, H = w.cuda(), H.cuda()
     with pytest.raises(NumericalError, match=r"diverged .* at batch index \[1\]"):
-        gptq(w, H, QuantSpec(4, 64), torch.bfloat16, kernel=kernel)
-    res = gptq(w, H, QuantSpec(4, 64), torch.bfloat16, kernel=kernel, check_diverged=False)
+        gptq(w, H, Scheme(4, 64), torch.bfloat16, kernel=kernel)
+    res = gptq(w, H, Scheme(4, 64), torch.bfloat16, kernel=kernel, check_diverged=False)
     assert res.diverged.tolist() == [False, True, False]
 
 
@@ -220,7 +221,7 @@ def test_host_reads_per_solve(monkeypatch) -> None:
     H[0, 5, :] = H[0, :, 5] = 0.0  # a dead input: still one read
     for check, want in ((True, 2), (False, 1)):
         with HostSyncs() as s:
-            res = gptq(w, H, QuantSpec(4, 64), torch.bfloat16, check_diverged=check, with_loss=False)
+            res = gptq(w, H, Scheme(4, 64), torch.bfloat16, check_diverged=check, with_loss=False)
         assert s.total == want, s.sites
         assert [b for b, _ in res.repairs] == [0]
 
@@ -230,7 +231,7 @@ def test_nan_raises_naming_the_batch_index(where: str) -> None:
     w, H = random_weights(4), correlated_hessians(4, N_IN)
     (w if where == "weight" else H)[2, 3, 3] = float("nan")
     with pytest.raises(NumericalError, match=r"batch index \[2\]"):
-        gptq(w, H, QuantSpec(4, 64), torch.bfloat16)
+        gptq(w, H, Scheme(4, 64), torch.bfloat16)
 
 
 def test_no_python_loop_over_batch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,7 +248,7 @@ def test_no_python_loop_over_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     counts = []
     for B in (1, 6):
         calls["n"] = 0
-        gptq(random_weights(B), correlated_hessians(B, N_IN), QuantSpec(4, 64), torch.bfloat16)
+        gptq(random_weights(B), correlated_hessians(B, N_IN), Scheme(4, 64), torch.bfloat16)
         counts.append(calls["n"])
     assert counts[0] == counts[1] == N_IN
 
@@ -271,7 +272,7 @@ def test_parity_with_llmcompressor(symmetric: bool) -> None:
     from compressed_tensors.quantization import QuantizationArgs
     from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight as lc_quantize_weight
 
-    n_out, n_in, spec = 256, 512, QuantSpec(4, 64, symmetric)
+    n_out, n_in, spec = 256, 512, Scheme(4, 64, symmetric)
     w = random_weights(1, n_out, n_in, seed=7).to(torch.bfloat16)
     H = correlated_hessians(1, n_in, n_tokens=1024, seed=8)
     scale, zero = fit_grid(w, spec, torch.bfloat16)

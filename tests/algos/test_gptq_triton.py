@@ -12,7 +12,7 @@ import torch
 from quant.algos import grid
 from quant.algos.cholesky import lower_inverse_factor, upper_inverse_factor
 from quant.algos.gptq import gptq
-from quant.algos.grid import QuantSpec
+from quant.scheme import Scheme
 
 from .test_gptq import N_IN, N_OUT, correlated_hessians, random_weights, reference_gptq, row_errors
 
@@ -72,7 +72,7 @@ def test_triton_loop_in_interpreter_equals_torch_loop(bits, group_size, symmetri
     act-order (per-element column order) and both scale dtypes' rounding."""
     _interpreter()
     B = 2
-    spec = QuantSpec(bits, grid.effective_group_size(group_size, N_IN), symmetric)
+    spec = Scheme(bits, grid.effective_group_size(group_size, N_IN), symmetric)
     w, H = random_weights(B, seed=11).to(scale_dtype), correlated_hessians(B, N_IN, seed=12)
     options = {"act_order": grids == "act_order", "static_groups": grids == "static", "block_size": 48}
     ours = gptq(w, H, spec, scale_dtype, kernel="triton", **options)
@@ -88,7 +88,7 @@ def test_triton_loop_in_interpreter_equals_torch_loop(bits, group_size, symmetri
 def test_triton_loop_matches_reference_with_dead_inputs_and_unseen_expert() -> None:
     """Repairs happen before the kernel: a dead input column is zero, an expert without tokens is RTN."""
     _interpreter()
-    spec = QuantSpec(4, 64, symmetric=True)
+    spec = Scheme(4, 64, symmetric=True)
     w, H = random_weights(3, seed=13), correlated_hessians(3, N_IN, seed=14)
     H[0, 7, :] = H[0, :, 7] = 0.0
     H[2] = 0.0
@@ -115,7 +115,7 @@ def test_gpu_solves_match_the_reference(bits, group_size, symmetric, grids, scal
     update to a fused multiply-add, and cuBLAS/cuSOLVER reassociate the lazy updates and the factorization)."""
     pytest.importorskip("triton")
     B, n_out, n_in = 3, 256, 512
-    spec = QuantSpec(bits, grid.effective_group_size(group_size, n_in), symmetric)
+    spec = Scheme(bits, grid.effective_group_size(group_size, n_in), symmetric)
     w = random_weights(B, n_out, n_in, seed=21).to(scale_dtype)
     H = correlated_hessians(B, n_in, n_tokens=2048, seed=22)
     options = {"act_order": grids == "act_order", "static_groups": grids == "static"}

@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quant.algos.grid import (
-    QuantSpec,
-    dequantize,
-    effective_group_size,
-    fit_grid,
-    quantize,
-    quantize_weight,
-)
+from quant.algos.grid import dequantize, effective_group_size, fit_grid, quantize, quantize_weight
+from quant.scheme import Scheme
 
 B, N_OUT, N_IN = 3, 16, 256
 
@@ -27,13 +21,13 @@ def weights(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return w.to(dtype)
 
 
-def specs() -> list[QuantSpec]:
-    return [QuantSpec(bits, gs, sym) for bits in (2, 3, 4, 8) for gs in (32, 128, N_IN) for sym in (True, False)]
+def specs() -> list[Scheme]:
+    return [Scheme(bits, gs, sym) for bits in (2, 3, 4, 8) for gs in (32, 128, N_IN) for sym in (True, False)]
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spec", specs(), ids=str)
-def test_round_trip_error_is_at_most_half_a_step(spec: QuantSpec, scale_dtype: torch.dtype) -> None:
+def test_round_trip_error_is_at_most_half_a_step(spec: Scheme, scale_dtype: torch.dtype) -> None:
     w = weights()
     qw = quantize_weight(w, spec, scale_dtype)
     G = N_IN // spec.group_size
@@ -62,19 +56,19 @@ def test_round_trip_error_is_at_most_half_a_step(spec: QuantSpec, scale_dtype: t
 def test_fp16_scales_never_underflow_to_zero(symmetric: bool) -> None:
     w = torch.zeros(1, 2, 32)
     w[0, 1] = torch.linspace(-1e-6, 1e-6, 32)
-    scale, _ = fit_grid(w, QuantSpec(8, 32, symmetric), torch.float16)
+    scale, _ = fit_grid(w, Scheme(8, 32, symmetric), torch.float16)
     assert (scale > 0).all()
 
 
 def test_codes_are_optimal_for_the_shipped_scale() -> None:
     """Scales are rounded to bf16 before codes are chosen: requantizing the dequantized weight is a fixpoint."""
-    spec = QuantSpec(4, 32, symmetric=False)
+    spec = Scheme(4, 32, symmetric=False)
     qw = quantize_weight(weights(1), spec, torch.bfloat16)
     assert torch.equal(quantize(qw.dequantize().float(), qw.scale, qw.zero, spec), qw.q)
 
 
 def test_per_channel_group() -> None:
-    spec = QuantSpec(4, effective_group_size(-1, N_IN), symmetric=True)
+    spec = Scheme(4, effective_group_size(-1, N_IN), symmetric=True)
     assert spec.group_size == N_IN and effective_group_size(4096, N_IN) == N_IN
     qw = quantize_weight(weights(), spec, torch.bfloat16)
     assert qw.scale.shape == (B, N_OUT, 1)
@@ -84,8 +78,8 @@ def test_per_channel_group() -> None:
 
 def test_input_dtype_does_not_matter_beyond_its_values() -> None:
     w = weights(2, torch.bfloat16)
-    a = quantize_weight(w, QuantSpec(4, 64), torch.bfloat16)
-    b = quantize_weight(w.float(), QuantSpec(4, 64), torch.bfloat16)
+    a = quantize_weight(w, Scheme(4, 64), torch.bfloat16)
+    b = quantize_weight(w.float(), Scheme(4, 64), torch.bfloat16)
     assert torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
 
 
@@ -96,7 +90,7 @@ def test_matches_compressed_tensors_bit_for_bit(symmetric: bool, group_size: int
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle import forward as ct
 
-    spec = QuantSpec(4, group_size, symmetric)
+    spec = Scheme(4, group_size, symmetric)
     w = weights(3)
     scale, zero = fit_grid(w, spec, scale_dtype)
     q = quantize(w, scale, zero, spec)

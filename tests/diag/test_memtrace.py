@@ -37,11 +37,12 @@ def test_views_and_in_place_results_are_not_new_bytes_and_storage_lives_while_a_
 
 
 def test_peak_sites_are_the_quant_frames_that_allocated():
-    from quant.algos.grid import QuantSpec, quantize_weight
+    from quant.algos.grid import quantize_weight
+    from quant.scheme import Scheme
 
     w = torch.randn(2, 256, 512)
     with LiveBytes(step=1) as m:
-        q = quantize_weight(w, QuantSpec(4, 128, True), torch.float32)
+        q = quantize_weight(w, Scheme(4, 128, True), torch.float32)
     sites = dict(m.peak.sites)
     assert sites and all(s.startswith("grid.py:") for s in sites), sites
     assert m.peak.bytes >= q.q.nbytes + q.scale.nbytes

@@ -88,7 +88,7 @@ def store(tmp_path_factory):
     prof = profile_routing(src, calib, Layerwise(src, "bfloat16", "cpu", 8, world=World()))
     plan = plan_bits(prof, src.modules, PlanSpec(group_size=32, low_bits=2, high_bits=8, symmetric=False), src.n_layers, ("compressed-tensors", "gptq"))
     qdir = tmp_path_factory.mktemp("store") / "quantized"
-    quantize_model(src, calib, plan.quantized_specs(), "awq", QuantizeSpec(algorithm="awq"),
+    quantize_model(src, calib, plan.quantized_schemes(), "awq", QuantizeSpec(algorithm="awq"),
                    Layerwise(src, "bfloat16", "cpu", 8, World()), qdir)
     return src, plan, qdir
 

@@ -26,9 +26,9 @@ def test_the_forecast_takes_the_engines_expert_passes(hessian_budget_gb):
     shape = layer_costs.layer_shapes(src, plan, work.dtype_bytes, src.top_k)[layer_idx]
     lw = Layerwise(src, "float32", "cpu", 2, world=World())
     with lw.layer(layer_idx) as layer:
-        job = LayerJob(src, layer_idx, layer, plan.quantized_specs(), recipe.quantize, World(), solve_gptq)
+        job = LayerJob(src, layer_idx, layer, plan.quantized_schemes(), recipe.quantize, World(), solve_gptq)
         engine_passes = [count for _, count in job.expert_chunks(range(job.view.n_experts))]
-        two_ranks = LayerJob(src, layer_idx, layer, plan.quantized_specs(), QuantizeSpec(
+        two_ranks = LayerJob(src, layer_idx, layer, plan.quantized_schemes(), QuantizeSpec(
             algorithm="gptq", hessian_budget_gb=hessian_budget_gb, statistics="reduce"), World(0, 2), solve_gptq)
         engine_reduced = ALGORITHMS["gptq"].reduces_statistics(two_ranks.reduce_asked(), two_ranks.expert_passes())
     assert layer_costs.expert_pass_sizes(shape, work) == engine_passes

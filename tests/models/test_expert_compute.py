@@ -5,13 +5,14 @@ fp32 copies, a weight transform equal to writing the transformed weights in, and
 import pytest
 import torch
 
-from quant.algos.grid import QuantSpec, quantize_weight
+from quant.algos.grid import quantize_weight
 from quant.layerwise import Layerwise
 from quant.models import expert_compute, resolve_model
 from quant.models.expert_compute import install
 from quant.models.experts import moe_block
 from quant.models.layers import experts_of
 from quant.parallel.world import World
+from quant.scheme import Scheme
 
 FAMILIES = ["builtin:qwen3-moe-tiny", "builtin:deepseek-v3-tiny", "builtin:mixtral-tiny", "builtin:olmoe-tiny"]
 
@@ -36,7 +37,7 @@ def _run_block(src, layer, idx, x, requires_grad=False):
 
 
 def _rtn(bits: int, group: int):
-    return lambda w: quantize_weight(w, QuantSpec(bits, group), w.dtype).dequantize()
+    return lambda w: quantize_weight(w, Scheme(bits, group), w.dtype).dequantize()
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -117,7 +117,7 @@ def test_quantize_writes_the_native_codes(sources, calib, profiles, algorithm, t
     stored = {}
     for name, src in (("pe", pe), ("nat", nat)):
         out = tmp_path / name
-        quantize_model(src, calib, plan.quantized_specs(), algorithm, QuantizeSpec(),
+        quantize_model(src, calib, plan.quantized_schemes(), algorithm, QuantizeSpec(),
                        Layerwise(src, "float32", "cpu", 4, World()), out)
         stored[name] = {n: q for i in range(src.n_layers) for n, q in read_layer(layer_file(out, i)).items()}
     a, b = stored["pe"], stored["nat"]
@@ -149,7 +149,7 @@ def test_awq_on_one_layer_matches_native(sources, calib, profiles):
         hidden = lw.embed(calib.tokens[:8])
         awq = ALGORITHMS["awq"]
         with lw.layer(0) as layer:
-            job = LayerJob(src, 0, layer, plan.quantized_specs(), QuantizeSpec(), World(), awq.solve)
+            job = LayerJob(src, 0, layer, plan.quantized_schemes(), QuantizeSpec(), World(), awq.solve)
             awq.run_layer(job, lw, hidden)
             out[name] = (job.results.params, job.results.codes)
     (p_pe, r_pe), (p_nat, r_nat) = out["pe"], out["nat"]

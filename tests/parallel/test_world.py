@@ -195,7 +195,7 @@ def _awq_split(world: World):
     hidden = lw.embed(calib.tokens)
     awq = ALGORITHMS["awq"]
     with lw.layer(0) as layer:
-        job = LayerJob(src, 0, layer, plan.quantized_specs(), QuantizeSpec(algorithm="awq"), world, awq.solve)
+        job = LayerJob(src, 0, layer, plan.quantized_schemes(), QuantizeSpec(algorithm="awq"), world, awq.solve)
         awq.run_layer(job, lw, hidden)
         experts = sorted({int(n.split(".")[3]) for n in job.results.codes if ".experts." in n})
         r = job.ranges[world.rank]

@@ -8,13 +8,14 @@ import re
 import pytest
 import torch
 
-from quant.algos.grid import QuantSpec, effective_group_size, quantize_weight
+from quant.algos.grid import effective_group_size, quantize_weight
 from quant.layerwise import Layerwise
 from quant.models import resolve_model
 from quant.models.layers import experts_of
 from quant.parallel.world import World
 from quant.profile.layer_damage import STAGE, measure_layer_damage, pass_cost, spread_rows
 from quant.progress import Step
+from quant.scheme import Scheme
 
 SCHEMES = ("w2g32", "w4g32", "w4g16", "w8g32")
 
@@ -32,7 +33,7 @@ def _reference_kl(source, tokens: torch.Tensor, layer: int, bits: int, group: in
         base = torch.log_softmax(model(tokens).logits.float(), dim=-1)
         view = experts_of(source, model.model.layers[layer], layer)
         for p in (view.gate_up, view.down):
-            spec = QuantSpec(bits, effective_group_size(group, p.shape[2]))
+            spec = Scheme(bits, effective_group_size(group, p.shape[2]))
             p.data.copy_(quantize_weight(p.data, spec, p.dtype).dequantize())
         quant = torch.log_softmax(model(tokens).logits.float(), dim=-1)
     return (base.exp() * (base - quant)).sum(-1).mean().item()

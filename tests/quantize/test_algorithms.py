@@ -7,7 +7,6 @@ from typing import get_args
 import pytest
 import torch
 
-from quant.algos.grid import QuantSpec
 from quant.algos.rtn import rtn
 from quant.errors import QuantError
 from quant.layerwise import Layerwise
@@ -19,7 +18,7 @@ from quant.quantize.budgets import search_bytes, solve_bytes
 from quant.quantize.layer_job import LayerJob
 from quant.quantize.solvers import solve_gptq, solve_rtn
 from quant.recipe import QuantizeSpec
-from tests.conftest import REPO
+from quant.scheme import Scheme
 
 
 def test_registry_holds_one_object_per_algorithm_with_its_statistics_and_solver():
@@ -59,7 +58,7 @@ def test_rtn_drives_a_layer_without_a_pass_and_records_plain_rounding():
     to nearest as ``algos.rtn`` rounds it, the layer's weights replaced by their dequantized codes."""
     src = resolve_model("builtin:qwen3-moe-tiny")
     lw = Layerwise(src, "float32", "cpu", 2, world=World())
-    spec = QuantSpec(4, 32, True)
+    spec = Scheme(4, 32, True)
     with lw.layer(0) as layer:
         originals = {n: w.clone() for n, w in layer_weights(src, layer, 0).items()}
         modules = {n: spec for n in originals}

@@ -56,7 +56,7 @@ class _Recorder:
 
 def _awq(setup, out, **qkw) -> dict:
     src, calib, plan = setup
-    quantize_model(src, calib, plan.quantized_specs(), "awq",
+    quantize_model(src, calib, plan.quantized_schemes(), "awq",
                    QuantizeSpec(algorithm="awq", min_tokens=40, **qkw),
                    Layerwise(src, "bfloat16", qkw.get("device", "cpu"), 4, World()), out)
     stored = {}

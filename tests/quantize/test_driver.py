@@ -31,7 +31,7 @@ def _quantize(setup, tmp_path, name, plan_spec=None, **qkw):
     plan = plan_bits(prof, src.modules, plan_spec or PlanSpec(group_size=32), src.n_layers)
     out = tmp_path / name
     device = qkw.get("device", "cpu")
-    reports = quantize_model(src, calib, plan.quantized_specs(), algorithm, QuantizeSpec(**qkw),
+    reports = quantize_model(src, calib, plan.quantized_schemes(), algorithm, QuantizeSpec(**qkw),
                              Layerwise(src, "bfloat16", device, 4, World()), out)
     return plan, out, reports
 
@@ -145,7 +145,7 @@ def test_resumed_layers_report_what_was_measured(setup, tmp_path):
     fallbacks and repairs, not zeros and empty names."""
     src, calib, prof = setup
     plan, out, first = _quantize(setup, tmp_path, "resume", min_tokens=10**6)
-    again = quantize_model(src, calib, plan.quantized_specs(), "gptq", QuantizeSpec(min_tokens=10**6),
+    again = quantize_model(src, calib, plan.quantized_schemes(), "gptq", QuantizeSpec(min_tokens=10**6),
                            Layerwise(src, "bfloat16", "cpu", 4, World()), out)
     assert all(r.resumed for r in again) and not any(r.resumed for r in first)
     for a, b in zip(first, again, strict=True):
@@ -168,7 +168,7 @@ def test_a_damaged_stored_layer_is_recomputed_not_reused(setup, tmp_path, caplog
     with open(second, "r+b") as f:
         f.truncate(second.stat().st_size - 100)
     with caplog.at_level("WARNING", logger="quant.quantize.driver"):
-        again = quantize_model(src, calib, plan.quantized_specs(), "gptq", QuantizeSpec(),
+        again = quantize_model(src, calib, plan.quantized_schemes(), "gptq", QuantizeSpec(),
                                Layerwise(src, "bfloat16", "cpu", 4, World()), out)
     assert [r.resumed for r in again] == [False, False] + [True] * (src.n_layers - 2)
     warnings = [r.getMessage() for r in caplog.records if "recomputing the layer" in r.getMessage()]
@@ -232,7 +232,7 @@ def test_statistics_passes_skip_the_routed_experts_and_change_nothing(model, alg
 
     def run(name):
         out = tmp_path / name
-        quantize_model(src, calib, plan.quantized_specs(), algorithm, QuantizeSpec(algorithm=algorithm, **budget),
+        quantize_model(src, calib, plan.quantized_schemes(), algorithm, QuantizeSpec(algorithm=algorithm, **budget),
                        Layerwise(src, "bfloat16", "cpu", 4, world=World()), out)
         return {**{f"{i}:{n}": (q.q, q.scale, q.zero) for i in range(src.n_layers)
                    for n, q in read_layer(layer_file(out, i)).items()},

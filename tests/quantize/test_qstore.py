@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quant.algos.grid import QuantSpec, quantize_weight
+from quant.algos.grid import quantize_weight
 from quant.quantize.qstore import LayerWriter, read_layer, read_params, write_layer
+from quant.scheme import Scheme
 
 
 def _results():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3, 16, 64, generator=g)
-    qw = quantize_weight(w, QuantSpec(4, 32, False), torch.bfloat16)
+    qw = quantize_weight(w, Scheme(4, 32, False), torch.bfloat16)
     return {f"layers.0.experts.{e}.up": type(qw)(qw.q[e], qw.scale[e], qw.zero[e], qw.spec) for e in range(3)}
 
 
@@ -47,7 +48,7 @@ def test_codes_of_up_to_4_bits_are_stored_two_a_byte_and_read_back_unchanged(tmp
 
     g = torch.Generator().manual_seed(bits)
     group = n_in if n_in % 32 else 32
-    qw = quantize_weight(torch.randn(2, 8, n_in, generator=g) * 3, QuantSpec(bits, group, symmetric), torch.bfloat16)
+    qw = quantize_weight(torch.randn(2, 8, n_in, generator=g) * 3, Scheme(bits, group, symmetric), torch.bfloat16)
     assert int(qw.q.min()) == qw.spec.qmin and int(qw.q.max()) == qw.spec.qmax  # both ends of the range occur
     results = {f"m{e}": type(qw)(qw.q[e], qw.scale[e], None if qw.zero is None else qw.zero[e], qw.spec)
                for e in range(2)}
@@ -100,7 +101,7 @@ def test_the_checkpoint_writers_take_the_stores_packed_codes_as_they_are(tmp_pat
 
     g = torch.Generator().manual_seed(bits + n_in)
     group = n_in if n_in % 32 else 32
-    qw = quantize_weight(torch.randn(1, 16, n_in, generator=g) * 3, QuantSpec(bits, group, symmetric), torch.bfloat16)
+    qw = quantize_weight(torch.randn(1, 16, n_in, generator=g) * 3, Scheme(bits, group, symmetric), torch.bfloat16)
     one = type(qw)(qw.q[0], qw.scale[0], None if qw.zero is None else qw.zero[0], qw.spec)
     write_layer(tmp_path / "l.safetensors", {"m": one})
     as_stored = read_layer(tmp_path / "l.safetensors", packed=True)["m"]

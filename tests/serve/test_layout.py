@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from quant.scheme import Scheme
 from quant.serve.layout import (
     ExpertGroup,
-    Scheme,
     check_servable,
     expert_groups,
     grouped_moe_reference,

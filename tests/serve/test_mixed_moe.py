@@ -4,7 +4,8 @@ forward on dequantized weights and against a dense per-token MoE."""
 import pytest
 import torch
 
-from quant.serve.layout import Scheme, expert_groups, grouped_moe_reference, stacked_shapes
+from quant.scheme import Scheme
+from quant.serve.layout import expert_groups, grouped_moe_reference, stacked_shapes
 from quant.serve.mixed_moe import (
     MixedLayer,
     Projection,

@@ -4,7 +4,8 @@ plain-torch kernels of the semantics vLLM's Marlin MoE ops have."""
 import pytest
 import torch
 
-from quant.serve.layout import Scheme, expert_groups, grouped_moe_reference
+from quant.scheme import Scheme
+from quant.serve.layout import expert_groups, grouped_moe_reference
 from quant.serve.moe_routing import (
     MoeOps,
     _split_blocks_triton,

@@ -4,8 +4,9 @@ weights, compressed-tensors' own dequantizer, and the grouped forward (plain-tor
 import pytest
 import torch
 
+from quant.scheme import Scheme
 from quant.serve import nibbles
-from quant.serve.layout import Scheme, expert_groups, grouped_moe_reference, stacked_shapes
+from quant.serve.layout import expert_groups, grouped_moe_reference, stacked_shapes
 from quant.serve.mixed_moe import dequantize as dequantize_sym
 from tests.serve.test_moe_routing import REF
 
