@@ -50,17 +50,19 @@ FUSED = (("attn", ("q", "k", "v")), ("attn", ("q_a", "kv_a_proj_with_mqa")), ("m
          ("shared", ("gate", "up")))
 
 
-def _scheme(plan: BitPlan, name: str) -> tuple:
+def _scheme(plan: BitPlan, name: str) -> Scheme | None:
+    """A module's scheme in the plan, None when it is kept."""
     p = plan.modules[name]
-    return ("keep",) if p.keep else (p.bits, p.group_size, p.symmetric)
+    return None if p.keep else p.scheme
 
 
-def _fmt(s: tuple) -> str:
-    return "bf16 (kept)" if s == ("keep",) else f"W{s[0]} g{s[1]} {'sym' if s[2] else 'asym'}"
+def _fmt(s: Scheme | None) -> str:
+    return "bf16 (kept)" if s is None else f"W{s.bits} g{s.group_size} {'sym' if s.symmetric else 'asym'}"
 
 
-def expert_schemes_by_layer(plan: BitPlan, source: ModelSource) -> dict[int, set[tuple]]:
-    out: dict[int, set[tuple]] = defaultdict(set)
+def expert_schemes_by_layer(plan: BitPlan, source: ModelSource) -> dict[int, set[Scheme | None]]:
+    """MoE layer -> the schemes its routed experts' projections carry (None: kept)."""
+    out: dict[int, set[Scheme | None]] = defaultdict(set)
     for name, m in source.modules.items():
         if m.kind == "expert":
             out[m.layer].add(_scheme(plan, name))
@@ -73,10 +75,10 @@ def _per_expert_hint(source: ModelSource) -> str:
     return ", or plan.target_runtime: gptqmodel with export.formats: [gptq] for per-expert bits"
 
 
-def _mix_hint(plan: BitPlan, source: ModelSource, layer: int, schemes: set[tuple]) -> str:
+def _mix_hint(plan: BitPlan, source: ModelSource, layer: int, schemes: set[Scheme | None]) -> str:
     """What to change when a layer's experts mix schemes: depends on what made them differ."""
-    if len({s[0::2] for s in schemes}) == 1:  # same bits and symmetry: only the group sizes differ
-        widths = ", ".join(sorted({str(s[1]) for s in schemes}, key=int))
+    if None not in schemes and len({(s.bits, s.symmetric) for s in schemes}) == 1:  # only the group sizes differ
+        widths = ", ".join(sorted({str(s.group_size) for s in schemes}, key=int))
         return (f"only their group sizes differ ({widths}: per-channel groups follow each projection's width); set "
                 f"plan.group_size to 32, 64 or 128")
     if policy(plan.policy).splits_layers:
@@ -165,7 +167,7 @@ def _moe_widths(plan: BitPlan, source: ModelSource, runtime: str, mixed: set[int
 
 
 def _fused_shards(plan: BitPlan, source: ModelSource, runtime: str) -> list[str]:
-    by_parent: dict[tuple, dict[str, tuple]] = defaultdict(dict)
+    by_parent: dict[tuple, dict[str, Scheme | None]] = defaultdict(dict)
     for name in source.modules:
         n = parse(name)
         if n.block is not None and n.expert is None:  # leaves of one block: attention, shared expert, dense MLP
@@ -188,7 +190,7 @@ def _transformers(plan: BitPlan, source: ModelSource, formats: tuple[str, ...]) 
             f"for the whole model, but the plan uses {', '.join(sorted(map(_fmt, schemes)))} (other experts would "
             f"load as garbage); use plan.policy: uniform, or serve with vllm (per_layer) / gptqmodel (per_expert)"
         )
-    if any(s != ("keep",) and not s[2] for s in schemes):
+    if any(s is not None and not s.symmetric for s in schemes):
         problems.append("transformers 5.x cannot load asymmetric (zero-point) experts; set plan.symmetric: true")
     if "gptq" in formats:
         problems.append(TRANSFORMERS_NO_GPTQ)
