@@ -9,6 +9,8 @@ activation and sum each, with an expert map that skips the other groups' experts
 symmetric W4/W8 groups (``quant.serve.mixed_moe``): the checkpoint's codes and scales stacked per group as they are
 (no repacking), one alignment, one Triton GEMM launch per projection for both groups, one activation and one sum
 (served right; on an H100 faster than the Marlin calls at one Qwen3-30B-A3B token only, so not the default).
+``QUANT_MOE_KERNEL=nibbles`` holds every expert in one asymmetric W4 Marlin stack, each W8 expert as two rows
+(``quant.serve.nibbles``), and runs one Marlin MoE call per projection (right on an H100; not faster, so opt-in).
 ``QUANT_MOE_ROUTING=shared`` runs one routing for all groups instead (``quant.serve.moe_routing``): the routed
 tokens aligned once, each group's Marlin GEMM launch skipping the other groups' blocks, one activation and one sum
 (checked on CPU against the grouped forward; not yet measured or served on a GPU, so it is not the default). With two or
