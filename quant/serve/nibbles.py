@@ -139,8 +139,8 @@ def nibble_stack(groups: Sequence, tensors: Sequence[dict], n_experts: int) -> t
            for side, ps in parts.items() for j, kind in enumerate(KINDS)}
     dev = out[("w13", "weight_packed")].device
     second = [at if r < 0 else r for r in second]
-    return scheme, out, NibbleRows(torch.tensor(first, dtype=torch.int32, device=dev),
-                                   torch.tensor(second, dtype=torch.int32, device=dev), at)
+    return scheme, out, NibbleRows(torch.tensor(first, dtype=torch.int32).to(dev),
+                                   torch.tensor(second, dtype=torch.int32).to(dev), at)  # once, at load
 
 
 def nibble_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, rows: NibbleRows, stack,
