@@ -45,7 +45,6 @@ def method(schemes, H: int, N: int, E: int, routing: str, overlap: bool, dev, se
     from quant.serve.vllm_mixed import (
         MarlinGroup,
         MixedExpertsMethod,
-        marlin_make_workspace_new,
         mixed_layer,
         nibble_layer,
         to_kernel_layout,
@@ -66,7 +65,6 @@ def method(schemes, H: int, N: int, E: int, routing: str, overlap: bool, dev, se
         m.mixed = mixed_layer([grp.group for grp in m.groups], [grp.tensors for grp in m.groups], E)
     elif kernel == "nibbles":
         m.nibbles = nibble_layer(m.groups, m.sizes, E)
-        m.workspace = marlin_make_workspace_new(dev, 4)
     else:
         for grp in m.groups:
             to_kernel_layout(grp, H, N, E)

@@ -29,6 +29,7 @@ import torch
 from quant.scheme import Scheme
 from quant.serve.moe_routing import group_rows
 from quant.serve.nibbles import servable as nibble_servable
+from quant.serve.nibbles import unpack
 
 MAX_GROUPS = 2
 
@@ -222,9 +223,6 @@ def _kernel():
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     """Slow reference: stacked codes ``[E_g, K / pf, Nout]`` and scales -> fp32 weights ``[E_g, Nout, K]``."""
-    pf, bits = scheme.pack_factor, scheme.bits
-    shifts = torch.arange(pf, dtype=torch.int32, device=codes.device) * bits
-    q = (codes.unsqueeze(2) >> shifts[None, None, :, None]) & ((1 << bits) - 1)  # [E_g, K / pf, pf, Nout]
-    q = q.flatten(1, 2).float() - (1 << (bits - 1))  # [E_g, K, Nout]
+    q = unpack(codes, scheme.bits).float() - (1 << (scheme.bits - 1))  # [E_g, K, Nout]
     s = scales.float().repeat_interleave(scheme.group_size, dim=1)
     return (q * s).transpose(1, 2).contiguous()

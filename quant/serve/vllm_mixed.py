@@ -192,15 +192,15 @@ class MixedExpertsMethod(FusedMoEMethodBase):
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
+        if self.kernel == "nibbles":
+            why = check_servable(stack_scheme([g.group.scheme for g in self.groups]), hidden_size,
+                                 intermediate_size_per_partition)
+            if why is not None:
+                raise ValueError(f"{QUANT_METHOD}: {self.prefix}: QUANT_MOE_KERNEL=nibbles: {why}")
         for g in self.groups:
             why = check_servable(g.group.scheme, hidden_size, intermediate_size_per_partition)
             if why is not None:
                 raise ValueError(f"{QUANT_METHOD}: {self.prefix}: {why}")
-            if self.kernel == "nibbles":
-                why = check_servable(stack_scheme([g.group.scheme for g in self.groups]), hidden_size,
-                                     intermediate_size_per_partition)
-                if why is not None:
-                    raise ValueError(f"{QUANT_METHOD}: {self.prefix}: QUANT_MOE_KERNEL=nibbles: {why}")
             for key, shape in stacked_shapes(g.group.scheme, len(g.group.experts), hidden_size,
                                              intermediate_size_per_partition).items():
                 dtype = params_dtype if key[1] == "weight_scale" else torch.int32
@@ -237,7 +237,6 @@ class MixedExpertsMethod(FusedMoEMethodBase):
                 g.tensors = {}
         elif self.kernel == "nibbles":
             self.nibbles = nibble_layer(self.groups, self.sizes, layer.global_num_experts)
-            self.workspace = marlin_make_workspace_new(self.nibbles[1].first.device, 4)
         else:
             for g in self.groups:
                 to_kernel_layout(g, self.sizes.hidden, self.sizes.intermediate, layer.global_num_experts)
@@ -247,8 +246,11 @@ class MixedExpertsMethod(FusedMoEMethodBase):
 
     def finish(self, n_experts: int) -> None:
         """The layer-wide state once every group is in the kernel layout: the routing table, the workspaces and
-        the side stream (Marlin groups; the mixed kernel and the nibble stack need none of them)."""
-        if self.mixed is not None or self.nibbles is not None:
+        the side stream (Marlin groups; the mixed kernel needs none of them, the nibble stack one workspace)."""
+        if self.mixed is not None:
+            return
+        if self.nibbles is not None:
+            self.workspace = marlin_make_workspace_new(self.nibbles[1].first.device, 4)
             return
         dev = self.groups[0].expert_map.device
         self.rows = group_rows([g.group for g in self.groups], n_experts, dev)
